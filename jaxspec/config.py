@@ -1,0 +1,168 @@
+"""User-facing configuration: what to speculate, how to sample, how to size the engine.
+
+All three are frozen, keyword-only dataclasses. They validate in ``__post_init__`` (a bad
+value raises ``ValueError`` naming the field before any device work) and are hashable, so
+the parts that shape compiled programs can be passed to ``jax.jit`` as static arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+Implementation = Literal["pallas", "xla"] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """Shape of one speculative step (SGLang's ``--speculative-*`` flags).
+
+    Attributes:
+      num_steps: S, the draft depth. The draft runs S-1 forwards per step (the first
+        level of candidates comes from the previous draft-extend).
+      topk: branching factor of the draft tree. ``topk == 1`` is a chain and takes a
+        static fast path with no top_k/sort/gather.
+      num_draft_tokens: n, tokens verified per step including the root (the last
+        verified token). Chains need ``n == S + 1``; trees need
+        ``n - 1 <= topk + (S - 1) * topk**2`` (the number of candidates drafted).
+    """
+
+    num_steps: int = 5
+    topk: int = 4
+    num_draft_tokens: int = 8
+
+    def __post_init__(self):
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SpecConfig.{name} must be a positive int, got {value!r}")
+        if self.num_draft_tokens < 2:
+            raise ValueError(
+                f"SpecConfig.num_draft_tokens must be >= 2 (root + at least one draft token), "
+                f"got {self.num_draft_tokens}"
+            )
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"SpecConfig: a chain (topk=1) verifies exactly num_steps + 1 tokens; got "
+                f"num_steps={self.num_steps}, num_draft_tokens={self.num_draft_tokens} "
+                f"(use num_draft_tokens={self.num_steps + 1})"
+            )
+        if self.num_draft_tokens - 1 > self.num_candidates:
+            raise ValueError(
+                f"SpecConfig: num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the "
+                f"{self.num_candidates} candidates drafted by topk={self.topk}, "
+                f"num_steps={self.num_steps} (topk + (num_steps - 1) * topk**2)"
+            )
+
+    @classmethod
+    def chain(cls, num_steps: int) -> "SpecConfig":
+        """A topk=1 chain of ``num_steps`` draft tokens."""
+        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1)
+
+    @property
+    def num_candidates(self) -> int:
+        """Draft candidates recorded over S steps: topk + (S - 1) * topk**2."""
+        return self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def max_accept(self) -> int:
+        """Most tokens one step can emit: S accepted drafts + 1 bonus token."""
+        return self.num_steps + 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick tokens for one request (or for every request of a call).
+
+    The target distribution is ``top_p(top_k(softmax(logits / temperature)))``;
+    ``temperature == 0`` is greedy.
+
+    Attributes:
+      temperature: 0 for greedy, else > 0.
+      top_k: keep the k most likely tokens; 0 disables.
+      top_p: keep the smallest prefix of the sorted distribution with mass >= top_p;
+        in (0, 1], 1 disables.
+      max_new_tokens: most tokens generated (stop token excluded).
+      stop_token_ids: tokens that end the request (not emitted). None: the model's eos ids.
+      seed: per-request PRNG seed; None derives one from ``generate(seed=...)`` and the
+        request's index.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"SamplingParams.temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
+            )
+        if self.stop_token_ids is not None:
+            ids = tuple(self.stop_token_ids)
+            if any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {ids!r}")
+            object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed must be a non-negative int or None, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Sizes of the serving engine.
+
+    Attributes:
+      page_size: KV slots per page (any positive int; 1, 16 and 64 are tested).
+      max_batch: most requests decoded together; the batch is padded to a power of two.
+      max_seq_len: most tokens of one request (prompt + generated).
+      num_pages: KV pages in each pool, page 0 included (reserved scratch). None sizes
+        the pool for ``max_batch`` requests of ``max_seq_len`` tokens.
+      steps_per_call: decode (or speculative) steps run on device per host round trip.
+      implementation: kernels to use: "pallas", "xla", or None (Pallas on GPU, XLA elsewhere).
+      min_prefill_bucket: smallest prefill length bucket (buckets double from here).
+    """
+
+    page_size: int = 16
+    max_batch: int = 32
+    max_seq_len: int = 4096
+    num_pages: int | None = None
+    steps_per_call: int = 8
+    implementation: Implementation = None
+    min_prefill_bucket: int = 16
+
+    def __post_init__(self):
+        for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ValueError(
+                f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"
+            )
+        if self.implementation not in ("pallas", "xla", None):
+            raise ValueError(
+                f"EngineConfig.implementation must be 'pallas', 'xla' or None, got {self.implementation!r}"
+            )
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)

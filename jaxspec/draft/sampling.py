@@ -1,0 +1,81 @@
+"""Per-row sampling distributions: ``top_p(top_k(softmax(logits / T)))``.
+
+Every row carries its own temperature / top_k / top_p (traced arrays), so one compiled
+program serves a batch of mixed requests. Rows with temperature 0 are greedy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def target_probs(
+    logits: jax.Array,  # f32[..., V]
+    temperature: jax.Array,  # f32[...]
+    top_k: jax.Array,  # i32[...] (0 = off)
+    top_p: jax.Array,  # f32[...] (1 = off)
+) -> jax.Array:  # f32[..., V]
+    """The sampling distribution of each row. Greedy rows (T = 0) get a one-hot argmax.
+
+    top_k keeps every token whose logit is >= the k-th largest (ties at the boundary are
+    kept); top_p then keeps, in descending-probability order, each token whose preceding
+    mass is < top_p, and renormalizes.
+    """
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    greedy = temperature <= 0.0
+    t = jnp.where(greedy, 1.0, temperature)[..., None]
+    scaled = logits / t
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]
+    scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    # top-p over the sorted probabilities of the top-k-filtered distribution.
+    sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each sorted token
+    keep_sorted = before < top_p[..., None]
+    # Threshold = smallest kept probability; keep every token at or above it.
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(probs >= threshold, probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(greedy[..., None], onehot, probs)
+
+
+def sample_categorical(
+    probs: jax.Array,  # f32[..., V]
+    keys: jax.Array,  # key[...] one PRNG key per row
+) -> jax.Array:  # i32[...]
+    """One draw per row by inverse CDF (exact; zero-probability tokens never drawn)."""
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1)).reshape(keys.shape)
+    return sample_with_uniform(probs, u)
+
+
+def sample_with_uniform(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF draw with given uniforms ``u`` in [0, 1): the first index whose cumulative
+    mass exceeds ``u * total``."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    total = cdf[..., -1:]
+    idx = jnp.sum(cdf <= u[..., None] * total, axis=-1)
+    # Never land on a zero-probability tail token because of rounding.
+    last_nonzero = probs.shape[-1] - 1 - jnp.argmax(probs[..., ::-1] > 0, axis=-1)
+    return jnp.minimum(idx, last_nonzero).astype(jnp.int32)
+
+
+def pick_tokens(
+    logits: jax.Array,  # f32[R, V]
+    temperature: jax.Array,  # f32[R]
+    top_k: jax.Array,  # i32[R]
+    top_p: jax.Array,  # f32[R]
+    keys: jax.Array,  # key[R]
+    greedy_only: bool,
+) -> jax.Array:  # i32[R]
+    """Next token per row: argmax for greedy rows, a draw from ``target_probs`` otherwise.
+    ``greedy_only`` (static) compiles the argmax alone."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy_tok
+    drawn = sample_categorical(target_probs(logits, temperature, top_k, top_p), keys)
+    return jnp.where(temperature <= 0.0, greedy_tok, drawn)

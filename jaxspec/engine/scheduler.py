@@ -1,0 +1,106 @@
+"""Host-side request bookkeeping: admission into batch rows, page grants, retirement.
+
+Admission reserves each request's worst-case page count (prompt + max_new_tokens + the
+step's lookahead), so a running request can never run out of KV mid-generation; pages are
+still granted lazily, a few steps ahead of use. Every granted page returns to the
+allocator when its request retires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import numpy as np
+
+from jaxspec.config import SamplingParams
+from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator
+from jaxspec.kvcache.paging import pages_needed
+
+
+@dataclasses.dataclass
+class Request:
+    index: int  # position in the caller's list
+    prompt: list[int]
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    key: np.ndarray  # u32[2] PRNG key data
+    worst_pages: int = 0
+    row: int | None = None
+    t_admit: float = 0.0
+    t_done: float = 0.0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    accept_lens: list[int] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    """Maps requests onto ``batch`` rows and owns the page table ``[batch, width]``."""
+
+    def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
+                 lookahead: int, step_growth: int):
+        self.page_size = page_size
+        self.lookahead = lookahead
+        self.step_growth = step_growth  # positions a decode call may advance a request
+        self.allocator = PageAllocator(num_pages)
+        self.page_table = np.zeros((batch, width), np.int32)
+        self.waiting: deque[Request] = deque(requests)
+        self.rows: list[Request | None] = [None] * batch
+        self.done: list[Request] = []
+        self.reserved = 0
+        for r in requests:
+            r.worst_pages = pages_needed(len(r.prompt) + r.sampling.max_new_tokens + lookahead, page_size)
+            if r.worst_pages > width:
+                raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
+            if r.worst_pages > self.allocator.capacity:
+                raise KVCacheExhausted(
+                    f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
+                    f"{page_size} slots but the pool has {self.allocator.capacity} "
+                    f"(raise EngineConfig.num_pages)"
+                )
+
+    @property
+    def finished(self) -> bool:
+        return not self.waiting and all(r is None for r in self.rows)
+
+    def admit(self) -> list[Request]:
+        """Moves waiting requests into free rows while their worst case fits in the pool."""
+        admitted = []
+        for row, occupant in enumerate(self.rows):
+            if occupant is not None or not self.waiting:
+                continue
+            req = self.waiting[0]
+            if self.reserved + req.worst_pages > self.allocator.capacity:
+                break
+            self.waiting.popleft()
+            self.reserved += req.worst_pages
+            req.row = row
+            req.t_admit = time.perf_counter()
+            self.rows[row] = req
+            self._grant(req, len(req.prompt) + 1)
+            admitted.append(req)
+        return admitted
+
+    def grant_ahead(self, seq_lens: np.ndarray) -> None:
+        """Before a decode call: pages for every position the next call may touch."""
+        for row, req in enumerate(self.rows):
+            if req is not None:
+                self._grant(req, int(seq_lens[row]) + self.step_growth)
+
+    def _grant(self, req: Request, num_positions: int) -> None:
+        target = min(req.worst_pages, pages_needed(num_positions + self.lookahead, self.page_size))
+        have = len(self.allocator.pages_of(req.index))
+        new = self.allocator.grow(req.index, target)
+        self.page_table[req.row, have:have + len(new)] = new
+
+    def retire(self, row: int, tokens: list[int], accept_lens: list[int]) -> Request:
+        req = self.rows[row]
+        req.tokens = tokens
+        req.accept_lens = accept_lens
+        req.t_done = time.perf_counter()
+        self.allocator.release(req.index)
+        self.reserved -= req.worst_pages
+        self.page_table[row] = 0
+        self.rows[row] = None
+        self.done.append(req)
+        return req

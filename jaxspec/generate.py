@@ -1,0 +1,286 @@
+"""``generate()``: validation, tokenization, batching, the host loop and statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxspec.config import EngineConfig, SamplingParams, SpecConfig
+from jaxspec.engine.programs import decode_program, prefill_program
+from jaxspec.engine.scheduler import Request, Scheduler
+from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.kvcache.paging import pages_needed
+from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.draft import DraftModel, check_draft_fits
+from jaxspec.model.loader import Model
+from jaxspec.model.target import create_target_pool
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """accept_lens: tokens emitted by each verify step (accepted drafts + 1);
+    mean_accept_len: their mean (1.0 for plain decoding); tokens_per_s: over the
+    request's time in the batch."""
+
+    num_tokens: int
+    accept_lens: list[int]
+    mean_accept_len: float
+    tokens_per_s: float
+    seconds: float
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    stats: list[RequestStats]
+    wall_seconds: float
+    kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
+    kv_pages_total: int = 0
+
+    @property
+    def mean_accept_len(self) -> float:
+        lens = [a for s in self.stats for a in s.accept_lens]
+        return float(np.mean(lens)) if lens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.num_tokens for s in self.stats) / max(self.wall_seconds, 1e-9)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _tokenize(target: Model, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of strings or a list of token-id lists")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if target.tokenizer is None:
+                raise ValueError(
+                    f"prompt {i} is a string but the target has no tokenizer (no tokenizer.json "
+                    f"next to its weights); pass token ids"
+                )
+            ids = target.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in np.asarray(p).reshape(-1)] if len(p) else []
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {target.config.vocab_size})"
+            )
+        out.append(ids)
+    return out
+
+
+def _sampling_list(sampling, n: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    sampling = list(sampling)
+    if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
+        raise ValueError(f"sampling must be a SamplingParams or a list of {n} SamplingParams")
+    return sampling
+
+
+def _request_keys(seed: int, sampling: list[SamplingParams]) -> np.ndarray:  # u32[N, 2]
+    base = jax.random.PRNGKey(seed)
+    keys = []
+    for i, s in enumerate(sampling):
+        k = jax.random.PRNGKey(s.seed) if s.seed is not None else jax.random.fold_in(base, i)
+        keys.append(np.asarray(jax.random.key_data(k)))
+    return np.stack(keys).astype(np.uint32)
+
+
+def generate(
+    target: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    draft: DraftModel | None = None,
+    spec: SpecConfig | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    engine: EngineConfig | None = None,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> GenerateOutput:
+    """Generates continuations for a batch of prompts, speculatively when a draft is given.
+
+    Args:
+      target: from ``load_model``.
+      prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, standalone); None for plain decoding
+        through the same engine.
+      spec: the speculative step shape; required with a draft.
+      sampling: one SamplingParams for every prompt or one per prompt.
+      engine: page size, batch and length limits, kernels.
+      seed: PRNG seed for requests whose SamplingParams has no seed.
+      progress: show a progress bar (None: only on a terminal).
+
+    Returns:
+      GenerateOutput with ``token_ids`` (stop token excluded), ``texts`` (when a tokenizer is
+      known) and per-request ``stats``, in input order.
+
+    Raises:
+      ValueError: a bad input (see ``jaxspec.config``), before any device work.
+    """
+    engine = engine or EngineConfig()
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
+    if draft is not None and spec is None:
+        raise ValueError("a draft was given without a SpecConfig: pass spec=jaxspec.SpecConfig(...)")
+    if spec is not None and draft is None:
+        raise ValueError("spec was given without a draft model")
+    if draft is not None:
+        if not isinstance(draft, DraftModel):
+            raise ValueError(f"draft must come from jaxspec.load_draft, got {type(draft).__name__}")
+        check_draft_fits(target, draft)
+    ids = _tokenize(target, prompts)
+    sampling = _sampling_list(sampling, len(ids))
+    plan = Plan(
+        target=target.config,
+        draft=None if draft is None else draft.config,
+        spec=spec,
+        page_size=engine.page_size,
+        steps_per_call=engine.steps_per_call,
+        greedy_only=all(s.is_greedy for s in sampling),
+        implementation=engine.implementation,
+    )
+    if draft is not None and not plan.greedy_only:
+        raise NotImplementedError("speculative decoding with temperature > 0 is not implemented yet")
+    window = getattr(target.config, "sliding_window", None)
+    for i, (p, s) in enumerate(zip(ids, sampling)):
+        total = len(p) + s.max_new_tokens
+        if total > engine.max_seq_len:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
+                f"max_seq_len {engine.max_seq_len}"
+            )
+        if window is not None and total > window:
+            raise ValueError(f"prompt {i} needs {total} positions; the model's sliding window is {window}")
+    stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
+    keys = _request_keys(seed, sampling)
+    requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
+
+    # Static buckets: batch rows, output width, stop-id slots, page-table width.
+    batch = next_pow2(min(len(ids), engine.max_batch))
+    out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
+    num_stop = next_pow2(max(1, max(len(st) for st in stops)))
+    longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
+    width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
+    num_pages = engine.num_pages or batch * width + 1
+    step_growth = engine.steps_per_call * plan.max_accept
+    sched = Scheduler(
+        requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
+        lookahead=plan.lookahead, step_growth=step_growth,
+    )
+    dtype = jnp.dtype(target.dtype)
+    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+    if draft is not None:
+        dcfg = draft.config
+        dpool = KVPool.create(
+            num_layers=dcfg.num_layers, num_pages=num_pages, page_size=engine.page_size,
+            num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim, dtype=dtype,
+        )
+        dparams = draft.params
+    else:
+        dpool = KVPool.create(num_layers=0, num_pages=1, page_size=engine.page_size, num_kv_heads=1, head_dim=1, dtype=dtype)
+        dparams = None
+    state = DecodeState.empty(
+        batch=batch, out_width=out_width, num_stop=num_stop, topk=plan.topk,
+        hidden_size=1 if draft is None else draft.config.hidden_size, hidden_dtype=dtype,
+    )
+
+    total_new = sum(s.max_new_tokens for s in sampling)
+    bar = tqdm(total=total_new, unit="tok", desc="generate", leave=False,
+               disable=None if progress is None else not progress)
+    t0 = time.perf_counter()
+    seq_lens = np.zeros(batch, np.int32)
+    emitted_so_far = 0
+    while not sched.finished:
+        admitted = sched.admit()
+        if admitted:
+            state, tpool, dpool = _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine)
+            for r in admitted:
+                seq_lens[r.row] = len(r.prompt)
+        if all(r is None for r in sched.rows):
+            raise RuntimeError("scheduler made no progress (no request could be admitted)")
+        sched.grant_ahead(seq_lens)
+        state, tpool, dpool, _ = decode_program(
+            plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table)
+        )
+        host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens))
+        seq_lens = np.array(host["seq_lens"])
+        finished_rows = [row for row, r in enumerate(sched.rows) if r is not None and not host["active"][row]]
+        if finished_rows:
+            out = jax.device_get(dict(tokens=state.out_tokens, log=state.accept_log, nv=state.num_verify))
+            for row in finished_rows:
+                n_out = int(host["out_lens"][row])
+                sched.retire(row, out["tokens"][row, :n_out].tolist(), out["log"][row, : int(out["nv"][row])].tolist())
+        if not bar.disable:
+            emitted = sum(len(r.tokens) for r in sched.done) + sum(
+                int(host["out_lens"][row]) for row, r in enumerate(sched.rows) if r is not None
+            )
+            bar.update(emitted - emitted_so_far)
+            emitted_so_far = emitted
+    wall = time.perf_counter() - t0
+    bar.close()
+    sched.allocator.check()
+
+    done = sorted(sched.done, key=lambda r: r.index)
+    stats = []
+    for r in done:
+        secs = max(r.t_done - r.t_admit, 1e-9)
+        stats.append(RequestStats(
+            num_tokens=len(r.tokens), accept_lens=r.accept_lens,
+            mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
+            tokens_per_s=len(r.tokens) / secs, seconds=secs,
+        ))
+    token_ids = [r.tokens for r in done]
+    texts = [target.tokenizer.decode(t) for t in token_ids] if target.tokenizer is not None else None
+    return GenerateOutput(
+        token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
+        kv_pages_free=sched.allocator.num_free, kv_pages_total=sched.allocator.capacity,
+    )
+
+
+def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
+    R = next_pow2(len(admitted))
+    longest = max(len(r.prompt) for r in admitted)
+    T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
+    B = len(sched.rows)
+    tokens = np.zeros((R, T), np.int32)
+    lens = np.zeros(R, np.int32)
+    rows = np.full(R, B, np.int32)  # padding rows point past the batch (dropped)
+    req: dict[str, Any] = dict(
+        max_new=np.zeros(R, np.int32), stop_ids=np.full((R, num_stop), -1, np.int32),
+        temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32),
+        top_p=np.ones(R, np.float32), keys=np.zeros((R, 2), np.uint32),
+    )
+    for i, r in enumerate(admitted):
+        tokens[i, : len(r.prompt)] = r.prompt
+        lens[i] = len(r.prompt)
+        rows[i] = r.row
+        req["max_new"][i] = r.sampling.max_new_tokens
+        req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids
+        req["temperature"][i] = r.sampling.temperature
+        req["top_k"][i] = r.sampling.top_k
+        req["top_p"][i] = r.sampling.top_p
+        req["keys"][i] = r.key
+    return prefill_program(
+        plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table),
+        jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in req.items()},
+    )

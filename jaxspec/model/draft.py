@@ -1,0 +1,206 @@
+"""Draft models behind one interface: ``load_draft`` picks the kind from the checkpoint, and
+``draft_forward`` / ``draft_topk`` run any kind inside the speculative step.
+
+Kinds:
+  eagle1      EAGLE-1/2 feature head (target final hidden state in).
+  eagle3      EAGLE-3 head (target aux residual streams in).
+  standalone  any Llama-family LM with the target's vocabulary (tokens in; its own KV).
+
+Position convention: a feature-level head's row ``p`` consumes the token at ``p + 1`` and
+writes KV at ``p``; a standalone LM's row consumes the token at ``p`` and writes KV at ``p``.
+``pos_offset`` (0 or 1) is the difference, so both share one draft loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config, resolve_dtype
+from jaxspec.model.config import ConfigError, LlamaConfig, llama_config_from_hf
+from jaxspec.model.eagle import (
+    EagleConfig,
+    detect_eagle_version,
+    eagle_config_from_hf,
+    eagle_forward,
+    eagle_logits,
+    load_eagle_params,
+)
+from jaxspec.model.llama import lm_logits, llama_forward
+from jaxspec.model.loader import Model, load_llama_params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """Static description of a draft, enough to shape every compiled program.
+
+    kind: "eagle1" | "eagle3" | "standalone".
+    model: the head's or LM's own config.
+    feature: target feature consumed at draft-extend: "final" (normed final hidden),
+      "aux" (EAGLE-3 taps) or None.
+    aux_layers: target layers tapped for "aux".
+    pos_offset: 0 for feature heads, 1 for token-level LMs (see module docstring).
+    hidden_size: width of the recurrent hidden carried between draft steps (1 if unused).
+    """
+
+    kind: str
+    model: Any
+    feature: str | None
+    aux_layers: tuple[int, ...] = ()
+    pos_offset: int = 0
+    hidden_size: int = 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim
+
+
+@dataclasses.dataclass(eq=False)
+class DraftModel:
+    """A loaded draft: static ``config`` plus ``params`` (which may share target arrays)."""
+
+    config: DraftConfig
+    params: dict
+    path: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    def __repr__(self) -> str:
+        return f"DraftModel(kind={self.kind!r}, path={self.path!r})"
+
+
+def draft_forward(
+    dcfg: DraftConfig,
+    params: dict,
+    tokens: jax.Array,  # i32[B, T]
+    feature: jax.Array | None,  # [B, T, F] target features (extend) or [B, T, Hd] own hidden
+    positions: jax.Array,  # i32[B, T]
+    pool: KVPool,
+    attn: AttentionInputs,
+    *,
+    from_target: bool,
+    implementation: str | None = None,
+) -> tuple[jax.Array, KVPool]:  # hidden [B, T, Hd], new pool
+    if dcfg.kind in ("eagle1", "eagle3"):
+        return eagle_forward(
+            params, dcfg.model, tokens, feature, positions, pool, attn,
+            from_target=from_target, implementation=implementation,
+        )
+    if dcfg.kind == "standalone":
+        out = llama_forward(params, dcfg.model, tokens, positions, pool, attn, implementation=implementation)
+        return out.hidden, out.pool
+    raise ValueError(f"unknown draft kind {dcfg.kind!r}")
+
+
+def draft_logits(dcfg: DraftConfig, params: dict, hidden: jax.Array) -> jax.Array:  # f32[..., Vd]
+    if dcfg.kind in ("eagle1", "eagle3"):
+        return eagle_logits(params, dcfg.model, hidden)
+    return lm_logits(params, hidden)
+
+
+def draft_ids(params: dict, index: jax.Array) -> jax.Array:
+    """Draft-vocabulary ids -> target ids (EAGLE-3 d2t); identity otherwise."""
+    return params["hot_ids"][index] if "hot_ids" in params else index.astype(jnp.int32)
+
+
+def draft_topk(
+    dcfg: DraftConfig, params: dict, hidden: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:  # f32[..., k], i32[..., k] (target ids)
+    """Top-k of the draft's softmax. k = 1 uses max/argmax (no top_k primitive)."""
+    probs = jax.nn.softmax(draft_logits(dcfg, params, hidden), axis=-1)
+    if k == 1:
+        index = jnp.argmax(probs, axis=-1)[..., None]
+        p = jnp.max(probs, axis=-1, keepdims=True)
+    else:
+        p, index = jax.lax.top_k(probs, k)
+    return p, draft_ids(params, index)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel:
+    """Loads a draft for ``target``; the kind is detected from the checkpoint.
+
+    EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
+    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), or a standalone Llama-family
+    LM sharing the target's vocabulary.
+
+    Raises:
+      ValueError: the draft does not fit the target (vocabulary, hidden size, layers) or is
+        of an unknown kind; FileNotFoundError: missing files.
+    """
+    path = os.fspath(path)
+    np_dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    raw = read_config(path)
+    where = os.path.join(path, "config.json")
+    if not isinstance(target.config, LlamaConfig):
+        raise ConfigError(f"{where}: EAGLE/standalone drafts need a Llama-family target, got {type(target.config).__name__}")
+    ckpt = SafetensorsCheckpoint(path)
+    try:
+        version = detect_eagle_version(ckpt)
+        if version is not None:
+            ecfg: EagleConfig = eagle_config_from_hf(raw, version, target.config, where)
+            params, ecfg = load_eagle_params(ckpt, ecfg, target.params, np_dtype)
+            config = DraftConfig(
+                kind=f"eagle{version}", model=ecfg,
+                feature="aux" if version == 3 else "final", aux_layers=ecfg.aux_layers,
+                pos_offset=0, hidden_size=ecfg.hidden_size,
+            )
+            return DraftModel(config=config, params=params, path=path)
+        if any(k.startswith("model.layers.") for k in ckpt.keys()):
+            lcfg = llama_config_from_hf(raw, where)
+            if lcfg.vocab_size != target.config.vocab_size:
+                raise ConfigError(
+                    f"{where}: standalone draft vocab_size {lcfg.vocab_size} does not match the "
+                    f"target's {target.config.vocab_size}"
+                )
+            params = load_llama_params(ckpt, lcfg, np_dtype, progress=False)
+            return DraftModel(config=standalone_config(lcfg), params=params, path=path)
+        raise CheckpointError(f"{path}: not an EAGLE, EAGLE-3 or Llama-family checkpoint")
+    finally:
+        ckpt.close()
+
+
+def standalone_config(cfg: LlamaConfig) -> DraftConfig:
+    return DraftConfig(kind="standalone", model=cfg, feature=None, pos_offset=1, hidden_size=1)
+
+
+def standalone_draft(model: Model) -> DraftModel:
+    """Uses an already-loaded LM (e.g. the target itself, for tests) as a standalone draft."""
+    if not isinstance(model.config, LlamaConfig):
+        raise ConfigError("a standalone draft must be a Llama-family model")
+    return DraftModel(config=standalone_config(model.config), params=model.params, path=model.path)
+
+
+def check_draft_fits(target: Model, draft: DraftModel) -> None:
+    """Raises a clear ValueError when a draft cannot serve ``target``."""
+    cfg = draft.config
+    tcfg = target.config
+    if cfg.model.vocab_size != tcfg.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({cfg.model.vocab_size}) does not match the target's ({tcfg.vocab_size})"
+        )
+    if cfg.kind in ("eagle1", "eagle3") and cfg.model.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(
+            f"draft was built for target hidden size {cfg.model.target_hidden_size}, "
+            f"the target has {tcfg.hidden_size}"
+        )
+    if cfg.aux_layers and max(cfg.aux_layers) >= tcfg.num_layers:
+        raise ValueError(f"draft taps target layers {cfg.aux_layers}; the target has {tcfg.num_layers}")

@@ -1,0 +1,85 @@
+"""Building blocks shared by targets and draft heads: RMSNorm, RoPE, SwiGLU, attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.config import RopeConfig
+from jaxspec.pallas.paged_attention import paged_attention
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF-style RMSNorm: normalize in f32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:  # f32[dim // 2]
+    """Inverse frequencies, including linear and llama3 scaling (computed once, host side)."""
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.kind == "linear":
+        inv = inv / np.float32(rope.factor)
+    elif rope.kind == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope.kind != "default":
+        raise ValueError(f"unsupported rope kind {rope.kind!r}")
+    return inv
+
+
+def apply_rope(
+    x: jax.Array,  # [B, T, H, D]
+    positions: jax.Array,  # i32[B, T]
+    inv_freq: np.ndarray,  # f32[D // 2]
+    scale: float = 1.0,
+) -> jax.Array:  # [B, T, H, D]
+    """Rotate-half RoPE (HF Llama convention) at integer ``positions``."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos = (jnp.cos(emb) * scale).astype(x.dtype)
+    sin = (jnp.sin(emb) * scale).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def write_and_attend(
+    q: jax.Array,  # [B, T, Hq, D] (RoPE applied)
+    k: jax.Array,  # [B, T, Hkv, D] (RoPE applied)
+    v: jax.Array,  # [B, T, Hkv, D]
+    pool: KVPool,
+    layer: jax.Array,  # i32[]
+    attn: AttentionInputs,
+    *,
+    implementation: str | None,
+    sm_scale: float | None = None,
+) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
+    """Writes the new K/V into the pool first, then attends through the page table, so a
+    token reads its own (pool-dtype) K/V exactly as later tokens will."""
+    B, T, Hkv, D = k.shape
+    pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+    o = paged_attention(
+        q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+        page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D), implementation=implementation,
+    )
+    return o, pool
+

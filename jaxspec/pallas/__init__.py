@@ -1,0 +1,1 @@
+"""Kernels. One op per module: Pallas kernel, jitted wrapper, pure-jnp reference, dispatch."""

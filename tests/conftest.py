@@ -1,0 +1,58 @@
+"""Shared tiny models and helpers. Compiled programs are cached per (plan, shapes) by jax.jit
+for the whole session, so tests that share a model, engine config and prompt set share
+their compiles."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.model.config import LlamaConfig
+from jaxspec.model.llama import init_llama_params
+from jaxspec.model.loader import Model
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+# Float32 matmuls at full precision so TF32 on GPUs cannot blur exact-token comparisons.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY = LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
+    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+)
+
+
+def tiny_model(seed: int = 0, scale: float = 0.3, cfg: LlamaConfig = TINY) -> Model:
+    """A random Llama; a large weight scale makes its distributions peaky (clear argmaxes)."""
+    params = init_llama_params(cfg, jax.random.PRNGKey(seed), scale=scale)
+    return Model(config=cfg, params=params, dtype=np.dtype(np.float32), eos_token_ids=())
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Model:
+    return tiny_model()
+
+
+# Ragged prompts shared by the engine and lossless tests (so their compiles are shared).
+PROMPTS_4 = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [88]]
+PROMPTS_1 = [[11, 22, 33, 44, 55]]
+
+
+def engine(page_size: int = 16, max_batch: int = 4, **kw) -> js.EngineConfig:
+    kw.setdefault("max_seq_len", 128)
+    kw.setdefault("steps_per_call", 4)
+    return js.EngineConfig(page_size=page_size, max_batch=max_batch, **kw)
