@@ -158,12 +158,7 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
         if version is not None:
             ecfg: EagleConfig = eagle_config_from_hf(raw, version, target.config, where)
             params, ecfg = load_eagle_params(ckpt, ecfg, target.params, np_dtype)
-            config = DraftConfig(
-                kind=f"eagle{version}", model=ecfg,
-                feature="aux" if version == 3 else "final", aux_layers=ecfg.aux_layers,
-                pos_offset=0, hidden_size=ecfg.hidden_size,
-            )
-            return DraftModel(config=config, params=params, path=path)
+            return eagle_draft(ecfg, params, path)
         if any(k.startswith("model.layers.") for k in ckpt.keys()):
             lcfg = llama_config_from_hf(raw, where)
             if lcfg.vocab_size != target.config.vocab_size:
@@ -176,6 +171,15 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
         raise CheckpointError(f"{path}: not an EAGLE, EAGLE-3 or Llama-family checkpoint")
     finally:
         ckpt.close()
+
+
+def eagle_draft(cfg: EagleConfig, params: dict, path: str | None = None) -> DraftModel:
+    """Wraps EAGLE head params (e.g. from ``init_eagle_params`` or training) as a draft."""
+    config = DraftConfig(
+        kind=f"eagle{cfg.version}", model=cfg, feature="aux" if cfg.version == 3 else "final",
+        aux_layers=cfg.aux_layers, pos_offset=0, hidden_size=cfg.hidden_size,
+    )
+    return DraftModel(config=config, params=params, path=path)
 
 
 def standalone_config(cfg: LlamaConfig) -> DraftConfig:

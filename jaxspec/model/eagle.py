@@ -240,3 +240,58 @@ def load_eagle_params(
             raise CheckpointError(f"{ckpt.path}: EAGLE-1 head width {H} != target hidden {cfg.target_hidden_size}")
         params["lm_head"] = target_params["lm_head"] if "lm_head" in target_params else target_params["embed"].T
     return params, cfg
+
+
+def init_eagle_params(cfg: EagleConfig, key: jax.Array, target_params: dict, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random head params (tests, training init); shares the target's embedding (and, for
+    EAGLE-1, its lm_head)."""
+    H, A, I, D = cfg.hidden_size, cfg.attn_in, cfg.intermediate_size, cfg.head_dim
+    keys = iter(jax.random.split(key, 12))
+
+    def normal(shape):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    lp = {
+        "wq": normal((A, cfg.num_heads * D)),
+        "wk": normal((A, cfg.num_kv_heads * D)),
+        "wv": normal((A, cfg.num_kv_heads * D)),
+        "wo": normal((cfg.num_heads * D, H)),
+        "mlp_norm": jnp.ones((H,), dtype),
+        "w_gate": normal((H, I)),
+        "w_up": normal((H, I)),
+        "w_down": normal((I, H)),
+    }
+    fc_in = 2 * H if cfg.version == 1 else cfg.feature_size
+    params = {"fc": normal((fc_in, H)), "layer": lp, "embed": target_params["embed"]}
+    if cfg.fc_bias:
+        params["fc_bias"] = normal((H,))
+    if cfg.version == 3:
+        lp["input_norm"] = jnp.ones((H,), dtype)
+        lp["hidden_norm"] = jnp.ones((H,), dtype)
+        params["norm"] = jnp.ones((H,), dtype)
+        params["lm_head"] = normal((H, cfg.draft_vocab_size))
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            hot = jax.random.choice(next(keys), cfg.vocab_size, (cfg.draft_vocab_size,), replace=False)
+            params["hot_ids"] = jnp.sort(hot).astype(jnp.int32)
+    else:
+        params["lm_head"] = target_params["lm_head"] if "lm_head" in target_params else target_params["embed"].T
+    return params
+
+
+def eagle3_config_for(target: LlamaConfig, *, draft_vocab_size: int | None = None, intermediate_size=None,
+                      num_heads=None, num_kv_heads=None) -> EagleConfig:
+    """An EAGLE-3 head shaped for ``target`` (same width and head layout by default)."""
+    return EagleConfig(
+        version=3,
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_heads=num_heads or target.num_heads,
+        num_kv_heads=num_kv_heads or target.num_kv_heads,
+        head_dim=target.hidden_size // (num_heads or target.num_heads),
+        rms_norm_eps=target.rms_norm_eps,
+        rope=target.rope,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size or target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        aux_layers=target.eagle3_aux_layers(),
+    )
