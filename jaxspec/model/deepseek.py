@@ -1,0 +1,767 @@
+"""DeepSeek-V3 / V3.2 target: multi-head latent attention (MLA) + DeepSeekMoE, as pure functions.
+
+Attention (per layer, HF ``DeepseekV3Attention`` semantics, absorbed form):
+
+    q      = q_proj(h)  or  q_b_proj(q_a_layernorm(q_a_proj(h)))      # [B, T, Hq, Dn + R]
+    c, kr  = split(kv_a_proj_with_mqa(h), [C, R]);  c = kv_a_layernorm(c)
+    q_rope, kr = RoPE(q_rope), RoPE(kr)       (interleaved pairs on the R rope dims)
+    pool[layer, slot] = [c | kr]                                       # [C + R] per token
+    q_latent = W_uk^T q_nope                  (k half of kv_b_proj absorbed into the query)
+    o = W_uv (sum_k softmax(sm_scale * (q_latent.c_k + q_rope.kr_k)) c_k);  out = o_proj(o)
+
+MLP: SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE after (sigmoid router
+with ``e_score_correction_bias`` for selection only, group-limited top-k, routed scaling,
+shared experts). The dense prefix and the MoE layers run as two ``lax.scan`` s (two compiled
+layer bodies, whatever the depth).
+
+DeepSeek-V3.2 (DSA) adds a lightning indexer per layer. Its per-token key
+``k_idx = RoPE_half(LayerNorm(h @ wk))`` (rotate-half RoPE on the first R dims) is written to
+``MLAPool.index_k`` with the latent. Attention stays dense: sparse top-k selection only changes
+anything for queries that see more than ``index_topk`` positions (see ``DeepseekConfig``).
+
+Params (linear weights ``[in, out]``; ``[Ls]`` = stacked over the layers of a scan):
+    embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
+    dense/, moe/ (each present when it has layers):
+      attn_norm [Ls, H]; wq [Ls, H, Hq*Dqk]  or  wq_a [Ls, H, Rq], q_a_norm [Ls, Rq], wq_b [Ls, Rq, Hq*Dqk]
+      wkv_a [Ls, H, C+R]; kv_a_norm [Ls, C]; w_uk [Ls, Hq, Dn, C]; w_uv [Ls, Hq, C, Dv]; wo [Ls, Hq*Dv, H]
+      idx_wk [Ls, H, Di], idx_norm_w, idx_norm_b [Ls, Di]              (V3.2 indexer)
+      mlp_norm [Ls, H]
+      dense: w_gate, w_up [Ls, H, I]; w_down [Ls, I, H]
+      moe:   router [Ls, H, E]; router_bias f32[Ls, E]; experts_gate, experts_up [Ls, E, H, Im];
+             experts_down [Ls, E, Im, H]; shared_gate, shared_up [Ls, H, Is]; shared_down [Ls, Is, H]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.pool import MLAPool
+from jaxspec.model.checkpoint import CheckpointError, SafetensorsCheckpoint
+from jaxspec.model.config import ConfigError, _get
+from jaxspec.model.layers import apply_rope, rms_norm, swiglu
+from jaxspec.model.llama import ForwardOutput
+from jaxspec.pallas.mla_attention import mla_attention
+
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
+MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not scaled)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLARope:
+    """RoPE of the decoupled rope dims (default or YaRN, HF ``_compute_yarn_parameters``).
+
+    interleave: rotate interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek; HF
+      ``rope_interleave``, default true) instead of rotate-half halves.
+    mscale / mscale_all_dim: YaRN magnitude parameters; 0 means "not given".
+    attention_factor: explicit cos/sin scale; None derives it from factor and the mscales.
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos and sin (YaRN ``attention_factor``; 1 for default RoPE)."""
+        if self.kind == "default":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def inv_freq(self, dim: int) -> np.ndarray:  # f32[dim // 2]
+        """Inverse frequencies over ``dim`` rope dims (host side, float32 like HF)."""
+        pos_freqs = np.float32(self.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        if self.kind == "default":
+            return extrapolation
+        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+
+        def correction_dim(rotations):
+            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(self.theta)
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        ramp = ramp.astype(np.float32)  # 1 = interpolate, 0 = extrapolate
+        return (interpolation * ramp + extrapolation * (np.float32(1) - ramp)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """DeepSeekMoE routing (sigmoid scores, ``noaux_tc`` group-limited top-k)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    moe_intermediate_size: int
+    n_shared_experts: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepseekConfig:
+    """A DeepSeek-V3-style decoder (MLA attention, dense prefix + MoE layers, optional
+    V3.2 lightning indexer). Frozen and hashable: it rides in jit static arguments.
+
+    Attributes:
+      arch: "deepseek_v3" | "deepseek_v32".
+      q_lora_rank: Rq, or None for a plain ``q_proj``.
+      kv_lora_rank: C, the latent width stored per token.
+      qk_nope_head_dim / qk_rope_head_dim / v_head_dim: Dn, R, Dv per head.
+      num_dense_layers: leading layers with a dense SwiGLU MLP (all of them when ``moe`` is None).
+      index_n_heads / index_head_dim / index_topk: the V3.2 indexer (0 = none). Attention is
+        computed densely, which equals DSA exactly while every query sees at most
+        ``index_topk`` KV positions; an engine must refuse sequences longer than that
+        (``max_dense_positions``).
+      num_nextn_predict_layers: MTP layers stored after the main layers (not run here).
+    """
+
+    arch: str = "deepseek_v3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None = None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: MLARope = MLARope()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    num_dense_layers: int
+    moe: MoEConfig | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    num_nextn_predict_layers: int = 0
+
+    def __post_init__(self):
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ConfigError(f"num_dense_layers={self.num_dense_layers} outside [0, {self.num_layers}]")
+        if self.moe is None and self.num_dense_layers != self.num_layers:
+            raise ConfigError("a config without MoE fields must have only dense layers")
+        if self.has_indexer and not self.qk_rope_head_dim <= self.index_head_dim:
+            raise ConfigError(
+                f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one pool row: latent + rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_head_dim > 0
+
+    @property
+    def max_dense_positions(self) -> int | None:
+        """Longest sequence for which dense attention equals DSA (None: no limit)."""
+        return self.index_topk if self.has_indexer else None
+
+    @property
+    def sm_scale(self) -> float:
+        """``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        if self.rope.kind != "default" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+
+def _opt_int(raw: dict, key: str, where: str, default=None, minimum: int = 1):
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{where}: field {key!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _opt_float(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_mla_rope(raw: dict, where: str = "config.json") -> MLARope:
+    """RoPE from the transformers-5 ``rope_parameters`` dict or the classic ``rope_theta`` +
+    ``rope_scaling`` form (``type`` or ``rope_type``: default | yarn)."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+    merged = dict(scaling or {})
+    merged.update(params or {})
+    theta = merged.get("rope_theta", raw.get("rope_theta"))
+    theta = 10000.0 if theta is None else theta
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    interleave = raw.get("rope_interleave", True)
+    interleave = True if interleave is None else bool(interleave)
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind == "default":
+        return MLARope(theta=float(theta), interleave=interleave)
+    if kind != "yarn":
+        raise ConfigError(f"{where}: unsupported rope scaling type {kind!r} for DeepSeek (supported: default, yarn)")
+    w = f"{where} (yarn rope scaling)"
+    factor = merged.get("factor")
+    orig = merged.get("original_max_position_embeddings")
+    if factor is None and orig and raw.get("max_position_embeddings"):
+        factor = raw["max_position_embeddings"] / orig
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ConfigError(f"{w}: 'factor' must be a positive number, got {factor!r}")
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+        raise ConfigError(f"{w}: 'original_max_position_embeddings' must be a positive int, got {orig!r}")
+    attention_factor = merged.get("attention_factor")
+    return MLARope(
+        theta=float(theta),
+        kind="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=orig,
+        beta_fast=float(merged.get("beta_fast") or 32),
+        beta_slow=float(merged.get("beta_slow") or 1),
+        mscale=_opt_float(merged, "mscale", w, 0.0),
+        mscale_all_dim=_opt_float(merged, "mscale_all_dim", w, 0.0),
+        attention_factor=None if attention_factor is None else _opt_float(merged, "attention_factor", w, 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        interleave=interleave,
+    )
+
+
+def _num_dense_layers(raw: dict, num_layers: int, where: str) -> int:
+    """Dense prefix length from ``mlp_layer_types`` (transformers 5) or ``first_k_dense_replace``."""
+    types = raw.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(
+                f"{where}: mlp_layer_types must list 'dense'/'sparse' for each of the {num_layers} layers, got {types!r}"
+            )
+        n = types.index("sparse") if "sparse" in types else num_layers
+        if any(t == "dense" for t in types[n:]):
+            raise ConfigError(f"{where}: mlp_layer_types must be dense layers first, then MoE layers: {types!r}")
+        return n
+    k = _opt_int(raw, "first_k_dense_replace", where, default=0, minimum=0)
+    freq = raw.get("moe_layer_freq", 1)
+    if freq not in (None, 1):
+        raise ConfigError(f"{where}: moe_layer_freq={freq!r} is not supported (only 1)")
+    return min(k, num_layers)
+
+
+def _parse_moe(raw: dict, where: str) -> MoEConfig | None:
+    num_experts = _opt_int(raw, "n_routed_experts", where)
+    if num_experts is None:
+        return None
+    scoring = raw.get("scoring_func", "sigmoid")
+    if scoring not in (None, "sigmoid"):
+        raise ConfigError(f"{where}: scoring_func {scoring!r} is not supported (DeepSeek-V3 uses 'sigmoid')")
+    method = raw.get("topk_method", "noaux_tc")
+    if method not in (None, "noaux_tc"):
+        raise ConfigError(f"{where}: topk_method {method!r} is not supported (DeepSeek-V3 uses 'noaux_tc')")
+    moe = MoEConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=_get(raw, "num_experts_per_tok", int, where=where),
+        n_group=_opt_int(raw, "n_group", where, default=1),
+        topk_group=_opt_int(raw, "topk_group", where, default=1),
+        moe_intermediate_size=_get(raw, "moe_intermediate_size", int, where=where),
+        n_shared_experts=_opt_int(raw, "n_shared_experts", where, default=0, minimum=0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=_opt_float(raw, "routed_scaling_factor", where, 1.0),
+    )
+    if moe.num_experts % moe.n_group:
+        raise ConfigError(f"{where}: n_routed_experts={moe.num_experts} is not a multiple of n_group={moe.n_group}")
+    if moe.topk_group > moe.n_group:
+        raise ConfigError(f"{where}: topk_group={moe.topk_group} > n_group={moe.n_group}")
+    per_group = moe.num_experts // moe.n_group
+    if moe.n_group > 1 and per_group < 2:
+        raise ConfigError(f"{where}: group-limited routing needs >= 2 experts per group, has {per_group}")
+    if moe.num_experts_per_tok > moe.topk_group * per_group:
+        raise ConfigError(
+            f"{where}: num_experts_per_tok={moe.num_experts_per_tok} exceeds the {moe.topk_group * per_group} "
+            f"experts of the topk_group={moe.topk_group} kept groups"
+        )
+    return moe
+
+
+def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> DeepseekConfig:
+    """Builds a ``DeepseekConfig`` from a DeepSeek-V3 / V3.2 HF config dict, or raises ``ConfigError``.
+
+    ``head_dim`` / ``qk_head_dim`` written by transformers 5 are ignored (for MLA they are the
+    rope width and nope + rope, not an attention head size).
+    """
+    archs = raw.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    arch = arch or (raw.get("model_type") if raw.get("model_type") in MODEL_TYPES else None)
+    if arch is None:
+        raise ConfigError(f"{where}: not a DeepSeek-V3 config (architectures={archs!r}, model_type={raw.get('model_type')!r})")
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+        raise ConfigError(
+            f"{where}: quantized checkpoints (quant_method {method!r}) are not supported; convert the weights to bf16 first"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    if raw.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias=true is not supported for MLA")
+    num_layers = _get(raw, "num_hidden_layers", int, where=where)
+    nope = _get(raw, "qk_nope_head_dim", int, where=where)
+    rope_dim = _get(raw, "qk_rope_head_dim", int, where=where)
+    qk_head_dim = raw.get("qk_head_dim")
+    if qk_head_dim is not None and qk_head_dim != nope + rope_dim:
+        raise ConfigError(
+            f"{where}: qk_head_dim={qk_head_dim!r} != qk_nope_head_dim + qk_rope_head_dim = {nope + rope_dim}"
+        )
+    moe = _parse_moe(raw, where)
+    num_dense = _num_dense_layers(raw, num_layers, where) if moe is not None else num_layers
+    index_head_dim = _opt_int(raw, "index_head_dim", where, default=0, minimum=0) if arch == "deepseek_v32" else 0
+    index_n_heads = index_topk = 0
+    if index_head_dim:
+        index_n_heads = _get(raw, "index_n_heads", int, where=where)
+        index_topk = _get(raw, "index_topk", int, where=where)
+    try:
+        return DeepseekConfig(
+            arch=arch,
+            vocab_size=_get(raw, "vocab_size", int, where=where),
+            hidden_size=_get(raw, "hidden_size", int, where=where),
+            intermediate_size=_get(raw, "intermediate_size", int, where=where),
+            num_layers=num_layers,
+            num_heads=_get(raw, "num_attention_heads", int, where=where),
+            q_lora_rank=_opt_int(raw, "q_lora_rank", where),
+            kv_lora_rank=_get(raw, "kv_lora_rank", int, where=where),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=_get(raw, "v_head_dim", int, where=where),
+            rms_norm_eps=_opt_float(raw, "rms_norm_eps", where, 1e-6),
+            rope=parse_mla_rope(raw, where),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=_opt_int(raw, "max_position_embeddings", where, default=4096),
+            num_dense_layers=num_dense,
+            moe=moe,
+            index_n_heads=index_n_heads,
+            index_head_dim=index_head_dim,
+            index_topk=index_topk,
+            num_nextn_predict_layers=_opt_int(raw, "num_nextn_predict_layers", where, default=0, minimum=0),
+        )
+    except ConfigError as e:
+        if str(e).startswith(where):
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------ pool
+
+
+def create_mla_pool(cfg: DeepseekConfig, *, num_pages: int, page_size: int, dtype, num_layers: int | None = None) -> MLAPool:
+    """MLA pool ``kv: [L, num_slots, C + R]`` (+ ``index_k: [L, num_slots, Di]`` with an indexer)."""
+    return MLAPool.create(
+        num_layers=cfg.num_layers if num_layers is None else num_layers,
+        num_pages=num_pages, page_size=page_size, kv_dim=cfg.kv_dim,
+        index_dim=cfg.index_head_dim if cfg.has_indexer else 0, dtype=dtype,
+    )
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+def _rope(x: jax.Array, positions: jax.Array, rope: MLARope, inv_freq: np.ndarray, interleave: bool) -> jax.Array:
+    """RoPE on ``x: [B, T, H, R]``. Interleaved pairs are de-interleaved first (evens, then
+    odds), as HF writes them; q and k get the same layout, so q.k is unchanged."""
+    if interleave:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, positions, inv_freq, scale=rope.cos_sin_scale)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm in f32 (the V3.2 indexer's ``k_norm``), cast back to ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def indexer_key(
+    lp: dict, cfg: DeepseekConfig, h: jax.Array, positions: jax.Array, inv_freq: np.ndarray
+) -> jax.Array:  # [B, T, Di]
+    """V3.2 lightning-indexer key of each token: ``LayerNorm(h @ wk)`` with rotate-half
+    (non-interleaved) RoPE on its first R dims. ``h`` is the attention input (after
+    ``input_layernorm``). The Hadamard rotation of DeepSeek's reference is omitted: it is
+    orthogonal and applied to queries and keys alike, so index scores are unchanged."""
+    R = cfg.qk_rope_head_dim
+    k = layer_norm(h @ lp["idx_wk"], lp["idx_norm_w"], lp["idx_norm_b"])  # [B, T, Di]
+    k_rope = _rope(k[:, :, None, :R], positions, cfg.rope, inv_freq, interleave=False)[:, :, 0]
+    return jnp.concatenate([k_rope, k[..., R:]], axis=-1)
+
+
+def mla_attention_block(
+    lp: dict,
+    cfg: DeepseekConfig,
+    h: jax.Array,  # [B, T, H] (after input_layernorm)
+    positions: jax.Array,  # i32[B, T]
+    pool: MLAPool,
+    layer: jax.Array,  # i32[] pool layer
+    attn: AttentionInputs,
+    *,
+    implementation: str | None,
+) -> tuple[jax.Array, MLAPool]:  # [B, T, H], new pool
+    """Writes this forward's latent (and indexer key) into ``pool`` first, then attends
+    through the page table (absorbed MLA)."""
+    B, T, _ = h.shape
+    Hq, Dn, R, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    inv_freq = cfg.rope.inv_freq(R)
+    if cfg.q_lora_rank is None:
+        q = h @ lp["wq"]
+    else:
+        q = rms_norm(h @ lp["wq_a"], lp["q_a_norm"], cfg.rms_norm_eps) @ lp["wq_b"]
+    q = q.reshape(B, T, Hq, Dn + R)
+    q_nope, q_rope = q[..., :Dn], q[..., Dn:]
+    q_rope = _rope(q_rope, positions, cfg.rope, inv_freq, cfg.rope.interleave)  # [B, T, Hq, R]
+    kv = h @ lp["wkv_a"]  # [B, T, C + R]
+    latent = rms_norm(kv[..., :C], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, C]
+    k_rope = _rope(kv[:, :, None, C:], positions, cfg.rope, inv_freq, cfg.rope.interleave)[:, :, 0]  # [B, T, R]
+    row = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C + R]
+    index_k = indexer_key(lp, cfg, h, positions, inv_freq) if "idx_wk" in lp else None
+    slots = attn.write_slots.reshape(B * T)
+    pool = pool.write(layer, slots, row.reshape(B * T, -1), None if index_k is None else index_k.reshape(B * T, -1))
+    q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
+    o = mla_attention(
+        q_latent, q_rope, pool.kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+        page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
+    )  # [B, T, Hq, C]
+    o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, Hq * cfg.v_head_dim)
+    return o @ lp["wo"], pool
+
+
+def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+    """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), routed experts
+    as grouped matmuls over tokens sorted by expert, plus the shared experts."""
+    B, T, H = x.shape
+    N, E, K, G = B * T, moe.num_experts, moe.num_experts_per_tok, moe.n_group
+    xf = x.reshape(N, H)
+    logits = jnp.dot(xf.astype(jnp.float32), lp["router"].astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # f32[N, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + lp["router_bias"].astype(jnp.float32)
+    if moe.topk_group < G:
+        grouped = choice.reshape(N, G, E // G)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_score, moe.topk_group)  # [N, topk_group]
+        group_mask = jnp.any(jax.nn.one_hot(keep, G, dtype=jnp.bool_), axis=1)  # [N, G]
+        choice = jnp.where(jnp.repeat(group_mask, E // G, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, K)  # i32[N, K]
+    weights = jnp.take_along_axis(scores, experts, axis=1)  # f32[N, K]
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * moe.routed_scaling_factor
+    # Sort the N*K (token, expert) assignments by expert and run one grouped matmul.
+    flat = experts.reshape(N * K)
+    order = jnp.argsort(flat, stable=True)
+    token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+    xs = xf[token]  # [N*K, H]
+    g = jax.lax.ragged_dot(xs, lp["experts_gate"], sizes)
+    u = jax.lax.ragged_dot(xs, lp["experts_up"], sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, lp["experts_down"], sizes)  # [N*K, H]
+    y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(x.dtype)
+    out = jnp.zeros((N, H), x.dtype).at[token].add(y)
+    if moe.n_shared_experts:
+        out = out + swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
+    return out.reshape(B, T, H)
+
+
+def decoder_block(
+    lp: dict,
+    cfg: DeepseekConfig,
+    x: jax.Array,  # [B, T, H] residual stream
+    positions: jax.Array,  # i32[B, T]
+    pool: MLAPool,
+    layer: jax.Array,  # i32[]
+    attn: AttentionInputs,
+    *,
+    moe: bool,
+    implementation: str | None,
+) -> tuple[jax.Array, MLAPool]:
+    """One DeepSeek decoder layer (pre-norm MLA, then dense or MoE MLP)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
+    x = x + o
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (moe_mlp(lp, cfg.moe, h) if moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    return x, pool
+
+
+def deepseek_forward(
+    params: dict,
+    cfg: DeepseekConfig,
+    tokens: jax.Array,  # i32[B, T]
+    positions: jax.Array,  # i32[B, T] RoPE positions
+    pool: MLAPool,
+    attn: AttentionInputs,
+    *,
+    aux_layers: tuple[int, ...] = (),
+    implementation: str | None = None,
+) -> ForwardOutput:
+    """Runs the decoder over T new tokens per request, writing their latent KV (and indexer
+    keys) into ``pool``; same contract as ``llama_forward``."""
+    x = params["embed"][tokens]  # [B, T, H]
+    B, T, H = x.shape
+    num_aux = len(aux_layers)
+    tap = np.full((cfg.num_layers,), num_aux, np.int32)  # layer -> aux slot (num_aux = dummy)
+    for i, l in enumerate(aux_layers):
+        tap[l] = i
+    aux = jnp.zeros((num_aux + 1, B, T, H), x.dtype) if num_aux else None
+    layer0 = jnp.int32(0)
+    for group, is_moe in (("dense", False), ("moe", True)):
+        if group not in params:
+            continue
+
+        def body(carry, lp, is_moe=is_moe):
+            x, pool, aux, l = carry
+            if aux is not None:
+                aux = jax.lax.dynamic_update_index_in_dim(aux, x, jnp.asarray(tap)[l], axis=0)
+            x, pool = decoder_block(lp, cfg, x, positions, pool, l, attn, moe=is_moe, implementation=implementation)
+            return (x, pool, aux, l + 1), None
+
+        (x, pool, aux, layer0), _ = jax.lax.scan(body, (x, pool, aux, layer0), params[group])
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    if aux is not None:
+        aux = jnp.concatenate([aux[i] for i in range(num_aux)], axis=-1)  # [B, T, nA*H]
+    return ForwardOutput(hidden=hidden, aux=aux, pool=pool)
+
+
+# ------------------------------------------------------------------------------------ params
+
+
+def layer_param_shapes(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's params (unstacked) in our layout."""
+    H, Hq, Dn, R, C, Dv = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                           cfg.kv_lora_rank, cfg.v_head_dim)
+    s: dict[str, tuple[int, ...]] = {"attn_norm": (H,)}
+    if cfg.q_lora_rank is None:
+        s["wq"] = (H, Hq * (Dn + R))
+    else:
+        s |= {"wq_a": (H, cfg.q_lora_rank), "q_a_norm": (cfg.q_lora_rank,), "wq_b": (cfg.q_lora_rank, Hq * (Dn + R))}
+    s |= {"wkv_a": (H, C + R), "kv_a_norm": (C,), "w_uk": (Hq, Dn, C), "w_uv": (Hq, C, Dv), "wo": (Hq * Dv, H)}
+    if cfg.has_indexer if indexer is None else indexer:
+        Di = cfg.index_head_dim
+        s |= {"idx_wk": (H, Di), "idx_norm_w": (Di,), "idx_norm_b": (Di,)}
+    s["mlp_norm"] = (H,)
+    if not moe:
+        I = cfg.intermediate_size
+        return s | {"w_gate": (H, I), "w_up": (H, I), "w_down": (I, H)}
+    m = cfg.moe
+    E, Im = m.num_experts, m.moe_intermediate_size
+    s |= {"router": (H, E), "router_bias": (E,), "experts_gate": (E, H, Im), "experts_up": (E, H, Im),
+          "experts_down": (E, Im, H)}
+    if m.n_shared_experts:
+        Is = m.shared_intermediate_size
+        s |= {"shared_gate": (H, Is), "shared_up": (H, Is), "shared_down": (Is, H)}
+    return s
+
+
+_ONES = ("attn_norm", "q_a_norm", "kv_a_norm", "mlp_norm", "idx_norm_w")
+_F32 = ("router_bias",)
+
+
+def init_layer_params(cfg: DeepseekConfig, key: jax.Array, *, moe: bool, num: int | None = None,
+                      dtype=jnp.float32, scale: float = 0.02, indexer: bool | None = None) -> dict:
+    """Random params of one layer (``num=None``) or ``num`` stacked layers (tests, benchmarks)."""
+    shapes = layer_param_shapes(cfg, moe=moe, indexer=indexer)
+    keys = jax.random.split(key, len(shapes))
+    lead = () if num is None else (num,)
+    out = {}
+    for k, (name, shape) in zip(keys, shapes.items()):
+        full = lead + shape
+        if name in _ONES:
+            out[name] = jnp.ones(full, dtype)
+        elif name == "idx_norm_b":
+            out[name] = jnp.zeros(full, dtype)
+        elif name in _F32:
+            out[name] = scale * jax.random.normal(k, full, jnp.float32)
+        else:
+            out[name] = (scale * jax.random.normal(k, full, jnp.float32)).astype(dtype)
+    return out
+
+
+def init_deepseek_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random params in the layout of ``load_deepseek_params`` (tests, benchmarks)."""
+    k_embed, k_head, k_dense, k_moe = jax.random.split(key, 4)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    params = {
+        "embed": (scale * jax.random.normal(k_embed, (V, H), jnp.float32)).astype(dtype),
+        "norm": jnp.ones((H,), dtype),
+    }
+    if cfg.num_dense_layers:
+        params["dense"] = init_layer_params(cfg, k_dense, moe=False, num=cfg.num_dense_layers, dtype=dtype, scale=scale)
+    if cfg.num_moe_layers:
+        params["moe"] = init_layer_params(cfg, k_moe, moe=True, num=cfg.num_moe_layers, dtype=dtype, scale=scale)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = (scale * jax.random.normal(k_head, (H, V), jnp.float32)).astype(dtype)
+    return params
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _linear(ckpt: SafetensorsCheckpoint, name: str, out_dim: int, in_dim: int, dtype) -> np.ndarray:
+    """HF nn.Linear weight [out, in] -> our [in, out]."""
+    return np.ascontiguousarray(ckpt.get(name, (out_dim, in_dim), dtype).T)
+
+
+def _load_experts(ckpt: SafetensorsCheckpoint, p: str, cfg: DeepseekConfig, dtype) -> dict[str, np.ndarray]:
+    """Routed experts, per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the HF hub
+    layout) or fused (transformers-5 ``mlp.experts.gate_up_proj`` [E, 2*Im, H] +
+    ``mlp.experts.down_proj`` [E, H, Im])."""
+    H, E, Im = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+    if f"{p}mlp.experts.gate_up_proj" in ckpt:
+        gate_up = ckpt.get(f"{p}mlp.experts.gate_up_proj", (E, 2 * Im, H), dtype)
+        down = ckpt.get(f"{p}mlp.experts.down_proj", (E, H, Im), dtype)
+        return {
+            "experts_gate": np.ascontiguousarray(gate_up[:, :Im].transpose(0, 2, 1)),
+            "experts_up": np.ascontiguousarray(gate_up[:, Im:].transpose(0, 2, 1)),
+            "experts_down": np.ascontiguousarray(down.transpose(0, 2, 1)),
+        }
+    e = f"{p}mlp.experts."
+    return {
+        "experts_gate": np.stack([_linear(ckpt, f"{e}{i}.gate_proj.weight", Im, H, dtype) for i in range(E)]),
+        "experts_up": np.stack([_linear(ckpt, f"{e}{i}.up_proj.weight", Im, H, dtype) for i in range(E)]),
+        "experts_down": np.stack([_linear(ckpt, f"{e}{i}.down_proj.weight", H, Im, dtype) for i in range(E)]),
+    }
+
+
+def load_layer_params(
+    ckpt: SafetensorsCheckpoint, cfg: DeepseekConfig, p: str, dtype, *, moe: bool, indexer: bool | None = None
+) -> dict[str, np.ndarray]:
+    """One decoder layer stored under prefix ``p`` (e.g. ``"model.layers.3."``), our layout."""
+    H, Hq, Dn, R, C, Dv = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                           cfg.kv_lora_rank, cfg.v_head_dim)
+    Dqk = Dn + R
+    a = f"{p}self_attn."
+    out = {"attn_norm": ckpt.get(f"{p}input_layernorm.weight", (H,), dtype)}
+    if cfg.q_lora_rank is None:
+        out["wq"] = _linear(ckpt, a + "q_proj.weight", Hq * Dqk, H, dtype)
+    else:
+        Rq = cfg.q_lora_rank
+        out["wq_a"] = _linear(ckpt, a + "q_a_proj.weight", Rq, H, dtype)
+        out["q_a_norm"] = ckpt.get(a + "q_a_layernorm.weight", (Rq,), dtype)
+        out["wq_b"] = _linear(ckpt, a + "q_b_proj.weight", Hq * Dqk, Rq, dtype)
+    out["wkv_a"] = _linear(ckpt, a + "kv_a_proj_with_mqa.weight", C + R, H, dtype)
+    out["kv_a_norm"] = ckpt.get(a + "kv_a_layernorm.weight", (C,), dtype)
+    kv_b = ckpt.get(a + "kv_b_proj.weight", (Hq * (Dn + Dv), C), dtype).reshape(Hq, Dn + Dv, C)
+    out["w_uk"] = np.ascontiguousarray(kv_b[:, :Dn, :])  # [Hq, Dn, C]
+    out["w_uv"] = np.ascontiguousarray(kv_b[:, Dn:, :].transpose(0, 2, 1))  # [Hq, C, Dv]
+    out["wo"] = _linear(ckpt, a + "o_proj.weight", H, Hq * Dv, dtype)
+    if cfg.has_indexer if indexer is None else indexer:
+        Di = cfg.index_head_dim
+        out["idx_wk"] = _linear(ckpt, a + "indexer.wk.weight", Di, H, dtype)
+        out["idx_norm_w"] = ckpt.get(a + "indexer.k_norm.weight", (Di,), dtype)
+        out["idx_norm_b"] = ckpt.get(a + "indexer.k_norm.bias", (Di,), dtype)
+    out["mlp_norm"] = ckpt.get(f"{p}post_attention_layernorm.weight", (H,), dtype)
+    if not moe:
+        I = cfg.intermediate_size
+        out["w_gate"] = _linear(ckpt, f"{p}mlp.gate_proj.weight", I, H, dtype)
+        out["w_up"] = _linear(ckpt, f"{p}mlp.up_proj.weight", I, H, dtype)
+        out["w_down"] = _linear(ckpt, f"{p}mlp.down_proj.weight", H, I, dtype)
+        return out
+    m = cfg.moe
+    E = m.num_experts
+    out["router"] = _linear(ckpt, f"{p}mlp.gate.weight", E, H, dtype)
+    out["router_bias"] = ckpt.get(f"{p}mlp.gate.e_score_correction_bias", (E,), np.float32)
+    out |= _load_experts(ckpt, p, cfg, dtype)
+    if m.n_shared_experts:
+        Is = m.shared_intermediate_size
+        s = f"{p}mlp.shared_experts."
+        out["shared_gate"] = _linear(ckpt, s + "gate_proj.weight", Is, H, dtype)
+        out["shared_up"] = _linear(ckpt, s + "up_proj.weight", Is, H, dtype)
+        out["shared_down"] = _linear(ckpt, s + "down_proj.weight", H, Is, dtype)
+    return out
+
+
+def load_deepseek_params(
+    ckpt: SafetensorsCheckpoint, cfg: DeepseekConfig, dtype, progress: bool = True, prefix: str = "model."
+) -> dict:
+    """Reads a DeepSeek-V3 / V3.2 checkpoint into the layout of this module (MTP layers at
+    index >= num_hidden_layers are not read; see ``jaxspec.model.mtp``).
+
+    Raises:
+      CheckpointError: a missing or misshaped tensor (named).
+    """
+    H, V = cfg.hidden_size, cfg.vocab_size
+    groups: dict[str, dict[str, list[np.ndarray]]] = {"dense": {}, "moe": {}}
+    for i in tqdm(range(cfg.num_layers), desc="loading layers", disable=not progress, leave=False):
+        is_moe = i >= cfg.num_dense_layers
+        lp = load_layer_params(ckpt, cfg, f"{prefix}layers.{i}.", dtype, moe=is_moe)
+        for k, v in lp.items():
+            groups["moe" if is_moe else "dense"].setdefault(k, []).append(v)
+    params: dict = {
+        "embed": jnp.asarray(ckpt.get(f"{prefix}embed_tokens.weight", (V, H), dtype)),
+        "norm": jnp.asarray(ckpt.get(f"{prefix}norm.weight", (H,), dtype)),
+    }
+    for name, layers in groups.items():
+        if layers:
+            params[name] = {k: jnp.asarray(np.stack(v)) for k, v in layers.items()}
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" not in ckpt:
+            raise CheckpointError(
+                f"{ckpt.path}: missing tensor 'lm_head.weight' (config says tie_word_embeddings=false)"
+            )
+        params["lm_head"] = jnp.asarray(_linear(ckpt, "lm_head.weight", V, H, dtype))
+    return params
