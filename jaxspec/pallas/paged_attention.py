@@ -22,8 +22,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
 
 _MASK_VALUE = -1e30
 
@@ -79,10 +83,248 @@ def paged_attention_reference(
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def paged_attention_pallas(q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask, *,
-                           page_size, sm_scale, interpret):
-    # TODO(kernels issue): Pallas Triton kernel.
-    raise NotImplementedError("the Pallas paged-attention kernel is not written yet")
+# --------------------------------------------------------------------------- Pallas kernel
+#
+# Grid (B, Hkv, row blocks[, kv_splits]). A program owns one request b, one KV head h and
+# block_m rows of the folded (T, G) axis: row m is query row t = m // G of q head h*G + m % G,
+# so every q head sharing the KV head reads each K/V tile once. It streams
+#   1. the prefix [0, prefix_lens[b]) in block_k tiles (a dynamic trip count: only the pages
+#      this request uses; with kv_splits > 1 the tiles are dealt out among the splits), then
+#   2. the block [prefix, prefix + Wb) in block_w tiles, masked per row by block_mask (or
+#      w <= t), skipping tiles no row of the program can see (causal),
+# with an online softmax in f32. Each tile's positions become slots through the page table
+# inside the kernel, so any page size works. Positions no row can see are never loaded.
+
+
+def _attention_kernel(
+    layer_ref,  # i32[1]
+    prefix_ref,  # i32[B]
+    table_ref,  # i32[B * W] page table, flat
+    *refs,  # [mask_ref i8[B * T * Wb]], q_ref [B * T * Hq, D], k_ref [L * N * Hkv, D], v_ref, outputs
+    shape: tuple[int, int, int, int, int, int, int],  # (B, T, Hq, Hkv, D, N, W)
+    causal: bool,
+    page_size: int,
+    sm_scale: float,
+    block_m: int,
+    block_k: int,
+    block_w: int,
+    kv_splits: int,
+    block_width: int,  # Wb
+    d_pad: int,
+):
+    # Every array is flat in its leading axes (row-major, free to reshape outside): one row
+    # index per element keeps the pointer math explicit and the interpreted program small.
+    if causal:
+        mask_ref = None
+        q_ref, k_ref, v_ref, *out_refs = refs
+    else:
+        mask_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    B, T, Hq, Hkv, D, N, W = shape
+    G = Hq // Hkv
+    P = page_size
+    max_len = W * P  # positions the page table can address
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split = pl.program_id(3) if kv_splits > 1 else 0
+
+    m = i * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [bm] folded rows
+    t = jax.lax.div(m, G)  # [bm] query row
+    head = h * G + jax.lax.rem(m, G)  # [bm] q head
+    row_ok = t < T
+    t_in = jnp.where(row_ok, t, 0)
+    q_row = (b * T + t_in) * Hq + head  # [bm] row of q / o
+    d = jnp.arange(d_pad, dtype=jnp.int32)  # [Dp]
+    d_ok = d < D
+    d_in = jnp.where(d_ok, d, 0)[None, :]
+    qo_mask = row_ok[:, None] & d_ok[None, :]  # [bm, Dp]
+    q = plgpu.load(q_ref.at[q_row[:, None], d_in], mask=qo_mask, other=0)  # [bm, Dp]
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kv_base = layer_ref[0] * N  # first pool row of this layer
+    prefix = jnp.minimum(prefix_ref[b], max_len)
+
+    def attend(carry, pos, load_ok, allowed):
+        # pos: i32[bk] positions; load_ok: bool[bk] positions some row sees (only those are
+        # read); allowed: bool[bm, bk] per-row visibility.
+        acc, m_i, l_i = carry  # f32[bm, Dp], f32[bm], f32[bm]
+        page = table_ref[b * W + jnp.minimum(jax.lax.div(pos, P), W - 1)]  # [bk]
+        slot = jnp.clip(page * P + jax.lax.rem(pos, P), 0, N - 1)  # [bk]
+        kv_row = ((kv_base + slot) * Hkv + h)[:, None]  # [bk, 1]
+        kv_mask = load_ok[:, None] & d_ok[None, :]  # [bk, Dp]
+        k = plgpu.load(k_ref.at[kv_row, d_in], mask=kv_mask, other=0)  # [bk, Dp]
+        v = plgpu.load(v_ref.at[kv_row, d_in], mask=kv_mask, other=0)  # [bk, Dp]
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[bm, bk]
+        s = jnp.where(allowed, s, _MASK_VALUE)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # [bm]
+        alpha = jnp.exp(m_i - m_new)  # [bm]
+        p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)  # [bm, bk]
+        l_new = alpha * l_i + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_new
+
+    carry = (
+        jnp.zeros((block_m, d_pad), jnp.float32),
+        jnp.full((block_m,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+
+    # 1. Prefix: visible to every row; only the last tile is partial.
+    def prefix_step(j, carry):
+        pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+        ok = pos < prefix
+        return attend(carry, pos, ok, jnp.broadcast_to(ok[None, :], (block_m, block_k)))
+
+    n_prefix = pl.cdiv(prefix, block_k)
+    if kv_splits == 1:
+        lo, hi = 0, n_prefix
+    else:
+        per_split = pl.cdiv(n_prefix, kv_splits)
+        lo = split * per_split
+        hi = jnp.minimum(lo + per_split, n_prefix)
+    carry = jax.lax.fori_loop(lo, hi, prefix_step, carry)
+
+    # 2. The block after the prefix (handled by the last split).
+    def block_step(j, carry):
+        w = j * block_w + jnp.arange(block_w, dtype=jnp.int32)  # [bw] block offsets
+        pos = prefix + w
+        w_ok = (w < block_width) & (pos < max_len)
+        if causal:
+            vis = w[None, :] <= t[:, None]  # [bm, bw]
+        else:
+            mask_idx = (b * T + t_in[:, None]) * block_width + jnp.where(w_ok, w, 0)[None, :]
+            vis = plgpu.load(mask_ref.at[mask_idx], mask=row_ok[:, None] & w_ok[None, :], other=0) != 0
+        allowed = vis & w_ok[None, :]  # [bm, bw]
+        seen = jnp.max(allowed.astype(jnp.int32), axis=0) > 0  # [bw] some row sees it
+        return attend(carry, pos, seen, allowed)
+
+    if causal:  # rows of this program see block offsets <= their largest t
+        t_hi = jnp.minimum(T - 1, jax.lax.div(i * block_m + block_m - 1, G))
+        n_block = pl.cdiv(t_hi + 1, block_w)
+    else:
+        n_block = pl.cdiv(block_width, block_w)
+    if kv_splits > 1:
+        n_block = jnp.where(split == kv_splits - 1, n_block, 0)
+    acc, m_i, l_i = jax.lax.fori_loop(0, n_block, block_step, carry)
+
+    # Masked rows and columns get out-of-range indices: never written (interpret mode drops them).
+    row_st = jnp.where(row_ok, q_row, B * T * Hq)  # [bm]
+    d_st = jnp.where(d_ok, d, D)[None, :]
+    if kv_splits == 1:
+        (o_ref,) = out_refs  # [B * T * Hq, D]
+        o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]  # rows that see nothing: 0
+        plgpu.store(o_ref.at[row_st[:, None], d_st], o.astype(o_ref.dtype), mask=qo_mask)
+    else:
+        o_ref, m_ref, l_ref = out_refs  # f32[S * B * T * Hq, D], f32[S * B * T * Hq] x2
+        row_st = jnp.where(row_ok, split * (B * T * Hq) + q_row, kv_splits * B * T * Hq)
+        plgpu.store(o_ref.at[row_st[:, None], d_st], acc, mask=qo_mask)
+        plgpu.store(m_ref.at[row_st], m_i, mask=row_ok)
+        plgpu.store(l_ref.at[row_st], l_i, mask=row_ok)
+
+
+def _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask):
+    B, T, Hq, D = q.shape
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must be [L, N, Hkv, D] and equal, got {k_pool.shape}, {v_pool.shape}")
+    Hkv = k_pool.shape[2]
+    if Hq % Hkv or k_pool.shape[3] != D:
+        raise ValueError(f"q {q.shape} does not fit a pool of {Hkv} KV heads of width {k_pool.shape[3]}")
+    if page_table.ndim != 2 or page_table.shape[0] != B or prefix_lens.shape != (B,):
+        raise ValueError(f"page_table {page_table.shape} / prefix_lens {prefix_lens.shape} do not match B={B}")
+    if block_mask is not None and (block_mask.ndim != 3 or block_mask.shape[:2] != (B, T)):
+        raise ValueError(f"block_mask must be [B, T, Wb] = [{B}, {T}, Wb], got {block_mask.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "blocks", "interpret"))
+def _attention_call(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pool: jax.Array,  # [L, N, Hkv, D]
+    v_pool: jax.Array,  # [L, N, Hkv, D]
+    layer: jax.Array,  # i32[1]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # i8[B, T, Wb] | None
+    *,
+    page_size: int,
+    sm_scale: float,
+    blocks: AttentionBlocks,
+    interpret: bool,
+) -> jax.Array:  # [B, T, Hq, D]
+    B, T, Hq, D = q.shape
+    L, N, Hkv, _ = k_pool.shape
+    W = page_table.shape[1]
+    G = Hq // Hkv
+    causal = block_mask is None
+    S = blocks.kv_splits
+    grid = (B, Hkv, pl.cdiv(T * G, blocks.block_m)) + ((S,) if S > 1 else ())
+    kernel = functools.partial(
+        _attention_kernel, shape=(B, T, Hq, Hkv, D, N, W), causal=causal, page_size=page_size,
+        sm_scale=sm_scale, block_m=blocks.block_m, block_k=blocks.block_k, block_w=blocks.block_w,
+        kv_splits=S, block_width=T if causal else block_mask.shape[2], d_pad=max(16, next_pow2(D)),
+    )
+    # Flat views (free reshapes of contiguous arrays).
+    ins = (layer, prefix_lens, page_table.reshape(B * W))
+    ins += () if causal else (block_mask.reshape(-1),)
+    ins += (q.reshape(B * T * Hq, D), k_pool.reshape(L * N * Hkv, D), v_pool.reshape(L * N * Hkv, D))
+    if S == 1:
+        out_shape = (jax.ShapeDtypeStruct((B * T * Hq, D), q.dtype),)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((S * B * T * Hq, D), jnp.float32),  # unnormalized partial outputs
+            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # running max
+            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # softmax denominator
+        )
+    whole = lambda s: pl.BlockSpec(s.shape, lambda *_: (0,) * len(s.shape))  # noqa: E731
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(x) for x in ins],
+        out_specs=tuple(whole(s) for s in out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(*ins)
+    if S == 1:
+        return out[0].reshape(B, T, Hq, D)
+    # Merge the splits (flash-decoding): rescale each split to the common max.
+    o_part = out[0].reshape(S, B, T, Hq, D)
+    m_part, l_part = (x.reshape(S, B, T, Hq) for x in out[1:])
+    m_all = jnp.max(m_part, axis=0)  # [B, T, Hq]
+    scale = jnp.exp(m_part - m_all[None])  # [S, B, T, Hq]
+    l_all = jnp.sum(scale * l_part, axis=0)
+    o = jnp.sum(scale[..., None] * o_part, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    return o.astype(q.dtype)
+
+
+def paged_attention_pallas(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pool: jax.Array,  # [L, N, Hkv, D]
+    v_pool: jax.Array,  # [L, N, Hkv, D]
+    layer: jax.Array,  # i32[]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # bool[B, T, Wb] | None
+    *,
+    page_size: int,
+    sm_scale: float,
+    interpret: bool,
+    blocks: AttentionBlocks | None = None,
+) -> jax.Array:  # [B, T, Hq, D], q.dtype
+    """Pallas path of :func:`paged_attention` (see the kernel notes above)."""
+    _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask)
+    B, T, Hq, D = q.shape
+    L, N, Hkv, _ = k_pool.shape
+    if L * N * Hkv >= 2**31:
+        raise NotImplementedError(f"pool rows L*N*Hkv = {L * N * Hkv} overflow the kernel's int32 row index")
+    if blocks is None:
+        blocks = attention_blocks(
+            batch=B, kv_heads=Hkv, rows=T * (Hq // Hkv),
+            block_width=T if block_mask is None else block_mask.shape[2], head_dim=D,
+            max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
+        )
+    return _attention_call(
+        q, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32),
+        prefix_lens.astype(jnp.int32), None if block_mask is None else block_mask.astype(jnp.int8),
+        page_size=page_size, sm_scale=float(sm_scale), blocks=blocks, interpret=interpret,
+    )
 
 
 def paged_attention(

@@ -1,0 +1,162 @@
+"""Block sizes for the Pallas kernels: one frozen config per kernel and the heuristic that picks it.
+
+Kernels never hard-code a tile size; their jitted wrappers take one of these configs as a
+static argument, and ``None`` means "ask the heuristic here". Triton tiles must have a
+power-of-two number of elements, and ``tl.dot`` wants every matmul dimension >= 16, so every
+tile edge below is a power of two and the attention tiles are at least 16 wide.
+
+The heuristics are written for H100/H200-class GPUs (132 SMs, 64K registers per SM) and also
+serve interpret mode on CPU, where what matters is the number of programs (each one is a
+step of a sequential loop), so tiny test shapes get a single program per work item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Streaming multiprocessors to fill before splitting the KV sequence (H100 SXM: 132).
+_TARGET_PROGRAMS = 132
+# Largest tile (elements) one program keeps in registers for a pure copy (kv_move, gather):
+# 4096 elements over 4 warps is 32 values per thread.
+_COPY_TILE_ELEMS = 4096
+# Fewest KV blocks a split must own for split-KV (flash-decoding) to pay off.
+_MIN_BLOCKS_PER_SPLIT = 4
+_MAX_KV_SPLITS = 16
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= max(x, 1)."""
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _clamp(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, x))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionBlocks:
+    """Tiles of the paged-attention kernel.
+
+    Attributes:
+      block_m: query rows per program, over the folded (T, G) axis (row m is query row
+        m // G of q head group-member m % G): every q head sharing one KV head in one tile.
+      block_k: KV positions per step of the prefix loop (any page size: positions are
+        turned into slots through the page table inside the kernel).
+      block_w: block positions (tree / draft scratch / new tokens) per step of the block loop.
+      kv_splits: programs that share one (request, KV head, row block) along the prefix
+        (flash-decoding); their partial results are merged outside the kernel.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int
+    block_k: int
+    block_w: int
+    kv_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_w"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.kv_splits < 1:
+            raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def attention_blocks(
+    *,
+    batch: int,  # B
+    kv_heads: int,  # Hkv
+    rows: int,  # T * G folded query rows per (request, KV head)
+    block_width: int,  # Wb
+    head_dim: int,  # D
+    max_kv_len: int,  # W * P: positions the page table can address
+    interpret: bool,
+) -> AttentionBlocks:
+    """Heuristic tiles for the paged-attention kernel."""
+    d_pad = next_pow2(head_dim)
+    block_m = _clamp(next_pow2(rows), 16, 128 if d_pad <= 128 else 64)
+    block_k = 64 if d_pad <= 128 else 32
+    block_w = _clamp(next_pow2(block_width), 16, block_k)
+    num_warps = 8 if block_m * d_pad >= 128 * 64 else 4
+    kv_splits = 1
+    if not interpret:
+        # Too few programs to fill the GPU (decode / verify at small batch): split the
+        # prefix across programs, as long as each split keeps a few KV blocks.
+        programs = batch * kv_heads * -(-rows // block_m)
+        max_blocks = -(-max_kv_len // block_k)
+        if programs < _TARGET_PROGRAMS:
+            want = -(-_TARGET_PROGRAMS // programs)
+            kv_splits = _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
+    return AttentionBlocks(block_m=block_m, block_k=block_k, block_w=block_w, kv_splits=kv_splits,
+                           num_warps=num_warps, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoveBlocks:
+    """Tiles of the KV-move kernel.
+
+    Attributes:
+      group_rows: moves per program (a power of two >= the moves of the requests it owns);
+        each program reads all of its moves' sources before writing any target.
+      requests_per_group: whole requests per program (``None``: all moves in one group, when
+        the request structure of the move list is unknown).
+      block_cols: row elements per program, per buffer (one entry per buffer of the pool).
+      num_warps: Triton launch parameter.
+    """
+
+    group_rows: int
+    requests_per_group: int | None
+    block_cols: tuple[int, ...]
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for v in (self.group_rows, *self.block_cols):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"kv_move tiles must be powers of two, got {self}")
+
+
+def move_blocks(
+    *,
+    num_moves: int,  # M = B * S
+    moves_per_request: int | None,  # S, or None when unknown
+    row_widths: tuple[int, ...],  # C of each buffer (elements per slot)
+) -> MoveBlocks:
+    """Heuristic tiles for the KV-move kernel."""
+    if moves_per_request is None or num_moves % moves_per_request:
+        per_group, rows = None, next_pow2(num_moves)
+    else:
+        # As many whole requests as fit 32 rows (at least one request).
+        per_group = max(1, min(num_moves // moves_per_request, 32 // max(moves_per_request, 1)))
+        rows = next_pow2(per_group * moves_per_request)
+    cols = tuple(_clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(c)) for c in row_widths)
+    return MoveBlocks(group_rows=rows, requests_per_group=per_group, block_cols=cols, num_warps=4)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherBlocks:
+    """Tiles of the fused spec-extras gather.
+
+    Attributes:
+      block_rows: gathered rows per program.
+      block_hidden: hidden-state columns per program (the small per-row arrays are gathered
+        by the programs of the first hidden column block).
+      num_warps: Triton launch parameter.
+    """
+
+    block_rows: int
+    block_hidden: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for v in (self.block_rows, self.block_hidden):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"gather tiles must be powers of two, got {self}")
+
+
+def gather_blocks(*, num_rows: int, hidden_width: int) -> GatherBlocks:
+    """Heuristic tiles for the fused gather (R rows, Hd hidden columns; Hd = 0 without hidden)."""
+    rows = _clamp(next_pow2(num_rows), 1, 32)
+    hidden = _clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(max(hidden_width, 1)))
+    return GatherBlocks(block_rows=rows, block_hidden=hidden, num_warps=4)
