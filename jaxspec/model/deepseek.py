@@ -618,35 +618,40 @@ def layer_param_shapes(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None =
 
 
 _ONES = ("attn_norm", "q_a_norm", "kv_a_norm", "mlp_norm", "idx_norm_w")
-_F32 = ("router_bias",)
+
+
+def host_rng(key: jax.Array) -> np.random.Generator:
+    """Host RNG seeded from a JAX key (random init without compiling a program per shape)."""
+    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    return np.random.default_rng(np.asarray(data, np.uint32).ravel().tolist())
 
 
 def init_layer_params(cfg: DeepseekConfig, key: jax.Array, *, moe: bool, num: int | None = None,
                       dtype=jnp.float32, scale: float = 0.02, indexer: bool | None = None) -> dict:
-    """Random params of one layer (``num=None``) or ``num`` stacked layers (tests, benchmarks)."""
-    shapes = layer_param_shapes(cfg, moe=moe, indexer=indexer)
-    keys = jax.random.split(key, len(shapes))
+    """Random params of one layer (``num=None``) or ``num`` stacked layers (tests, benchmarks):
+    norm weights 1, LayerNorm bias 0, everything else N(0, scale^2) (``router_bias`` in f32)."""
+    rng = host_rng(key)
     lead = () if num is None else (num,)
     out = {}
-    for k, (name, shape) in zip(keys, shapes.items()):
+    for name, shape in layer_param_shapes(cfg, moe=moe, indexer=indexer).items():
         full = lead + shape
         if name in _ONES:
-            out[name] = jnp.ones(full, dtype)
+            x = np.ones(full, np.float32)
         elif name == "idx_norm_b":
-            out[name] = jnp.zeros(full, dtype)
-        elif name in _F32:
-            out[name] = scale * jax.random.normal(k, full, jnp.float32)
+            x = np.zeros(full, np.float32)
         else:
-            out[name] = (scale * jax.random.normal(k, full, jnp.float32)).astype(dtype)
+            x = scale * rng.standard_normal(full, dtype=np.float32)
+        out[name] = jnp.asarray(x, jnp.float32 if name == "router_bias" else dtype)
     return out
 
 
 def init_deepseek_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
     """Random params in the layout of ``load_deepseek_params`` (tests, benchmarks)."""
-    k_embed, k_head, k_dense, k_moe = jax.random.split(key, 4)
+    k_embed, k_dense, k_moe = jax.random.split(key, 3)
+    rng = host_rng(k_embed)
     H, V = cfg.hidden_size, cfg.vocab_size
     params = {
-        "embed": (scale * jax.random.normal(k_embed, (V, H), jnp.float32)).astype(dtype),
+        "embed": jnp.asarray(scale * rng.standard_normal((V, H), dtype=np.float32), dtype),
         "norm": jnp.ones((H,), dtype),
     }
     if cfg.num_dense_layers:
@@ -654,7 +659,7 @@ def init_deepseek_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32,
     if cfg.num_moe_layers:
         params["moe"] = init_layer_params(cfg, k_moe, moe=True, num=cfg.num_moe_layers, dtype=dtype, scale=scale)
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = (scale * jax.random.normal(k_head, (H, V), jnp.float32)).astype(dtype)
+        params["lm_head"] = jnp.asarray(scale * rng.standard_normal((H, V), dtype=np.float32), dtype)
     return params
 
 

@@ -35,6 +35,7 @@ from jaxspec.model.deepseek import (
     DeepseekConfig,
     create_mla_pool,
     decoder_block,
+    host_rng,
     init_layer_params,
     load_layer_params,
 )
@@ -206,17 +207,18 @@ def load_mtp_params(
 def init_mtp_params(cfg: MtpConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
     """Random MTP params (tests, benchmarks)."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    k_block, k_eh, k_embed, k_head = jax.random.split(key, 4)
+    k_block, k_rest = jax.random.split(key)
+    rng = host_rng(k_rest)
 
-    def normal(k, shape):
-        return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+    def normal(shape):
+        return jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32), dtype)
 
     return {
-        "embed": normal(k_embed, (V, H)),
+        "embed": normal((V, H)),
         "enorm": jnp.ones((H,), dtype),
         "hnorm": jnp.ones((H,), dtype),
-        "eh_proj": normal(k_eh, (2 * H, H)),
+        "eh_proj": normal((2 * H, H)),
         "block": init_layer_params(cfg.target, k_block, moe=cfg.moe, dtype=dtype, scale=scale, indexer=cfg.indexer),
         "head_norm": jnp.ones((H,), dtype),
-        "head": normal(k_head, (H, V)),
+        "head": normal((H, V)),
     }
