@@ -232,7 +232,11 @@ def kv_move_checked(
 ) -> tuple[jax.Array, ...]:
     """:func:`kv_move` under ``jax.jit`` with the bounds check functionalized by checkify:
     raises ``JaxRuntimeError`` naming the first bad move instead of corrupting the pool."""
-    fn = checkify.checkify(jax.jit(functools.partial(kv_move, implementation=implementation, check_bounds=True)))
-    err, out = fn(tuple(buffers), src_slots, dst_slots)
+    err, out = _checked_kv_move(implementation)(tuple(buffers), src_slots, dst_slots)
     err.throw()
     return out
+
+
+@functools.cache
+def _checked_kv_move(implementation: str | None):
+    return checkify.checkify(jax.jit(functools.partial(kv_move, implementation=implementation, check_bounds=True)))
