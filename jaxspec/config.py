@@ -26,11 +26,16 @@ class SpecConfig:
       num_draft_tokens: n, tokens verified per step including the root (the last
         verified token). Chains need ``n == S + 1``; trees need
         ``n - 1 <= topk + (S - 1) * topk**2`` (the number of candidates drafted).
+      accept_threshold_single, accept_threshold_acc: SGLang's tree-sampling thresholds
+        (temperature > 0). At 1.0 (default) sampling is exact; below 1 more drafts are
+        accepted and the output distribution is NO LONGER the target's (lossy).
     """
 
     num_steps: int = 5
     topk: int = 4
     num_draft_tokens: int = 8
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -48,6 +53,10 @@ class SpecConfig:
                 f"num_steps={self.num_steps}, num_draft_tokens={self.num_draft_tokens} "
                 f"(use num_draft_tokens={self.num_steps + 1})"
             )
+        for name in ("accept_threshold_single", "accept_threshold_acc"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ValueError(f"SpecConfig.{name} must be in (0, 1], got {value!r}")
         if self.num_draft_tokens - 1 > self.num_candidates:
             raise ValueError(
                 f"SpecConfig: num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the "
@@ -73,6 +82,17 @@ class SpecConfig:
     def max_accept(self) -> int:
         """Most tokens one step can emit: S accepted drafts + 1 bonus token."""
         return self.num_steps + 1
+
+    @property
+    def exact_sampling(self) -> bool:
+        """Thresholds at 1.0: sampling at temperature > 0 is lossless."""
+        return self.accept_threshold_single == 1.0 and self.accept_threshold_acc == 1.0
+
+    @property
+    def uses_rejection_sampling(self) -> bool:
+        """Chains at exact thresholds verify with the draft's probabilities (rejection
+        sampling); everything else uses target-only tree sampling."""
+        return self.topk == 1 and self.exact_sampling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,8 +138,8 @@ class SamplingParams:
             if any(not isinstance(t, int) or t < 0 for t in ids):
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be a non-negative int or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"SamplingParams.seed must be an int in [0, 2**32) or None, got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -97,13 +97,19 @@ def _sampling_list(sampling, n: int) -> list[SamplingParams]:
     return sampling
 
 
+@jax.jit
+def _keys_for(seed, index, own_seed, has_own):  # -> u32[N, 2]
+    derived = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(index)
+    own = jax.vmap(jax.random.PRNGKey)(own_seed)
+    return jnp.where(has_own[:, None], own, derived)
+
+
 def _request_keys(seed: int, sampling: list[SamplingParams]) -> np.ndarray:  # u32[N, 2]
-    base = jax.random.PRNGKey(seed)
-    keys = []
-    for i, s in enumerate(sampling):
-        k = jax.random.PRNGKey(s.seed) if s.seed is not None else jax.random.fold_in(base, i)
-        keys.append(np.asarray(jax.random.key_data(k)))
-    return np.stack(keys).astype(np.uint32)
+    """Request i's key: PRNGKey(its own seed) if it has one, else fold_in(PRNGKey(seed), i)."""
+    own = np.asarray([s.seed or 0 for s in sampling], np.uint32)
+    has_own = np.asarray([s.seed is not None for s in sampling])
+    keys = _keys_for(np.uint32(seed), np.arange(len(sampling), dtype=np.uint32), own, has_own)
+    return np.asarray(keys, np.uint32)
 
 
 def generate(
@@ -138,6 +144,8 @@ def generate(
       ValueError: a bad input (see ``jaxspec.config``), before any device work.
     """
     engine = engine or EngineConfig()
+    if not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if not isinstance(target, Model):
         raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
     if draft is not None and spec is None:
@@ -157,10 +165,9 @@ def generate(
         page_size=engine.page_size,
         steps_per_call=engine.steps_per_call,
         greedy_only=all(s.is_greedy for s in sampling),
+        filtering=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling if not s.is_greedy),
         implementation=engine.implementation,
     )
-    if draft is not None and not plan.greedy_only:
-        raise NotImplementedError("speculative decoding with temperature > 0 is not implemented yet")
     window = getattr(target.config, "sliding_window", None)
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
@@ -202,6 +209,7 @@ def generate(
     state = DecodeState.empty(
         batch=batch, out_width=out_width, num_stop=num_stop, topk=plan.topk,
         hidden_size=1 if draft is None else draft.config.hidden_size, hidden_dtype=dtype,
+        draft_q_width=target.config.vocab_size if plan.draft_samples else 1,
     )
 
     total_new = sum(s.max_new_tokens for s in sampling)

@@ -15,18 +15,23 @@ def target_probs(
     temperature: jax.Array,  # f32[...]
     top_k: jax.Array,  # i32[...] (0 = off)
     top_p: jax.Array,  # f32[...] (1 = off)
+    filtering: bool = True,
 ) -> jax.Array:  # f32[..., V]
     """The sampling distribution of each row. Greedy rows (T = 0) get a one-hot argmax.
 
     top_k keeps every token whose logit is >= the k-th largest (ties at the boundary are
     kept); top_p then keeps, in descending-probability order, each token whose preceding
-    mass is < top_p, and renormalizes.
+    mass is < top_p, and renormalizes. ``filtering=False`` (static: no row uses top_k or
+    top_p) skips the sorts.
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
     greedy = temperature <= 0.0
     t = jnp.where(greedy, 1.0, temperature)[..., None]
     scaled = logits / t
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    if not filtering:
+        return jnp.where(greedy[..., None], onehot, jax.nn.softmax(scaled, axis=-1))
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]
@@ -40,22 +45,29 @@ def target_probs(
     threshold = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
     probs = jnp.where(probs >= threshold, probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     return jnp.where(greedy[..., None], onehot, probs)
 
 
+def uniforms(keys: jax.Array, shape: tuple[int, ...] = ()) -> jax.Array:  # f32[R, *shape]
+    """U[0, 1) draws of ``shape`` from each row's key."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, jnp.float32))(keys)
+
+
 def sample_categorical(
-    probs: jax.Array,  # f32[..., V]
-    keys: jax.Array,  # key[...] one PRNG key per row
-) -> jax.Array:  # i32[...]
+    probs: jax.Array,  # f32[R, V]
+    keys: jax.Array,  # key[R] one PRNG key per row
+) -> jax.Array:  # i32[R]
     """One draw per row by inverse CDF (exact; zero-probability tokens never drawn)."""
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1)).reshape(keys.shape)
-    return sample_with_uniform(probs, u)
+    return sample_with_uniform(probs, uniforms(keys))
 
 
-def sample_with_uniform(probs: jax.Array, u: jax.Array) -> jax.Array:
+def sample_with_uniform(probs: jax.Array, u: jax.Array, fallback: jax.Array | None = None) -> jax.Array:
     """Inverse-CDF draw with given uniforms ``u`` in [0, 1): the first index whose cumulative
-    mass exceeds ``u * total``."""
+    mass exceeds ``u * total``. Rows whose mass is 0 (a residual that rounding emptied)
+    draw from ``fallback`` instead."""
+    if fallback is not None:
+        empty = jnp.sum(probs, axis=-1, keepdims=True) <= 0.0
+        probs = jnp.where(empty, fallback, probs)
     cdf = jnp.cumsum(probs, axis=-1)
     total = cdf[..., -1:]
     idx = jnp.sum(cdf <= u[..., None] * total, axis=-1)
@@ -71,11 +83,12 @@ def pick_tokens(
     top_p: jax.Array,  # f32[R]
     keys: jax.Array,  # key[R]
     greedy_only: bool,
+    filtering: bool = True,
 ) -> jax.Array:  # i32[R]
     """Next token per row: argmax for greedy rows, a draw from ``target_probs`` otherwise.
     ``greedy_only`` (static) compiles the argmax alone."""
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
         return greedy_tok
-    drawn = sample_categorical(target_probs(logits, temperature, top_k, top_p), keys)
+    drawn = sample_categorical(target_probs(logits, temperature, top_k, top_p, filtering), keys)
     return jnp.where(temperature <= 0.0, greedy_tok, drawn)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.draft.sampling import sample_with_uniform
 from jaxspec.draft.tree import Tree
 
 
@@ -56,3 +57,90 @@ def emitted_tokens(
     accept_index: jax.Array,  # i32[B, S+1]
 ) -> jax.Array:  # i32[B, S+1] (entries past accept_lens are garbage)
     return jnp.take_along_axis(predict, jnp.maximum(accept_index, 0), axis=1)
+
+
+# ---------------------------------------------------------------- sampling (temperature > 0)
+
+
+def verify_tree_target_only(
+    tree: Tree,
+    probs: jax.Array,  # f32[B, n, V] target distribution after each node
+    coins: jax.Array,  # f32[B, n] one uniform per node (used to choose among its children)
+    coin_final: jax.Array,  # f32[B] uniform for the last token
+    num_steps: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """SGLang's ``tree_speculative_sampling_target_only``.
+
+    At node x, the children are scanned in sibling order accumulating their target
+    probabilities; child c is accepted when ``coin[x] < acc / threshold_acc`` or its own
+    probability >= ``threshold_single``. If no child is accepted, the last token is drawn
+    from the target distribution at x with the scanned children removed. With both
+    thresholds at 1 this is inverse-CDF sampling of one token from p: exact. Lower
+    thresholds accept more and are lossy.
+    """
+    B, n, V = probs.shape
+    idx = jnp.arange(n, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(B)[:, None]
+    p_child = probs[rows, jnp.maximum(tree.parent, 0), tree.tokens]  # [B, n]: p(token | parent)
+    predict = jnp.zeros((B, n), jnp.int32)
+    last = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    rejected_at_last = jnp.zeros((B,), bool)
+    cols = [last]
+    for _ in range(num_steps):
+        children = (tree.parent == last[:, None]) & (idx > 0)  # [B, n], ascending = sibling order
+        acc = jnp.cumsum(jnp.where(children, p_child, 0.0), axis=1)
+        coin = jnp.take_along_axis(coins, last[:, None], axis=1)
+        ok = children & ((coin < acc / max(threshold_acc, 1e-9)) | (p_child >= threshold_single))
+        hit = jnp.any(ok, axis=1) & alive
+        child = jnp.argmax(ok, axis=1).astype(jnp.int32)
+        rejected_at_last = rejected_at_last | (alive & ~hit & jnp.any(children, axis=1))
+        predict = jnp.where(
+            hit[:, None] & (idx == last[:, None]), jnp.take_along_axis(tree.tokens, child[:, None], axis=1), predict
+        )
+        cols.append(jnp.where(hit, child, -1))
+        last = jnp.where(hit, child, last)
+        alive = hit
+    accept_index = jnp.stack(cols, axis=1)
+    accept_lens = jnp.sum(accept_index >= 0, axis=1).astype(jnp.int32)
+    # Last token: p at the last accepted node minus the children scanned there (if it rejected).
+    p_last = jnp.take_along_axis(probs, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    scanned = (tree.parent == last[:, None]) & (idx > 0) & rejected_at_last[:, None]  # [B, n]
+    removed = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], tree.tokens].max(scanned)
+    final = sample_with_uniform(jnp.where(removed, 0.0, p_last), coin_final, fallback=p_last)
+    predict = jnp.where(idx == last[:, None], final[:, None], predict)
+    return accept_index, accept_lens, predict
+
+
+def verify_chain_rejection(
+    tokens: jax.Array,  # i32[B, n] root + S drafted tokens (x_1..x_S)
+    draft_probs: jax.Array,  # f32[B, S, V] q_j: the distribution x_j was drawn from
+    probs: jax.Array,  # f32[B, n, V] p_j: the target distribution after node j
+    coins: jax.Array,  # f32[B, S]
+    coin_final: jax.Array,  # f32[B]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Speculative sampling (Leviathan et al.) on a chain: accept x_j with probability
+    min(1, p(x_j) / q(x_j)); at the first rejection draw from norm(max(0, p - q)); if all
+    are accepted draw the bonus from p. The output is distributed exactly as p.
+    (q: draft prob, p: target prob.)"""
+    B, n = tokens.shape
+    S = n - 1
+    x = tokens[:, 1:]  # [B, S]
+    p_x = jnp.take_along_axis(probs[:, :S], x[:, :, None], axis=2)[..., 0]  # p_{j-1}(x_j)
+    q_x = jnp.take_along_axis(draft_probs, x[:, :, None], axis=2)[..., 0]  # q_j(x_j)
+    ok = coins * q_x < p_x
+    run = jnp.cumprod(ok.astype(jnp.int32), axis=1)
+    num_ok = jnp.sum(run, axis=1).astype(jnp.int32)  # accepted drafts
+    accept_lens = num_ok + 1
+    idx = jnp.arange(n, dtype=jnp.int32)[None, :]
+    accept_index = jnp.where(idx < accept_lens[:, None], idx, -1)
+    p_last = jnp.take_along_axis(probs, num_ok[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_pad = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)  # q_{S+1} = 0
+    q_last = jnp.take_along_axis(q_pad, num_ok[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_last - q_last, 0.0)
+    final = sample_with_uniform(residual, coin_final, fallback=p_last)
+    predict = jnp.concatenate([x, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    predict = jnp.where(idx == num_ok[:, None], final[:, None], predict)
+    return accept_index, accept_lens, predict

@@ -21,7 +21,8 @@ class Plan:
 
     target: the target's model config. draft: the draft's DraftConfig or None (plain
     decoding, a one-node verify per step). greedy_only: no row samples, so the sampling
-    machinery is compiled out.
+    machinery is compiled out. filtering: some row uses top_k or top_p (else the sorts are
+    compiled out).
     """
 
     target: Any
@@ -30,6 +31,7 @@ class Plan:
     page_size: int = 16
     steps_per_call: int = 8
     greedy_only: bool = True
+    filtering: bool = False
     implementation: str | None = None
 
     def __post_init__(self):
@@ -48,6 +50,12 @@ class Plan:
     @property
     def max_accept(self) -> int:
         return 1 if self.spec is None else self.spec.max_accept
+
+    @property
+    def draft_samples(self) -> bool:
+        """Chains at temperature > 0 draw their draft tokens from the draft distribution q
+        and keep q for rejection sampling."""
+        return self.spec is not None and not self.greedy_only and self.spec.uses_rejection_sampling
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -80,6 +88,8 @@ class DecodeState:
       topk_p: f32[B, K], topk_index: i32[B, K], hidden: [B, Hd] the draft's seed for the
         next step (from the last draft-extend or prefill).
       num_verify: i32[B] verify steps run; accept_log: i32[B, M] accept length of each.
+      draft_q: f32[B, V] the distribution the next step's first draft token was drawn from
+        (chain rejection sampling only; [B, 1] otherwise).
     """
 
     seq_lens: jax.Array
@@ -99,9 +109,11 @@ class DecodeState:
     hidden: jax.Array
     num_verify: jax.Array
     accept_log: jax.Array
+    draft_q: jax.Array
 
     @classmethod
-    def empty(cls, *, batch: int, out_width: int, num_stop: int, topk: int, hidden_size: int, hidden_dtype):
+    def empty(cls, *, batch: int, out_width: int, num_stop: int, topk: int, hidden_size: int, hidden_dtype,
+              draft_q_width: int = 1):
         B = batch
         zeros_i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
         return cls(
@@ -122,10 +134,19 @@ class DecodeState:
             hidden=jnp.zeros((B, hidden_size), hidden_dtype),
             num_verify=zeros_i(B),
             accept_log=zeros_i(B, out_width),
+            draft_q=jnp.zeros((B, draft_q_width), jnp.float32),
         )
 
 
-def row_keys(state: DecodeState, offset: int = 0) -> jax.Array:
-    """One PRNG key per row for this step: fold_in(request key, draws so far + offset)."""
+def row_keys(state: DecodeState) -> jax.Array:
+    """One PRNG key per row for this step: fold_in(request key, steps so far)."""
     keys = jax.random.wrap_key_data(state.keys)
-    return jax.vmap(jax.random.fold_in)(keys, state.steps + offset)
+    return jax.vmap(jax.random.fold_in)(keys, state.steps)
+
+
+# Sub-streams of a step's key, one per use, so draws never share randomness.
+KEY_COINS, KEY_FINAL, KEY_SEED, KEY_DRAFT_STEP = 1, 2, 3, 16
+
+
+def sub_keys(keys: jax.Array, purpose: int) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, purpose)

@@ -5,6 +5,8 @@ Kinds:
   eagle1      EAGLE-1/2 feature head (target final hidden state in).
   eagle3      EAGLE-3 head (target aux residual streams in).
   standalone  any Llama-family LM with the target's vocabulary (tokens in; its own KV).
+  frozen_kv   frozen-KV MTP assistant: reads the target's KV, has none of its own
+              (jaxspec.model.assistant); its seed step is iteration 0 of the draft loop.
 
 Position convention: a feature-level head's row ``p`` consumes the token at ``p + 1`` and
 writes KV at ``p``; a standalone LM's row consumes the token at ``p`` and writes KV at ``p``.
@@ -22,6 +24,13 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.assistant import (
+    ARCHITECTURE as ASSISTANT_ARCHITECTURE,
+    AssistantConfig,
+    assistant_config_from_hf,
+    assistant_logits,
+    load_assistant_params,
+)
 from jaxspec.model.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config, resolve_dtype
 from jaxspec.model.config import ConfigError, LlamaConfig, llama_config_from_hf
 from jaxspec.model.eagle import (
@@ -40,7 +49,7 @@ from jaxspec.model.loader import Model, load_llama_params
 class DraftConfig:
     """Static description of a draft, enough to shape every compiled program.
 
-    kind: "eagle1" | "eagle3" | "standalone".
+    kind: "eagle1" | "eagle3" | "standalone" | "frozen_kv".
     model: the head's or LM's own config.
     feature: target feature consumed at draft-extend: "final" (normed final hidden),
       "aux" (EAGLE-3 taps) or None.
@@ -57,8 +66,13 @@ class DraftConfig:
     hidden_size: int = 1
 
     @property
+    def frozen_kv(self) -> bool:
+        return self.kind == "frozen_kv"
+
+    @property
     def num_layers(self) -> int:
-        return self.model.num_layers
+        """Layers of the draft's own KV pool (0 for a frozen-KV assistant)."""
+        return 0 if self.frozen_kv else self.model.num_layers
 
     @property
     def num_kv_heads(self) -> int:
@@ -111,6 +125,8 @@ def draft_forward(
 def draft_logits(dcfg: DraftConfig, params: dict, hidden: jax.Array) -> jax.Array:  # f32[..., Vd]
     if dcfg.kind in ("eagle1", "eagle3"):
         return eagle_logits(params, dcfg.model, hidden)
+    if dcfg.kind == "frozen_kv":
+        return assistant_logits(params, hidden)
     return lm_logits(params, hidden)
 
 
@@ -154,6 +170,9 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
         raise ConfigError(f"{where}: EAGLE/standalone drafts need a Llama-family target, got {type(target.config).__name__}")
     ckpt = SafetensorsCheckpoint(path)
     try:
+        if ASSISTANT_ARCHITECTURE in (raw.get("architectures") or []):
+            acfg = assistant_config_from_hf(raw, target.config, where)
+            return assistant_draft(acfg, load_assistant_params(ckpt, acfg, target.params, np_dtype), path)
         version = detect_eagle_version(ckpt)
         if version is not None:
             ecfg: EagleConfig = eagle_config_from_hf(raw, version, target.config, where)
@@ -182,6 +201,13 @@ def eagle_draft(cfg: EagleConfig, params: dict, path: str | None = None) -> Draf
     return DraftModel(config=config, params=params, path=path)
 
 
+def assistant_draft(cfg: AssistantConfig, params: dict, path: str | None = None) -> DraftModel:
+    """Wraps frozen-KV assistant params as a draft."""
+    config = DraftConfig(kind="frozen_kv", model=cfg, feature="final", pos_offset=0,
+                         hidden_size=cfg.backbone_hidden_size)
+    return DraftModel(config=config, params=params, path=path)
+
+
 def standalone_config(cfg: LlamaConfig) -> DraftConfig:
     return DraftConfig(kind="standalone", model=cfg, feature=None, pos_offset=1, hidden_size=1)
 
@@ -206,5 +232,9 @@ def check_draft_fits(target: Model, draft: DraftModel) -> None:
             f"draft was built for target hidden size {cfg.model.target_hidden_size}, "
             f"the target has {tcfg.hidden_size}"
         )
+    if cfg.frozen_kv:
+        from jaxspec.model.assistant import check_assistant_fits
+
+        check_assistant_fits(cfg.model, tcfg)
     if cfg.aux_layers and max(cfg.aux_layers) >= tcfg.num_layers:
         raise ValueError(f"draft taps target layers {cfg.aux_layers}; the target has {tcfg.num_layers}")

@@ -1,0 +1,173 @@
+"""Speculative sampling at temperature > 0 is exact: the joint distribution of the first
+generated tokens matches the target's, computed by enumeration on a tiny vocabulary.
+
+Many independent samples come cheaply from one batch of identical prompts (each row has
+its own PRNG key). A deliberately biased sampler (on rejection, resample from p instead of
+norm(max(0, p - q))) must fail the same test, so the test can fail."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxspec as js
+import jaxspec.draft.step as step_mod
+from jaxspec.draft import verify as verify_mod
+from jaxspec.draft.sampling import sample_with_uniform, target_probs
+from jaxspec.model.config import LlamaConfig
+from jaxspec.model.draft import eagle_draft, standalone_draft
+from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
+from jaxspec.model.loader import Model
+from jaxspec.model.target import forward_sequence
+from tests.conftest import tiny_model
+
+V, K_TOKENS, ROWS = 5, 4, 256
+PROMPT = [1, 2, 3, 4]
+CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=2,
+                  num_kv_heads=1, head_dim=16)
+P_VALUE_MIN = 1e-3  # a correct sampler fails this with probability 1e-3 per check
+
+
+@functools.cache
+def target() -> Model:
+    return tiny_model(seed=3, scale=0.25, cfg=CFG)
+
+
+@functools.cache
+def drafts():
+    t = target()
+    keys = iter(jax.random.split(jax.random.PRNGKey(4), 64))
+    noisy = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), t.params)
+    ecfg = eagle3_config_for(CFG, draft_vocab_size=4)
+    return {
+        "perturbed": standalone_draft(Model(config=CFG, params=noisy, dtype=t.dtype)),
+        "eagle3": eagle_draft(ecfg, init_eagle_params(ecfg, jax.random.PRNGKey(5), t.params, scale=0.3)),
+    }
+
+
+def exact_joint(sampling: js.SamplingParams) -> np.ndarray:
+    """P(t1..tk) by enumeration: [V**k]."""
+    prefixes = list(itertools.product(range(V), repeat=K_TOKENS - 1))
+    seqs = np.asarray([PROMPT + list(p) for p in prefixes])
+    logits, _, _ = forward_sequence(target(), seqs)
+    n = len(PROMPT)
+    lg = logits[:, n - 1:]  # [N, k, V]: distribution of t1..tk
+    ones = jnp.ones(lg.shape[:-1])
+    p = np.asarray(target_probs(lg, ones * sampling.temperature, (ones * sampling.top_k).astype(jnp.int32),
+                                ones * sampling.top_p), np.float64)
+    joint = np.zeros([V] * K_TOKENS)
+    for i, pre in enumerate(prefixes):
+        prob = 1.0
+        for j, tok in enumerate(pre):
+            prob *= p[i, j, tok]
+        joint[pre] = prob * p[i, K_TOKENS - 1]
+    return joint.reshape(-1)
+
+
+def sample_counts(draft, spec, sampling, calls: int, seed0: int = 0) -> np.ndarray:
+    counts = np.zeros(V**K_TOKENS, np.int64)
+    eng = js.EngineConfig(page_size=4, max_batch=ROWS, max_seq_len=32, steps_per_call=4)
+    for c in range(calls):
+        out = js.generate(target(), [PROMPT] * ROWS, draft=draft, spec=spec, sampling=sampling, engine=eng,
+                          seed=seed0 + c, progress=False)
+        for toks in out.token_ids:
+            assert len(toks) == K_TOKENS
+            counts[np.ravel_multi_index(toks, [V] * K_TOKENS)] += 1
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit, with outcomes of expected count < 5 pooled into one bin."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+def total_variation(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+HOT = js.SamplingParams(temperature=1.0, max_new_tokens=K_TOKENS)
+FILTERED = js.SamplingParams(temperature=0.8, top_k=4, top_p=0.9, max_new_tokens=K_TOKENS)
+CASES = [
+    pytest.param(None, None, HOT, id="plain"),
+    pytest.param("perturbed", js.SpecConfig.chain(2), HOT, id="chain_S2_rejection"),
+    pytest.param("perturbed", js.SpecConfig.chain(3), FILTERED, id="chain_S3_rejection_topk_topp"),
+    pytest.param("eagle3", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), HOT, id="tree_k2_n4_target_only"),
+    pytest.param("perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6), FILTERED,
+                 id="tree_k3_n6_target_only_topk_topp"),
+]
+
+
+@pytest.mark.parametrize("draft,spec,sampling", CASES)
+def test_speculative_sampling_matches_target_distribution(draft, spec, sampling):
+    probs = exact_joint(sampling)
+    d = drafts()[draft] if draft else None
+    counts = sample_counts(d, spec, sampling, calls=48)
+    assert chi_square_p(counts, probs) > P_VALUE_MIN
+    # More samples, closer to p.
+    few = sample_counts(d, spec, sampling, calls=2, seed0=1000)
+    assert total_variation(counts, probs) < total_variation(few, probs)
+
+
+def test_drafts_are_partially_accepted_at_temperature_one():
+    """The sampling tests exercise rejections, not only full accepts or full rejects."""
+    out = js.generate(target(), [PROMPT] * 64, draft=drafts()["perturbed"], spec=js.SpecConfig.chain(3),
+                      sampling=js.SamplingParams(temperature=1.0, max_new_tokens=12),
+                      engine=js.EngineConfig(page_size=4, max_batch=64, max_seq_len=32), progress=False)
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    assert 1.3 < lens.mean() < 3.7 and (lens == 1).any() and (lens == 4).any()
+
+
+def _biased_chain_rejection(tokens, draft_probs, probs, coins, coin_final):
+    """Wrong on purpose: after a rejection, draws from p instead of norm(max(0, p - q))."""
+    accept_index, accept_lens, predict = verify_mod.verify_chain_rejection(tokens, draft_probs, probs, coins, coin_final)
+    num_ok = accept_lens - 1
+    p_last = jnp.take_along_axis(probs, num_ok[:, None, None], axis=1)[:, 0]
+    wrong = sample_with_uniform(p_last, coin_final)
+    idx = jnp.arange(tokens.shape[1])[None, :]
+    return accept_index, accept_lens, jnp.where(idx == num_ok[:, None], wrong[:, None], predict)
+
+
+def test_biased_sampler_fails_the_same_test(monkeypatch):
+    sampling = HOT
+    probs = exact_joint(sampling)
+    monkeypatch.setattr(step_mod, "verify_chain_rejection", _biased_chain_rejection)
+    jax.clear_caches()  # the compiled decode program must pick up the patched sampler
+    try:
+        counts = sample_counts(drafts()["perturbed"], js.SpecConfig.chain(2), sampling, calls=48)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi_square_p(counts, probs) < 1e-6
+
+
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)],
+                         ids=["chain", "tree"])
+def test_same_seed_same_output(spec):
+    sampling = js.SamplingParams(temperature=0.9, max_new_tokens=12)
+    eng = js.EngineConfig(page_size=4, max_batch=4, max_seq_len=32)
+    runs = [js.generate(target(), [PROMPT, [3, 2], [4], [1, 1, 1]], draft=drafts()["perturbed"], spec=spec,
+                        sampling=sampling, engine=eng, seed=s, progress=False).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_lossy_thresholds_are_accepted_and_validated():
+    spec = js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, accept_threshold_single=0.5, accept_threshold_acc=0.5)
+    assert not spec.exact_sampling
+    out = js.generate(target(), [PROMPT] * 4, draft=drafts()["eagle3"], spec=spec,
+                      sampling=js.SamplingParams(temperature=1.0, max_new_tokens=8),
+                      engine=js.EngineConfig(page_size=4, max_batch=4, max_seq_len=32), progress=False)
+    assert all(len(t) == 8 for t in out.token_ids)
+    with pytest.raises(ValueError, match="accept_threshold_acc must be in \\(0, 1\\]"):
+        js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, accept_threshold_acc=0.0)
