@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.triton_common import whole
 from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks, next_pow2
 
 
@@ -92,7 +93,6 @@ def _gather_call(index, topk_p, topk_index, tokens, hidden, *, blocks: GatherBlo
         jax.ShapeDtypeStruct((R, topk_index.shape[1]), topk_index.dtype),
         jax.ShapeDtypeStruct((R,), tokens.dtype),
     ) + ((jax.ShapeDtypeStruct((R, hidden.shape[1]), hidden.dtype),) if has_hidden else ())
-    whole = lambda s: pl.BlockSpec(s.shape, lambda i, j: (0,) * len(s.shape))  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_gather_kernel, block_rows=blocks.block_rows, block_hidden=blocks.block_hidden,
                           has_hidden=has_hidden),

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.triton_common import whole
 from jaxspec.pallas.block_sizes import MoveBlocks, move_blocks
 
 
@@ -135,7 +136,6 @@ def _kv_move_call(
     L, N = buffers[0].shape[:2]
     flat = tuple(b.reshape(L * N, b.shape[2]) for b in buffers)  # [L * N, C_i]: free reshapes
     col_blocks = max(pl.cdiv(b.shape[1], cb) for b, cb in zip(flat, blocks.block_cols))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda g, l, c: (0,) * x.ndim)  # noqa: E731
     group = pl.BlockSpec((None, R), lambda g, l, c: (g, 0))
     nbuf = len(flat)
     out = pl.pallas_call(

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.triton_common import whole
 from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
 
 _MASK_VALUE = -1e30
@@ -271,7 +272,6 @@ def _attention_call(
             jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # running max
             jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # softmax denominator
         )
-    whole = lambda s: pl.BlockSpec(s.shape, lambda *_: (0,) * len(s.shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=grid,
