@@ -21,14 +21,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
-from jaxspec.pallas.triton_common import whole
 from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
+from jaxspec.pallas.triton_common import whole
 
 _MASK_VALUE = -1e30
 
