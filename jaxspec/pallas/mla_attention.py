@@ -34,6 +34,7 @@ from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
 from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
 from jaxspec.pallas.paged_attention import visible_mask
+from jaxspec.pallas.triton_common import whole
 
 _MASK_VALUE = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -255,7 +256,6 @@ def _mla_call(
             jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # running max
             jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # softmax denominator
         )
-    whole = lambda s: pl.BlockSpec(s.shape, lambda *_: (0,) * len(s.shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=grid,
