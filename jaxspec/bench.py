@@ -1,0 +1,257 @@
+"""``jaxspec bench``: end-to-end decoding throughput, plain vs speculative, over a sweep.
+
+    jaxspec bench                                  # demo pair, full sweep, held-out stdlib prompts
+    jaxspec bench --batches 1 --configs plain,chain5,tree4x16 --repeats 5
+
+Every configuration runs once to compile (warm-up), then ``--repeats`` timed runs; the
+reported tokens/s is the median. Each run generates exactly ``--max-new-tokens`` tokens per
+prompt (stop tokens off), so configurations do equal work. Speedup is tokens/s over plain
+decoding at the same batch size, measured in the same process. Writes a JSON file with
+every measurement and a PNG plot (speedup and mean accept length per configuration, one
+line per batch size).
+
+Configuration names: ``plain``; ``chain<S>`` (topk 1, S draft steps); ``tree<K>x<n>`` (topk K,
+n verified tokens, S = ``--tree-steps`` raised to the smallest valid depth when needed);
+``tree<K>x<n>s<S>`` (explicit S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+DEFAULT_CONFIGS = ("plain,chain1,chain3,chain5,chain7,tree2x8,tree2x16,tree2x32,tree4x8,tree4x16,tree4x32,"
+                   "tree8x8,tree8x16,tree8x32")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    num_steps: int = 0  # 0: plain decoding
+    topk: int = 1
+    num_draft_tokens: int = 1
+
+    @property
+    def is_plain(self) -> bool:
+        return self.num_steps == 0
+
+    def spec(self):
+        from jaxspec.config import SpecConfig
+
+        return None if self.is_plain else SpecConfig(
+            num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+
+
+def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
+    """``plain`` | ``chain<S>`` | ``tree<K>x<n>`` | ``tree<K>x<n>s<S>`` -> BenchConfig (validated)."""
+    from jaxspec.config import SpecConfig
+
+    name = name.strip()
+    if name == "plain":
+        return BenchConfig("plain")
+    if m := re.fullmatch(r"chain(\d+)", name):
+        s = int(m.group(1))
+        SpecConfig.chain(s)
+        return BenchConfig(name, s, 1, s + 1)
+    if m := re.fullmatch(r"tree(\d+)x(\d+)(?:s(\d+))?", name):
+        k, n = int(m.group(1)), int(m.group(2))
+        if m.group(3):
+            s = int(m.group(3))
+        else:  # smallest S >= tree_steps with n - 1 <= k + (S - 1) k^2
+            s = tree_steps
+            while n - 1 > k + (s - 1) * k * k:
+                s += 1
+        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
+        return BenchConfig(name, s, k, n)
+    raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>])")
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    """Token-id prompts: held-out stdlib files (default) or files / directories / a text file
+    with one prompt per blank-line-separated block."""
+    from jaxspec.train.corpus import file_prompts, list_files, stdlib_files
+
+    need = max(args.batches)
+    if args.prompts == "stdlib":
+        files = stdlib_files("heldout")
+    else:
+        files = list_files(args.prompts.split(","), tuple(e for e in args.ext.split(",") if e))
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer.json; bench prompts are text files")
+    prompts = file_prompts(tokenizer, files, max(need, args.num_prompts), args.prompt_tokens)
+    if not prompts:
+        raise ValueError(f"no prompt file has more than {args.prompt_tokens + 16} tokens")
+    return prompts
+
+
+def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repeats, temperature=0.0,
+              page_size=16, log=print) -> list[dict]:
+    """Measures every (batch, configuration); returns one row per measurement."""
+    import jaxspec as js
+    from tqdm.auto import tqdm
+
+    rows = []
+    longest = max(len(p) for p in prompts)
+    sampling = js.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=())
+    bar = tqdm(total=len(batches) * len(configs), desc="bench", unit="cfg", dynamic_ncols=True)
+    for batch in batches:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        engine = js.EngineConfig(page_size=page_size, max_batch=batch, max_seq_len=longest + max_new_tokens + 64)
+        plain_tps = None
+        for cfg in configs:
+            bar.set_postfix(batch=batch, config=cfg.name)
+            row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
+                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature)
+            kw = dict(draft=None if cfg.is_plain else draft, spec=cfg.spec(), sampling=sampling, engine=engine,
+                      progress=False)
+            try:
+                out = js.generate(target, batch_prompts, **kw)  # warm-up: compiles
+            except NotImplementedError as e:
+                row.update(error=str(e))
+                rows.append(row)
+                bar.update(1)
+                continue
+            tps, walls = [], []
+            for _ in range(repeats):
+                out = js.generate(target, batch_prompts, **kw)
+                tps.append(sum(s.num_tokens for s in out.stats) / out.wall_seconds)
+                walls.append(out.wall_seconds)
+            med = statistics.median(tps)
+            if cfg.is_plain:
+                plain_tps = med
+            row.update(tokens_per_s=med, tokens_per_s_runs=tps, wall_s_runs=walls,
+                       tokens=sum(s.num_tokens for s in out.stats),
+                       mean_accept_len=out.mean_accept_len if not cfg.is_plain else 1.0,
+                       speedup=(med / plain_tps) if plain_tps else None)
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'config':<12}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
+                         f"{r['batch']:>6}  unsupported: {r['error']}")
+            continue
+        sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
+                     f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Two panels: speedup vs plain and mean accept length per configuration, a line per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    names = list(dict.fromkeys(r["config"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.7 * len(names) + 4), 4.5))
+    for batch in sorted({r["batch"] for r in ok}):
+        by = {r["config"]: r for r in ok if r["batch"] == batch}
+        xs = [i for i, n in enumerate(names) if n in by]
+        axes[0].plot(xs, [by[names[i]]["speedup"] or 0 for i in xs], "o-", label=f"batch {batch}")
+        axes[1].plot(xs, [by[names[i]]["mean_accept_len"] for i in xs], "o-", label=f"batch {batch}")
+    axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+    axes[0].set_ylabel("speedup vs plain (tokens/s)")
+    axes[1].set_ylabel("mean accept length")
+    for ax in axes:
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=45, ha="right")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"{d.platform.upper()} {d.device_kind}"
+
+
+def cmd_bench(args) -> int:
+    import jaxspec as js
+    from jaxspec.cli import DEMO_DRAFT, DEMO_TARGET
+
+    target_path = args.target or DEMO_TARGET
+    draft_path = args.draft or (DEMO_DRAFT if args.target is None else None)
+    if not args.batches or any(b < 1 for b in args.batches):
+        raise ValueError(f"--batches must be positive ints, got {args.batches}")
+    configs = [parse_config(c, args.tree_steps) for c in args.configs.split(",") if c.strip()]
+    if not configs:
+        raise ValueError("--configs is empty")
+    if not configs[0].is_plain:
+        configs.insert(0, parse_config("plain"))  # speedups need the baseline first
+    target = js.load_model(target_path, dtype=args.dtype, progress=False)
+    if any(not c.is_plain for c in configs) and not draft_path:
+        raise ValueError("speculative configurations need --draft")
+    draft = js.load_draft(draft_path, target) if draft_path else None
+    prompts = load_prompts(args, target.tokenizer)
+    print(f"target {target_path}\ndraft  {draft_path}\ndevice {device_name()}\n"
+          f"{len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
+          f"temperature {args.temperature}, batches {args.batches}, {args.repeats} repeats", file=sys.stderr)
+    t = time.perf_counter()
+    rows = run_sweep(target, draft, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
+                     repeats=args.repeats, temperature=args.temperature, page_size=args.page_size)
+    table = format_table(rows)
+    print(table)
+    result = dict(
+        device=device_name(), target=target_path, draft=draft_path, dtype=args.dtype, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, num_prompts=len(prompts),
+        repeats=args.repeats, seconds=time.perf_counter() - t, command=" ".join(["jaxspec"] + sys.argv[1:]),
+        rows=rows,
+    )
+    out_json = args.out
+    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump(result, f, indent=1)
+    png = args.png or os.path.splitext(out_json)[0] + ".png"
+    plot(rows, png, f"jaxspec bench: {device_name()}, T={args.temperature}")
+    print(f"wrote {out_json} and {png}", file=sys.stderr)
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="sweep plain vs speculative decoding (table, JSON, PNG)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
+    p.add_argument("--draft", default=None, help="draft checkpoint (default: the demo EAGLE-3 head)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated (default: the full sweep)")
+    p.add_argument("--batches", type=_ints, default=[1, 4, 16], help="comma-separated batch sizes (default 1,4,16)")
+    p.add_argument("--tree-steps", type=int, default=5, help="default draft depth S of tree configurations")
+    p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out files) or files/directories, comma-separated")
+    p.add_argument("--ext", default=".py", help="suffixes taken from prompt directories")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--out", default="runs/bench/bench.json", help="JSON output (the PNG goes next to it)")
+    p.add_argument("--png", default=None, help="PNG output (default: --out with .png)")
+    p.set_defaults(func=cmd_bench)
+    return p

@@ -1,0 +1,130 @@
+"""``jaxspec train-draft``: train an EAGLE-3 head for a target on a text corpus.
+
+    jaxspec train-draft --target DIR --corpus PATH [PATH ...] --out DIR [--minutes M | --steps N]
+
+The corpus is files and/or directories (``--ext`` filters directory listings), or ``stdlib``
+for the running Python's standard library. Files whose relative path hashes into the
+held-out bucket (``--heldout-percent``) are never trained on; they give the held-out
+windows and prompts of the periodic reports. Checkpoints go to ``--run-dir`` and a rerun
+with the same ``--run-dir`` resumes; the head is exported to ``--out`` at every checkpoint
+(config.json + model.safetensors, loadable by ``jaxspec.load_draft``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train-draft", help="train an EAGLE-3 draft head for a target on a text corpus",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", required=True, help="HF checkpoint directory of the target (with tokenizer.json)")
+    p.add_argument("--corpus", nargs="+", required=True, help="files / directories, or 'stdlib'")
+    p.add_argument("--out", required=True, help="directory for the exported head")
+    p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: runs/train_draft/<basename of --out>)")
+    p.add_argument("--ext", default=".py,.txt,.md,.rst", help="file suffixes taken from directories ('' = all)")
+    p.add_argument("--heldout-percent", type=int, default=5, help="percent of files held out (by path hash)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000)")
+    budget.add_argument("--minutes", type=float, default=None, help="train for this wall time instead")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--ttt-steps", type=int, default=5, help="simulated draft steps per window (training-time test)")
+    p.add_argument("--step-weight", type=float, default=0.8, help="loss weight decay per simulated step")
+    p.add_argument("--label", default="soft", choices=["soft", "greedy"],
+                   help="soft: the target's distribution; greedy: its argmax token")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (d2t/t2d by frequency)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the generate report (0: off)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="exported weight dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def _split_corpus(args) -> tuple[list, list]:
+    """(training files, held-out files) as (root, relative path) pairs."""
+    from jaxspec.train.corpus import is_held_out, list_files, stdlib_files
+
+    if args.corpus == ["stdlib"]:
+        train_files, held = stdlib_files("train"), stdlib_files("heldout")
+    else:
+        exts = tuple(e for e in args.ext.split(",") if e)
+        files = list_files(args.corpus, exts)
+        held = [f for f in files if is_held_out(f[1], args.heldout_percent)]
+        train_files = [f for f in files if not is_held_out(f[1], args.heldout_percent)]
+        if not train_files:
+            train_files, held = files, []
+    return train_files, held
+
+
+def run(args) -> int:
+    import jaxspec as js
+    from jaxspec.train.corpus import file_prompts, tokenize_files
+    from jaxspec.train.draft_train import DraftTrainConfig, DraftTrainer
+    from jaxspec.train.forward import num_params
+    from jaxspec.train.optim import OptimConfig
+
+    if args.steps is None and args.minutes is None:
+        args.steps = 1000
+    cfg = DraftTrainConfig(
+        batch=args.batch, seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, ttt_steps=args.ttt_steps,
+        step_weight=args.step_weight, label=args.label, draft_vocab_size=args.draft_vocab_size,
+        intermediate_size=args.intermediate_size, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        checkpoint_every=args.eval_every, seed=args.seed,
+        optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, weight_decay=0.0),
+    )
+    target = js.load_model(args.target, dtype="float32")
+    if target.tokenizer is None:
+        raise ValueError(f"{args.target} has no tokenizer.json: train-draft tokenizes the corpus with it")
+    run_dir = args.run_dir or os.path.join("runs", "train_draft", os.path.basename(os.path.normpath(args.out)))
+    os.makedirs(run_dir, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+        with open(os.path.join(run_dir, "log.txt"), "a") as f:
+            f.write(msg + "\n")
+
+    t = time.perf_counter()
+    train_files, held = _split_corpus(args)
+    eos = target.eos_token_ids[0] if target.eos_token_ids else None
+    train = tokenize_files(target.tokenizer, train_files, eos)
+    heldout = tokenize_files(target.tokenizer, held, eos) if held else None
+    prompts = file_prompts(target.tokenizer, held, args.eval_prompts, args.prompt_tokens) if held else []
+    log(f"corpus: {len(train_files)} training files ({len(train)} tokens), {len(held)} held out "
+        f"({0 if heldout is None else len(heldout)} tokens), {len(prompts)} eval prompts "
+        f"[{time.perf_counter() - t:.0f}s]")
+    trainer = DraftTrainer(target, train, heldout, prompts, cfg, args.out, run_dir, log=log)
+    d = trainer.dcfg
+    log(f"head: hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads {d.num_heads}/{d.num_kv_heads}, "
+        f"draft vocab {d.draft_vocab_size}/{d.vocab_size}, taps {d.aux_layers}; "
+        f"{num_params(trainer.trainable)} trainable params")
+    summary = trainer.run(export_dtype=args.dtype)
+    summary["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    log(f"exported {args.out} after {summary['steps']} steps, {summary['seconds'] / 60:.1f} min")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxspec")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Training an EAGLE-3 head for a loaded target (the engine of ``jaxspec train-draft``).
+
+Each step samples windows from the tokenized corpus, runs the frozen target (dense forward)
+for its aux features and logits, and updates the head with the TTT loss
+(``jaxspec.train.ttt``). The target's embedding is shared and frozen; everything else in
+the head trains. Periodic reports give per-step top-1 agreement on held-out windows and the
+mean accept length of a real ``jaxspec.generate`` chain on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from jaxspec.model.draft import eagle_draft
+from jaxspec.model.eagle import EagleConfig, eagle3_config_for, init_eagle_params
+from jaxspec.model.llama import lm_logits
+from jaxspec.model.loader import Model
+from jaxspec.train.corpus import fixed_windows, sample_windows
+from jaxspec.train.export import export_eagle3
+from jaxspec.train.forward import dense_forward
+from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
+from jaxspec.train.state import load_checkpoint, save_checkpoint
+from jaxspec.train.ttt import chain_accept_estimate, ttt_loss
+from jaxspec.train.vocab import build_draft_vocab, token_counts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftTrainConfig:
+    """How to train the head. ``steps`` or ``minutes`` (wall-time budget; the learning-rate
+    schedule follows the elapsed fraction). ``ttt_steps``: simulated draft steps (>= 1;
+    EAGLE-3 style training uses several). ``eval_spec_steps``: chain depth S of the
+    generate-based accept-length report."""
+
+    batch: int = 8
+    seq_len: int = 256
+    steps: int | None = 1000
+    minutes: float | None = None
+    ttt_steps: int = 5
+    step_weight: float = 0.8
+    label: str = "soft"
+    draft_vocab_size: int | None = None
+    intermediate_size: int | None = None
+    eval_every: int = 100
+    eval_windows: int = 16
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 64
+    eval_spec_steps: int = 5
+    checkpoint_every: int = 100
+    seed: int = 0
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50, weight_decay=0.0)
+
+    def __post_init__(self):
+        if (self.steps is None) == (self.minutes is None):
+            raise ValueError("DraftTrainConfig: give exactly one of steps and minutes")
+        if self.ttt_steps < 1:
+            raise ValueError(f"DraftTrainConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.label not in ("soft", "greedy"):
+            raise ValueError(f"DraftTrainConfig.label must be 'soft' or 'greedy', got {self.label!r}")
+        if self.seq_len < 2 or self.batch < 1:
+            raise ValueError("DraftTrainConfig: seq_len must be >= 2 and batch >= 1")
+
+
+def target_features(target_params: dict, tcfg, aux_layers, tokens):
+    """Frozen target over ``tokens: i32[B, T+1]``: (aux [B, T, F] at rows 0..T-1,
+    logits f32[B, T, V] at positions 1..T, i.e. l[p+1] for row p)."""
+    hidden, aux = dense_forward(target_params, tcfg, tokens, aux_layers=aux_layers)
+    logits = lm_logits(target_params, hidden[:, 1:])
+    return jax.lax.stop_gradient(aux[:, :-1]), jax.lax.stop_gradient(logits)
+
+
+def _batch_loss(trainable, frozen, target_params, tcfg, dcfg: EagleConfig, tokens, k, weight, label):
+    aux, logits = target_features(target_params, tcfg, dcfg.aux_layers, tokens)
+    params = dict(trainable, **frozen)
+    mask = jnp.ones(logits.shape[:2], bool)
+    return ttt_loss(params, dcfg, tokens[:, 1:], aux.astype(jnp.float32), logits, mask,
+                    num_steps=k, step_weight=weight, label=label)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "opt", "k", "weight", "label"),
+                   donate_argnames=("trainable", "opt_state"))
+def draft_train_step(tcfg, dcfg, opt, k, weight, label, trainable, opt_state, frozen, target_params, tokens, lr):
+    (loss, metrics), grads = jax.value_and_grad(_batch_loss, has_aux=True)(
+        trainable, frozen, target_params, tcfg, dcfg, tokens, k, weight, label
+    )
+    opt_state = set_lr(opt_state, lr)
+    updates, opt_state = opt.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state, loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "k", "weight", "label"))
+def draft_eval_step(tcfg, dcfg, k, weight, label, trainable, frozen, target_params, tokens):
+    return _batch_loss(trainable, frozen, target_params, tcfg, dcfg, tokens, k, weight, label)
+
+
+def head_config(target: Model, cfg: DraftTrainConfig) -> EagleConfig:
+    return eagle3_config_for(target.config, draft_vocab_size=cfg.draft_vocab_size,
+                             intermediate_size=cfg.intermediate_size)
+
+
+class DraftTrainer:
+    """Holds the head's params and optimizer state; ``run()`` trains, reports and exports.
+
+    Args:
+      target: the loaded target (float32 params recommended for training).
+      train_stream: i32[N] training tokens (documents separated by eos).
+      eval_stream: i32[M] held-out tokens for agreement reports, or None.
+      eval_prompts: held-out token-id prompts for the generate-based report, or [].
+      cfg: training settings.
+      out_dir: where the exported head goes (config.json + model.safetensors).
+      run_dir: checkpoints (resumed automatically when present).
+    """
+
+    def __init__(self, target: Model, train_stream, eval_stream, eval_prompts, cfg: DraftTrainConfig,
+                 out_dir: str, run_dir: str | None = None, log=print):
+        self.target, self.cfg, self.out_dir, self.run_dir, self.log = target, cfg, out_dir, run_dir, log
+        self.train_stream = np.asarray(train_stream, np.int32)
+        self.eval_prompts = list(eval_prompts)
+        self.dcfg = head_config(target, cfg)
+        V, Vd = self.dcfg.vocab_size, self.dcfg.draft_vocab_size
+        params = init_eagle_params(self.dcfg, jax.random.PRNGKey(cfg.seed), target.params, dtype=jnp.float32)
+        self.frozen = {"embed": jnp.asarray(target.params["embed"], jnp.float32)}
+        if Vd != V:
+            _, _, hot = build_draft_vocab(token_counts(self.train_stream, V), Vd)
+            self.frozen["hot_ids"] = jnp.asarray(hot)
+        self.trainable = {k: v for k, v in params.items() if k not in ("embed", "hot_ids")}
+        self.opt = make_optimizer(cfg.optim)
+        self.opt_state = self.opt.init(self.trainable)
+        self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+        self.step, self.elapsed = 0, 0.0
+        self.history: list[dict] = []
+        self.eval_set = None
+        if eval_stream is not None and len(eval_stream) > cfg.seq_len + 1:
+            self.eval_set = jnp.asarray(fixed_windows(np.asarray(eval_stream), cfg.eval_windows, cfg.seq_len + 1))
+        if run_dir and os.path.exists(os.path.join(run_dir, "checkpoint", "meta.json")):
+            self._resume()
+
+    # ------------------------------------------------------------------------ state
+    def _tree(self):
+        return dict(trainable=self.trainable, opt_state=self.opt_state,
+                    vocab={k: v for k, v in self.frozen.items() if k == "hot_ids"})
+
+    def _resume(self):
+        path = os.path.join(self.run_dir, "checkpoint")
+        tree, meta = load_checkpoint(path, self._tree())
+        self.trainable, self.opt_state = tree["trainable"], tree["opt_state"]
+        self.frozen.update(tree["vocab"])
+        self.step, self.elapsed, self.history = meta["step"], meta["elapsed_s"], meta.get("history", [])
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self):
+        if self.run_dir:
+            save_checkpoint(os.path.join(self.run_dir, "checkpoint"), self._tree(),
+                            dict(step=self.step, elapsed_s=self.elapsed, history=self.history))
+
+    def params(self) -> dict:
+        """Full head params (``jaxspec.model.eagle`` layout), embedding shared with the target."""
+        return dict(self.trainable, **{k: v for k, v in self.frozen.items()})
+
+    def export(self, dtype: str = "float32") -> None:
+        export_eagle3(self.out_dir, self.params(), self.dcfg, target_num_layers=self.target.config.num_layers,
+                      dtype=dtype)
+
+    def draft(self):
+        """The head as a ``DraftModel`` for ``jaxspec.generate`` (in the target's dtype)."""
+        dt = jnp.dtype(self.target.dtype)
+        params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params())
+        params["embed"] = self.target.params["embed"]
+        return eagle_draft(self.dcfg, params)
+
+    # ------------------------------------------------------------------------ reports
+    def evaluate(self) -> dict:
+        """Held-out TTT metrics and a real speculative run (chain S = eval_spec_steps)."""
+        cfg = self.cfg
+        out: dict = dict(step=self.step)
+        if self.eval_set is not None:
+            accs, losses = [], []
+            for i in range(0, len(self.eval_set), cfg.batch):
+                _, m = draft_eval_step(self.target.config, self.dcfg, cfg.ttt_steps, cfg.step_weight, cfg.label,
+                                       self.trainable, self.frozen, self.target_params, self.eval_set[i:i + cfg.batch])
+                accs.append(np.asarray(m["acc"]))
+                losses.append(np.asarray(m["loss"]))
+            acc = np.mean(accs, axis=0)
+            out.update(eval_acc=[round(float(a), 4) for a in acc], eval_loss=[round(float(x), 4) for x in np.mean(losses, 0)],
+                       est_accept_len=round(chain_accept_estimate(acc), 3))
+        if self.eval_prompts:
+            import jaxspec as js
+
+            res = js.generate(
+                self.target, self.eval_prompts, draft=self.draft(), spec=js.SpecConfig.chain(cfg.eval_spec_steps),
+                sampling=js.SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=()),
+                engine=js.EngineConfig(page_size=16, max_batch=len(self.eval_prompts),
+                                       max_seq_len=max(map(len, self.eval_prompts)) + cfg.eval_max_new_tokens + 16),
+                progress=False,
+            )
+            out["accept_len"] = round(res.mean_accept_len, 3)
+        return out
+
+    def _report(self, train_loss, train_acc):
+        ev = self.evaluate()
+        ev.update(train_loss=round(float(train_loss), 4), train_acc=[round(float(a), 4) for a in train_acc],
+                  seconds=round(self.elapsed, 1))
+        self.history.append(ev)
+        msg = f"step {self.step}: train loss {ev['train_loss']:.4f} acc/step {ev['train_acc']}"
+        if "eval_acc" in ev:
+            msg += f" | held-out acc/step {ev['eval_acc']} (est. accept {ev['est_accept_len']:.2f})"
+        if "accept_len" in ev:
+            msg += f" | generate chain S={self.cfg.eval_spec_steps} mean accept length {ev['accept_len']:.2f}"
+        self.log(msg)
+
+    # ------------------------------------------------------------------------ loop
+    def run(self, export_dtype: str = "float32") -> dict:
+        cfg = self.cfg
+        budget = None if cfg.minutes is None else cfg.minutes * 60
+        rng = np.random.default_rng([cfg.seed, self.step])
+        t_start = time.perf_counter() - self.elapsed
+
+        def progress():
+            return (time.perf_counter() - t_start) / budget if budget is not None else self.step / cfg.steps
+
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train-draft", unit="step", dynamic_ncols=True)
+        ema_loss, ema_acc = None, None
+        while progress() < 1.0:
+            tokens = jnp.asarray(sample_windows(self.train_stream, cfg.batch, cfg.seq_len + 1, rng))
+            lr = lr_at(cfg.optim, self.step, progress())
+            self.trainable, self.opt_state, loss, metrics = draft_train_step(
+                self.target.config, self.dcfg, self.opt, cfg.ttt_steps, cfg.step_weight, cfg.label,
+                self.trainable, self.opt_state, self.frozen, self.target_params, tokens, jnp.float32(lr),
+            )
+            self.step += 1
+            self.elapsed = time.perf_counter() - t_start
+            loss, acc = float(loss), np.asarray(metrics["acc"])
+            ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
+            ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema_loss:.3f}", acc0=f"{ema_acc[0]:.2f}", lr=f"{lr:.1e}")
+            done = progress() >= 1.0
+            if self.step % cfg.eval_every == 0 or done:
+                self._report(ema_loss, ema_acc)
+            if self.step % cfg.checkpoint_every == 0 or done:
+                self.save()
+                self.export(export_dtype)
+        bar.close()
+        return dict(steps=self.step, seconds=self.elapsed, history=self.history,
+                    final=self.history[-1] if self.history else None)

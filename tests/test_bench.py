@@ -1,0 +1,53 @@
+"""``jaxspec bench``: config parsing and a tiny sweep that writes the table, JSON and PNG."""
+
+import json
+
+import jax
+import pytest
+
+from jaxspec.bench import parse_config
+from jaxspec.cli import main
+from jaxspec.model.config import LlamaConfig
+from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
+from jaxspec.model.llama import init_llama_params
+from jaxspec.train.export import export_eagle3
+from tests.train.tiny_hf import make_tiny_hf
+
+
+def test_parse_config():
+    assert parse_config("plain").is_plain
+    c = parse_config("chain5")
+    assert (c.num_steps, c.topk, c.num_draft_tokens) == (5, 1, 6)
+    c = parse_config("tree4x16")
+    assert (c.num_steps, c.topk, c.num_draft_tokens) == (5, 4, 16)
+    c = parse_config("tree2x32")  # S raised until 31 candidates fit: 2 + (S - 1) * 4 >= 31
+    assert (c.num_steps, c.topk) == (9, 2) and c.spec().num_draft_tokens == 32
+    assert parse_config("tree8x8s3").num_steps == 3
+    with pytest.raises(ValueError, match="unknown bench configuration"):
+        parse_config("beam4")
+    with pytest.raises(ValueError, match="exceeds"):
+        parse_config("tree2x32s3")
+
+
+def test_tiny_sweep_writes_json_and_png(tmp_path, capsys):
+    target_dir, corpus = make_tiny_hf(tmp_path)
+    raw = json.loads((target_dir / "config.json").read_text())
+    cfg = LlamaConfig(vocab_size=raw["vocab_size"], hidden_size=32, intermediate_size=64, num_layers=7,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    target_params = init_llama_params(cfg, jax.random.PRNGKey(0), scale=0.3)
+    ecfg = eagle3_config_for(cfg)
+    export_eagle3(str(tmp_path / "head"), init_eagle_params(ecfg, jax.random.PRNGKey(1), target_params), ecfg,
+                  target_num_layers=7)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts", str(corpus),
+            "--configs", "chain2", "--batches", "1", "--prompt-tokens", "8", "--max-new-tokens", "8",
+            "--repeats", "1", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["config"] for r in rows] == ["plain", "chain2"]  # the baseline is added first
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0 and 1 <= rows[1]["mean_accept_len"] <= 3
+    assert all(r["tokens"] == 8 for r in rows)
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    table = capsys.readouterr().out
+    assert "chain2" in table and "speedup" in table

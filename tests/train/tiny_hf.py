@@ -1,0 +1,41 @@
+"""A tiny random Llama saved as an HF checkpoint with a byte-level BPE tokenizer, plus a
+small code corpus: shared by the train-draft and bench tests."""
+
+from __future__ import annotations
+
+import jax
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from jaxspec.model.config import LlamaConfig
+from jaxspec.model.llama import init_llama_params
+from jaxspec.train.export import export_llama
+
+LINES = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "if x is None:\n    raise ValueError('x')\n",
+]
+
+
+def make_tiny_hf(root) -> tuple:
+    """Writes ``root/corpus/*.py`` and ``root/target`` (7 layers: distinct EAGLE-3 taps
+    (2, 3, 4)); returns (target_dir, corpus_dir) as paths."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"mod{i}.py").write_text("".join(LINES[(i + j) % len(LINES)] for j in range(12)))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(LINES * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_layers=7,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    target_dir = root / "target"
+    export_llama(str(target_dir), init_llama_params(cfg, jax.random.PRNGKey(0), scale=0.3), cfg,
+                 bos_token_id=0, eos_token_id=0)
+    tok.save(str(target_dir / "tokenizer.json"))
+    return target_dir, corpus
