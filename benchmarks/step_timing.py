@@ -1,0 +1,156 @@
+"""Per-step device time of plain decoding and of speculative steps, against the HBM roofline.
+
+Builds random bf16 models of real shapes on the device (no download): a Llama-3-8B-shaped
+target and an EAGLE-3-shaped head for it. Times ``decode_program`` (K steps per executable
+call, block_until_ready, medians over repeats after warm-up) and reports per-step times, the
+batch-1 decode tokens/s, and the roofline ``weight bytes / HBM bandwidth``.
+
+    python benchmarks/step_timing.py --out results.json            # on a GPU machine
+    python benchmarks/step_timing.py --tiny                        # smoke test anywhere
+
+Timings are only meaningful on a GPU; record them in benchmarks/RESULTS.md with the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec as js
+from jaxspec.engine.programs import decode_program, prefill_program
+from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.generate import next_pow2
+from jaxspec.kvcache.paging import pages_needed
+from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.config import LlamaConfig, RopeConfig
+from jaxspec.model.draft import eagle_draft
+from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
+from jaxspec.model.llama import init_llama_params
+from jaxspec.model.loader import Model
+from jaxspec.model.target import create_target_pool
+
+# Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192),
+)
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=16)
+
+
+def device_bandwidth() -> tuple[str, float | None]:
+    kind = jax.devices()[0].device_kind
+    for name, bw in BANDWIDTH.items():
+        if name in kind:
+            return kind, bw
+    return kind, None
+
+
+def param_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
+               implementation=None) -> float:
+    """Median seconds per decode step (one speculative or one plain step)."""
+    page = 16
+    plan = Plan(target=target.config, draft=None if draft is None else draft.config, spec=spec, page_size=page,
+                steps_per_call=steps, implementation=implementation)
+    max_pos = context + (repeats + 2) * steps * plan.max_accept + plan.lookahead
+    width = next_pow2(pages_needed(max_pos, page))
+    num_pages = batch * width + 1
+    dtype = jnp.dtype(target.dtype)
+    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page, dtype=dtype)
+    if draft is not None:
+        dcfg = draft.config
+        dpool = KVPool.create(num_layers=dcfg.num_layers, num_pages=num_pages, page_size=page,
+                              num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim, dtype=dtype)
+        dparams, hidden = draft.params, dcfg.hidden_size
+    else:
+        dpool = KVPool.create(num_layers=0, num_pages=1, page_size=page, num_kv_heads=1, head_dim=1, dtype=dtype)
+        dparams, hidden = None, 1
+    out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
+    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, topk=plan.topk, hidden_size=hidden,
+                              hidden_dtype=dtype)
+    table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
+    table = jnp.asarray(table)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
+    req = dict(max_new=jnp.full((batch,), out_width - plan.max_accept, jnp.int32),
+               stop_ids=jnp.full((batch, 1), -1, jnp.int32), temperature=jnp.zeros((batch,), jnp.float32),
+               top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,), jnp.float32),
+               keys=jnp.zeros((batch, 2), jnp.uint32))
+    state, tpool, dpool = prefill_program(plan, target.params, dparams, state, tpool, dpool, table,
+                                          jnp.arange(batch, dtype=jnp.int32), tokens,
+                                          jnp.full((batch,), context, jnp.int32), req)
+    times = []
+    for r in range(repeats + 1):
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        state, tpool, dpool, n = decode_program(plan, target.params, dparams, state, tpool, dpool, table)
+        jax.block_until_ready(state)
+        if r:  # the first call compiles
+            times.append((time.perf_counter() - t) / max(int(n), 1))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16, help="steps per executable call")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--implementation", default=None, choices=[None, "pallas", "xla"])
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    cfg = TINY if args.tiny else LLAMA3_8B
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target and EAGLE-3 head...", file=sys.stderr)
+    params = jax.jit(lambda k: init_llama_params(cfg, k, dtype=dtype))(jax.random.PRNGKey(0))
+    target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
+    ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
+    draft = eagle_draft(ecfg, jax.jit(lambda k: init_eagle_params(ecfg, k, params, dtype=dtype))(jax.random.PRNGKey(1)))
+    kind, bw = device_bandwidth()
+    wbytes = param_bytes(params)
+    results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
+    specs = [("plain", None), ("chain S=3", js.SpecConfig.chain(3)),
+             ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8))]
+    print(f"| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")
+    print("|---|---|---|---|---|---|")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        plain = None
+        for name, spec in specs:
+            sec = time_steps(target, draft if spec else None, spec, batch, args.context, args.steps, args.repeats,
+                             args.implementation)
+            plain = plain or sec
+            roof = wbytes / bw * 1e3 if bw else float("nan")
+            row = dict(batch=batch, config=name, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain, roofline_ms=roof)
+            results["rows"].append(row)
+            print(f"| {kind} | {batch} | {name} | {sec * 1e3:.3f} | {sec / plain:.2f}x | {roof:.3f} |", flush=True)
+    if bw:
+        plain1 = next(r for r in results["rows"] if r["batch"] == 1 and r["config"] == "plain") if any(
+            r["batch"] == 1 for r in results["rows"]) else None
+        if plain1:
+            print(f"batch-1 decode: {1e3 / plain1['ms_per_step']:.1f} tok/s; roofline {bw / wbytes:.1f} tok/s "
+                  f"({plain1['roofline_ms'] / plain1['ms_per_step'] * 100:.0f}% of the bound)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
