@@ -1,0 +1,104 @@
+"""One speculative step at the function level: jit equals eager (seed 004), and tree
+compaction moves exactly the accepted KV for every page size (seed 001)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.draft import step as step_lib
+from jaxspec.draft.compact import compact_pool
+from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.kvcache.paging import positions_to_slots
+from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.target import create_target_pool
+from tests.conftest import PROMPTS_4
+from tests.draft.test_lossless import drafts
+
+
+def prepared(target, draft, spec, page_size):
+    """State and pools right after prefilling PROMPTS_4 (ragged) into a batch of 4."""
+    plan = Plan(target=target.config, draft=draft.config, spec=spec, page_size=page_size)
+    B, W = 4, -(-64 // page_size)
+    num_pages = B * W + 1
+    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
+    d = draft.config
+    dpool = KVPool.create(num_layers=d.num_layers, num_pages=num_pages, page_size=page_size,
+                          num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=jnp.float32)
+    state = DecodeState.empty(batch=B, out_width=64, num_stop=1, topk=spec.topk, hidden_size=d.hidden_size,
+                              hidden_dtype=jnp.float32)
+    # A scrambled page table: request pages are not contiguous in the pool.
+    perm = np.random.default_rng(page_size).permutation(np.arange(1, num_pages)).astype(np.int32)
+    table = jnp.asarray(perm.reshape(B, W))
+    T = 16
+    tokens = np.zeros((B, T), np.int32)
+    lens = np.zeros(B, np.int32)
+    for i, p in enumerate(PROMPTS_4):
+        tokens[i, : len(p)] = p
+        lens[i] = len(p)
+    req = dict(max_new=jnp.full((B,), 60, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
+               temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
+               top_p=jnp.ones((B,), jnp.float32), keys=jnp.zeros((B, 2), jnp.uint32))
+    state, tpool, dpool = jax.jit(step_lib.prefill, static_argnums=0)(
+        plan, target.params, draft.params, state, tpool, dpool, table, jnp.arange(B, dtype=jnp.int32),
+        jnp.asarray(tokens), jnp.asarray(lens), req)
+    return plan, state, tpool, dpool, table
+
+
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)],
+                         ids=["chain", "tree"])
+def test_step_jit_equals_eager(tiny_target, spec):
+    draft = drafts(tiny_target)["eagle3"]
+    plan, state, tpool, dpool, table = prepared(tiny_target, draft, spec, page_size=4)
+    run = functools.partial(step_lib.spec_step, plan)
+    jitted = jax.jit(run)(tiny_target.params, draft.params, state, tpool, dpool, table)
+    with jax.disable_jit():
+        eager = run(tiny_target.params, draft.params, state, tpool, dpool, table)
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # Integer state (tokens, lengths, accept logs) must agree exactly.
+    for name in ("seq_lens", "bonus", "out_tokens", "out_lens", "accept_log", "topk_index"):
+        np.testing.assert_array_equal(np.asarray(getattr(jitted[0], name)), np.asarray(getattr(eager[0], name)), name)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_tree_compaction_moves_the_accepted_path(tiny_target, page_size):
+    """Run draft -> verify -> accept on a partially-accepting draft, then check that after
+    compaction position seq_len + j holds what position seq_len + a_j held, for every layer,
+    K and V, and that nothing else in the pool changed."""
+    spec = js.SpecConfig(num_steps=4, topk=4, num_draft_tokens=12)
+    draft = drafts(tiny_target)["perturbed"]
+    plan, state, tpool, dpool, table = prepared(tiny_target, draft, spec, page_size)
+    moved_somewhere = False
+    for _ in range(4):  # a few steps so scattered accepts show up
+        tree, _, dpool = step_lib.draft_propose(plan, draft.params, state, dpool, table, tpool)
+        logits, feature, tpool = step_lib.target_verify(plan, tiny_target.params, state, tree, tpool, table)
+        accept_index, accept_lens, predict = step_lib.accept(plan, state, tree, logits)
+        before_k, before_v = np.asarray(tpool.k), np.asarray(tpool.v)
+        after = compact_pool(tpool, table, state.seq_lens, accept_index, accept_lens, state.active)
+        ak, av = np.asarray(after.k), np.asarray(after.v)
+        touched = set()
+        for b in range(4):
+            s = int(state.seq_lens[b])
+            for j in range(int(accept_lens[b])):
+                a = int(accept_index[b, j])
+                assert a >= j
+                moved_somewhere |= a != j
+                src = int(positions_to_slots(table[b:b + 1], jnp.asarray([[s + a]]), page_size)[0, 0])
+                dst = int(positions_to_slots(table[b:b + 1], jnp.asarray([[s + j]]), page_size)[0, 0])
+                np.testing.assert_array_equal(ak[:, dst], before_k[:, src])
+                np.testing.assert_array_equal(av[:, dst], before_v[:, src])
+                touched.add(dst)
+        untouched = np.setdiff1d(np.arange(ak.shape[1]), list(touched))
+        np.testing.assert_array_equal(ak[:, untouched], before_k[:, untouched])
+        np.testing.assert_array_equal(av[:, untouched], before_v[:, untouched])
+        # Continue from the real step so later iterations see fresh trees.
+        state, tpool, dpool = jax.jit(step_lib.spec_step, static_argnums=0)(
+            plan, tiny_target.params, draft.params, state, tpool, dpool, table)
+        assert bool(state.active.all())
+    assert moved_somewhere, "the perturbed draft never accepted a non-prefix path"
