@@ -92,46 +92,58 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repeats, temperature=0.0,
-              page_size=16, log=print) -> list[dict]:
-    """Measures every (batch, configuration); returns one row per measurement."""
+              page_size=16) -> list[dict]:
+    """Measures every (batch, configuration); returns one row per measurement.
+
+    Per batch size: every configuration is warmed up (compiled) first, then the timed runs go
+    round-robin over the configurations ``repeats`` times, so a change in machine load hits
+    all of them alike; tokens/s is the median of a configuration's runs.
+    """
     import jaxspec as js
     from tqdm.auto import tqdm
 
     rows = []
     longest = max(len(p) for p in prompts)
     sampling = js.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=())
-    bar = tqdm(total=len(batches) * len(configs), desc="bench", unit="cfg", dynamic_ncols=True)
+    bar = tqdm(total=len(batches) * len(configs) * (repeats + 1), desc="bench", unit="run", dynamic_ncols=True)
     for batch in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         engine = js.EngineConfig(page_size=page_size, max_batch=batch, max_seq_len=longest + max_new_tokens + 64)
-        plain_tps = None
+        runnable, results = [], {}
         for cfg in configs:
-            bar.set_postfix(batch=batch, config=cfg.name)
-            row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
-                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature)
+            bar.set_postfix(batch=batch, config=cfg.name, phase="warm-up")
             kw = dict(draft=None if cfg.is_plain else draft, spec=cfg.spec(), sampling=sampling, engine=engine,
                       progress=False)
             try:
-                out = js.generate(target, batch_prompts, **kw)  # warm-up: compiles
+                js.generate(target, batch_prompts, **kw)  # warm-up: compiles
+                runnable.append((cfg, kw))
+                results[cfg.name] = []
             except NotImplementedError as e:
-                row.update(error=str(e))
-                rows.append(row)
+                results[cfg.name] = e
+                bar.update(repeats)
+            bar.update(1)
+        for _ in range(repeats):
+            for cfg, kw in runnable:
+                bar.set_postfix(batch=batch, config=cfg.name, phase="timed")
+                results[cfg.name].append(js.generate(target, batch_prompts, **kw))
                 bar.update(1)
+        plain_tps = None
+        for cfg in configs:
+            row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
+                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature)
+            res = results[cfg.name]
+            if isinstance(res, Exception):
+                rows.append(dict(row, error=str(res)))
                 continue
-            tps, walls = [], []
-            for _ in range(repeats):
-                out = js.generate(target, batch_prompts, **kw)
-                tps.append(sum(s.num_tokens for s in out.stats) / out.wall_seconds)
-                walls.append(out.wall_seconds)
+            tps = [sum(s.num_tokens for s in o.stats) / o.wall_seconds for o in res]
             med = statistics.median(tps)
             if cfg.is_plain:
                 plain_tps = med
-            row.update(tokens_per_s=med, tokens_per_s_runs=tps, wall_s_runs=walls,
-                       tokens=sum(s.num_tokens for s in out.stats),
-                       mean_accept_len=out.mean_accept_len if not cfg.is_plain else 1.0,
+            row.update(tokens_per_s=med, tokens_per_s_runs=tps, wall_s_runs=[o.wall_seconds for o in res],
+                       tokens=sum(s.num_tokens for s in res[-1].stats),
+                       mean_accept_len=1.0 if cfg.is_plain else res[-1].mean_accept_len,
                        speedup=(med / plain_tps) if plain_tps else None)
             rows.append(row)
-            bar.update(1)
     bar.close()
     return rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -51,24 +52,31 @@ def cmd_generate(args) -> int:
                            progress=False)
 
     print(f"target: {target_path}\ndraft:  {draft_path or 'none'}  {spec or ''}", file=sys.stderr)
+    compare = draft is not None and not args.no_compare
     t = time.perf_counter()
-    out = run(draft, spec)  # compiles
-    print(f"(compiled and ran in {time.perf_counter() - t:.1f}s)", file=sys.stderr)
-    out = run(draft, spec)
+    out = run(draft, spec)  # warm-up: compiles
+    if compare:
+        run(None, None)  # compile plain decoding outside the timing too
+    print(f"(compiled and warmed up in {time.perf_counter() - t:.1f}s)", file=sys.stderr)
+    spec_tps, plain_tps = [], []
+    for _ in range(max(1, args.repeats)):  # alternate, so both see the same machine load
+        out = run(draft, spec)
+        spec_tps.append(out.tokens_per_s)
+        if compare:
+            plain_tps.append(run(None, None).tokens_per_s)
     text = out.texts[0] if out.texts else " ".join(map(str, out.token_ids[0]))
     print("=" * 72)
     print(prompt + text if isinstance(prompts[0], str) else text)
     print("=" * 72)
     st = out.stats[0]
-    print(f"tokens: {st.num_tokens}   tokens/s: {out.tokens_per_s:.1f}", end="")
+    tps = statistics.median(spec_tps)
+    print(f"tokens: {st.num_tokens}   tokens/s: {tps:.1f}", end="")
     if draft is not None:
         print(f"   mean accept length: {st.mean_accept_len:.2f}", end="")
-        if not args.no_compare:
-            run(None, None)  # compile plain decoding outside the timing
-            plain = run(None, None)
-            print(f"   plain tokens/s: {plain.tokens_per_s:.1f}   speedup: "
-                  f"{out.tokens_per_s / max(plain.tokens_per_s, 1e-9):.2f}x", end="")
-    print()
+        if compare:
+            plain = statistics.median(plain_tps)
+            print(f"   plain tokens/s: {plain:.1f}   speedup: {tps / max(plain, 1e-9):.2f}x", end="")
+    print(f"   (median of {len(spec_tps)})" if len(spec_tps) > 1 else "")
     return 0
 
 
@@ -89,21 +97,15 @@ def main(argv=None) -> int:
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-compare", action="store_true", help="skip the plain-decoding baseline")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median is printed)")
     _add_spec_args(g)
     g.set_defaults(func=cmd_generate)
 
-    try:
-        from jaxspec import bench as _bench
+    from jaxspec import bench
+    from jaxspec.train import cli as train_cli
 
-        _bench.add_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from jaxspec.train import cli as _train_cli
-
-        _train_cli.add_parser(sub)
-    except ImportError:
-        pass
+    bench.add_parser(sub)
+    train_cli.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:

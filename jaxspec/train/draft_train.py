@@ -21,12 +21,13 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxspec.model.draft import eagle_draft
-from jaxspec.model.eagle import EagleConfig, eagle3_config_for, init_eagle_params
+from jaxspec.model.eagle import EagleConfig, eagle3_config_for
 from jaxspec.model.llama import lm_logits
 from jaxspec.model.loader import Model
 from jaxspec.train.corpus import fixed_windows, sample_windows
 from jaxspec.train.export import export_eagle3
 from jaxspec.train.forward import dense_forward
+from jaxspec.train.init import init_eagle3
 from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
 from jaxspec.train.state import load_checkpoint, save_checkpoint
 from jaxspec.train.ttt import chain_accept_estimate, ttt_loss
@@ -126,12 +127,11 @@ class DraftTrainer:
         self.eval_prompts = list(eval_prompts)
         self.dcfg = head_config(target, cfg)
         V, Vd = self.dcfg.vocab_size, self.dcfg.draft_vocab_size
-        params = init_eagle_params(self.dcfg, jax.random.PRNGKey(cfg.seed), target.params, dtype=jnp.float32)
+        self.trainable = init_eagle3(self.dcfg, seed=cfg.seed)
         self.frozen = {"embed": jnp.asarray(target.params["embed"], jnp.float32)}
         if Vd != V:
             _, _, hot = build_draft_vocab(token_counts(self.train_stream, V), Vd)
             self.frozen["hot_ids"] = jnp.asarray(hot)
-        self.trainable = {k: v for k, v in params.items() if k not in ("embed", "hot_ids")}
         self.opt = make_optimizer(cfg.optim)
         self.opt_state = self.opt.init(self.trainable)
         self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)

@@ -19,9 +19,10 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxspec.model.config import LlamaConfig
-from jaxspec.model.llama import init_llama_params, lm_logits
+from jaxspec.model.llama import lm_logits
 from jaxspec.train.corpus import fixed_windows, sample_windows
 from jaxspec.train.forward import dense_forward
+from jaxspec.train.init import init_llama
 from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
 from jaxspec.train.state import load_checkpoint, save_checkpoint
 
@@ -79,7 +80,7 @@ def train_lm(
 ) -> tuple[dict, dict]:
     """Trains an LM from scratch (or resumes from ``run_dir/checkpoint``); returns (params, summary)."""
     opt = make_optimizer(tcfg.optim)
-    params = init_llama_params(cfg, jax.random.PRNGKey(tcfg.seed), scale=tcfg.init_scale)
+    params = init_llama(cfg, seed=tcfg.seed, scale=tcfg.init_scale)
     opt_state = opt.init(params)
     step, total, elapsed = 0, tcfg.steps, 0.0
     ckpt = os.path.join(run_dir, "checkpoint") if run_dir else None

@@ -6,27 +6,33 @@ import pytest
 
 import jaxspec as js
 from jaxspec.model.config import LlamaConfig
-from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
-from jaxspec.model.llama import init_llama_params, lm_logits
+from jaxspec.model.eagle import eagle3_config_for
+from jaxspec.model.llama import lm_logits
 from jaxspec.model.loader import Model
 from jaxspec.model.target import forward_sequence
 from jaxspec.train.export import export_eagle3, export_llama
 from jaxspec.train.forward import dense_forward
+from jaxspec.train.init import init_eagle3, init_llama
 from jaxspec.train.vocab import build_draft_vocab, token_counts
-from tests.conftest import TINY, tiny_model
-
-QWEN3_LIKE = LlamaConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=7,
-                         num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
-QWEN2_LIKE = LlamaConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
-                         num_heads=2, num_kv_heads=1, head_dim=16, attention_bias=True, tie_word_embeddings=True)
+from tests.conftest import TINY
 
 
-@pytest.mark.parametrize("cfg", [TINY, QWEN3_LIKE, QWEN2_LIKE], ids=["llama", "qwen3", "qwen2"])
+def tiny_model(cfg=TINY) -> Model:
+    return Model(config=cfg, params=init_llama(cfg, seed=0, scale=0.3), dtype=np.dtype(np.float32))
+
+# Every optional feature at once: QKV bias (Qwen2), q/k norms and an explicit head_dim (Qwen3),
+# tied embeddings, 7 layers (distinct default EAGLE-3 taps).
+ALL_FEATURES = LlamaConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=7,
+                           num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, attention_bias=True,
+                           tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("cfg", [TINY, ALL_FEATURES], ids=["llama", "qwen-features"])
 def test_dense_forward_equals_forward_sequence(cfg):
     model = tiny_model(cfg=cfg)
     # Distinct taps (the default (2, L//2, L-3) repeats a layer for L < 7).
     aux_layers = (0, 1, 2) if cfg.num_layers < 7 else cfg.eagle3_aux_layers()
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, cfg.vocab_size)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 11)).astype(np.int32)
     serve = jax.jit(lambda params, t: forward_sequence(
         Model(config=cfg, params=params, dtype=model.dtype), t, aux_layers=aux_layers, implementation="xla"))
     logits, hidden, aux = serve(model.params, tokens)
@@ -57,7 +63,7 @@ def test_draft_vocab_from_frequencies():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_llama_round_trip(tmp_path, dtype):
-    params = init_llama_params(TINY, jax.random.PRNGKey(0))
+    params = init_llama(TINY, seed=0)
     export_llama(str(tmp_path), params, TINY, dtype=dtype, bos_token_id=0, eos_token_id=0)
     model = js.load_model(str(tmp_path), dtype="float32", progress=False)
     assert model.config == TINY and model.eos_token_ids == (0,)
@@ -69,7 +75,8 @@ def test_export_llama_round_trip(tmp_path, dtype):
 def test_export_eagle3_round_trip(tmp_path):
     target = tiny_model()
     cfg = eagle3_config_for(TINY, draft_vocab_size=40, intermediate_size=96)
-    params = init_eagle_params(cfg, jax.random.PRNGKey(2), target.params, scale=0.1)
+    params = dict(init_eagle3(cfg, seed=2, scale=0.1), embed=target.params["embed"],
+                  hot_ids=np.arange(0, 80, 2, dtype=np.int32))
     export_eagle3(str(tmp_path), params, cfg, target_num_layers=TINY.num_layers)
     draft = js.load_draft(str(tmp_path), target)
     assert draft.kind == "eagle3" and draft.config.model == cfg
@@ -82,11 +89,11 @@ def test_export_eagle3_round_trip(tmp_path):
 
 
 def test_export_eagle3_custom_taps(tmp_path):
-    target = Model(config=TINY, params=init_llama_params(TINY, jax.random.PRNGKey(0)), dtype=np.dtype(np.float32))
+    target = tiny_model()
     cfg = eagle3_config_for(TINY)
     import dataclasses
 
     cfg = dataclasses.replace(cfg, aux_layers=(1, 2, 3))
-    export_eagle3(str(tmp_path), init_eagle_params(cfg, jax.random.PRNGKey(2), target.params), cfg,
+    export_eagle3(str(tmp_path), init_eagle3(cfg, seed=2), cfg,
                   target_num_layers=TINY.num_layers)
     assert js.load_draft(str(tmp_path), target).config.aux_layers == (1, 2, 3)
