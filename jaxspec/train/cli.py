@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-weight", type=float, default=0.8, help="loss weight decay per simulated step")
     p.add_argument("--label", default="soft", choices=["soft", "greedy"],
                    help="soft: the target's distribution; greedy: its argmax token")
+    p.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="also train on N windows of the target's own greedy continuations of corpus prefixes")
+    p.add_argument("--self-distill-frac", type=float, default=0.5, help="share of each batch from those windows")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (d2t/t2d by frequency)")
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
     p.add_argument("--eval-every", type=int, default=100)
@@ -82,7 +85,8 @@ def run(args) -> int:
         batch=args.batch, seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, ttt_steps=args.ttt_steps,
         step_weight=args.step_weight, label=args.label, draft_vocab_size=args.draft_vocab_size,
         intermediate_size=args.intermediate_size, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens,
+        eval_max_new_tokens=args.eval_max_new_tokens, self_distill_windows=args.self_distill,
+        self_distill_frac=args.self_distill_frac,
         checkpoint_every=args.eval_every, seed=args.seed,
         optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, weight_decay=0.0),
     )

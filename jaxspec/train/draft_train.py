@@ -55,6 +55,9 @@ class DraftTrainConfig:
     eval_prompts: int = 4
     eval_max_new_tokens: int = 64
     eval_spec_steps: int = 5
+    self_distill_windows: int = 0
+    self_distill_frac: float = 0.5
+    self_distill_prompt: int | None = None  # corpus prefix length (None: seq_len // 4)
     checkpoint_every: int = 100
     seed: int = 0
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50, weight_decay=0.0)
@@ -68,6 +71,10 @@ class DraftTrainConfig:
             raise ValueError(f"DraftTrainConfig.label must be 'soft' or 'greedy', got {self.label!r}")
         if self.seq_len < 2 or self.batch < 1:
             raise ValueError("DraftTrainConfig: seq_len must be >= 2 and batch >= 1")
+        if not 0 <= self.self_distill_frac <= 1:
+            raise ValueError(f"DraftTrainConfig.self_distill_frac must be in [0, 1], got {self.self_distill_frac}")
+        if self.self_distill_prompt is not None and not 1 <= self.self_distill_prompt < self.seq_len:
+            raise ValueError("DraftTrainConfig.self_distill_prompt must be in [1, seq_len)")
 
 
 def target_features(target_params: dict, tcfg, aux_layers, tokens):
@@ -100,6 +107,26 @@ def draft_train_step(tcfg, dcfg, opt, k, weight, label, trainable, opt_state, fr
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "k", "weight", "label"))
 def draft_eval_step(tcfg, dcfg, k, weight, label, trainable, frozen, target_params, tokens):
     return _batch_loss(trainable, frozen, target_params, tcfg, dcfg, tokens, k, weight, label)
+
+
+def greedy_windows(target: Model, stream: np.ndarray, count: int, length: int, prompt_len: int,
+                   rng: np.random.Generator, batch: int = 16, log=print) -> np.ndarray:
+    """``count`` windows of ``length`` tokens: a ``prompt_len``-token corpus prefix followed by
+    the target's own greedy continuation (the text a draft sees at inference). i32[count, length]."""
+    import jaxspec as js
+
+    prompts = sample_windows(stream, count, prompt_len, rng)
+    new = length - prompt_len
+    out = []
+    bar = tqdm(total=count, desc="self-distill data", unit="window", dynamic_ncols=True)
+    for i in range(0, count, batch):
+        chunk = [p.tolist() for p in prompts[i:i + batch]]
+        res = js.generate(target, chunk, sampling=js.SamplingParams(max_new_tokens=new, stop_token_ids=()),
+                          engine=js.EngineConfig(max_batch=batch, max_seq_len=length + 16), progress=False)
+        out.extend(p + t for p, t in zip(chunk, res.token_ids))
+        bar.update(len(chunk))
+    bar.close()
+    return np.asarray(out, np.int32)
 
 
 def head_config(target: Model, cfg: DraftTrainConfig) -> EagleConfig:
@@ -142,6 +169,20 @@ class DraftTrainer:
             self.eval_set = jnp.asarray(fixed_windows(np.asarray(eval_stream), cfg.eval_windows, cfg.seq_len + 1))
         if run_dir and os.path.exists(os.path.join(run_dir, "checkpoint", "meta.json")):
             self._resume()
+        self.distill = None
+        if cfg.self_distill_windows:
+            path = os.path.join(run_dir, "self_distill.npy") if run_dir else None
+            if path and os.path.exists(path):
+                self.distill = np.load(path)
+            else:
+                t = time.perf_counter()
+                self.distill = greedy_windows(target, self.train_stream, cfg.self_distill_windows, cfg.seq_len + 1,
+                                              cfg.self_distill_prompt or max(1, cfg.seq_len // 4),
+                                              np.random.default_rng([cfg.seed, 1]))
+                log(f"self-distillation: {len(self.distill)} windows of target greedy text "
+                    f"[{time.perf_counter() - t:.0f}s]")
+                if path:
+                    np.save(path, self.distill)
 
     # ------------------------------------------------------------------------ state
     def _tree(self):
@@ -217,6 +258,14 @@ class DraftTrainer:
         self.log(msg)
 
     # ------------------------------------------------------------------------ loop
+    def _batch(self, rng: np.random.Generator) -> np.ndarray:  # i32[batch, seq_len + 1]
+        cfg = self.cfg
+        n = 0 if self.distill is None else int(round(cfg.self_distill_frac * cfg.batch))
+        parts = [sample_windows(self.train_stream, cfg.batch - n, cfg.seq_len + 1, rng)] if n < cfg.batch else []
+        if n:
+            parts.append(self.distill[rng.integers(0, len(self.distill), n)])
+        return np.concatenate(parts)
+
     def run(self, export_dtype: str = "float32") -> dict:
         cfg = self.cfg
         budget = None if cfg.minutes is None else cfg.minutes * 60
@@ -229,7 +278,7 @@ class DraftTrainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train-draft", unit="step", dynamic_ncols=True)
         ema_loss, ema_acc = None, None
         while progress() < 1.0:
-            tokens = jnp.asarray(sample_windows(self.train_stream, cfg.batch, cfg.seq_len + 1, rng))
+            tokens = jnp.asarray(self._batch(rng))
             lr = lr_at(cfg.optim, self.step, progress())
             self.trainable, self.opt_state, loss, metrics = draft_train_step(
                 self.target.config, self.dcfg, self.opt, cfg.ttt_steps, cfg.step_weight, cfg.label,

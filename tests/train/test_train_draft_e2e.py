@@ -22,10 +22,11 @@ def test_train_resume_export_load_lossless(setup):
     argv = ["train-draft", "--target", str(target_dir), "--corpus", str(corpus), "--out", str(out),
             "--run-dir", str(run), "--batch", "2", "--seq-len", "32", "--ttt-steps", "3", "--eval-every", "2",
             "--eval-prompts", "1", "--prompt-tokens", "8", "--eval-max-new-tokens", "8",
-            "--draft-vocab-size", "200", "--heldout-percent", "40"]
+            "--draft-vocab-size", "200", "--heldout-percent", "40", "--self-distill", "1"]
     assert main(argv + ["--steps", "2"]) == 0
     log = (run / "log.txt").read_text()
     assert "held-out acc/step" in log and "mean accept length" in log
+    assert "self-distillation: 1 windows" in log and (run / "self_distill.npy").exists()
     assert main(argv + ["--steps", "3"]) == 0  # resumes at step 2, trains one more
     assert "resumed" in (run / "log.txt").read_text()
     summary = json.loads((run / "summary.json").read_text())
