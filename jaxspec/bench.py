@@ -74,9 +74,9 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
-    """Token-id prompts: held-out stdlib files (default) or files / directories / a text file
-    with one prompt per blank-line-separated block."""
-    from jaxspec.train.corpus import file_prompts, list_files, stdlib_files
+    """Token-id prompts: the first ``--prompt-tokens`` tokens of held-out stdlib files (default)
+    or of the given files / directories, spread over packages (``spread_by_package``)."""
+    from jaxspec.train.corpus import file_prompts, list_files, spread_by_package, stdlib_files
 
     need = max(args.batches)
     if args.prompts == "stdlib":
@@ -85,7 +85,7 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
         files = list_files(args.prompts.split(","), tuple(e for e in args.ext.split(",") if e))
     if tokenizer is None:
         raise ValueError("the target has no tokenizer.json; bench prompts are text files")
-    prompts = file_prompts(tokenizer, files, max(need, args.num_prompts), args.prompt_tokens)
+    prompts = file_prompts(tokenizer, spread_by_package(files), max(need, args.num_prompts), args.prompt_tokens)
     if not prompts:
         raise ValueError(f"no prompt file has more than {args.prompt_tokens + 16} tokens")
     return prompts

@@ -8,7 +8,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.cli import DEMO_DRAFT, DEMO_TARGET
-from jaxspec.train.corpus import file_prompts, stdlib_files
+from jaxspec.train.corpus import file_prompts, spread_by_package, stdlib_files
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(os.path.join(DEMO_DRAFT, "model.safetensors")), reason="demo pair not present"
@@ -20,7 +20,7 @@ MAX_NEW = 24
 def demo():
     target = js.load_model(DEMO_TARGET, dtype="float32", progress=False)
     draft = js.load_draft(DEMO_DRAFT, target)
-    prompts = file_prompts(target.tokenizer, stdlib_files("heldout"), 3, 48)
+    prompts = file_prompts(target.tokenizer, spread_by_package(stdlib_files("heldout")), 3, 48)
     return target, draft, prompts
 
 

@@ -74,7 +74,7 @@ def _split_corpus(args) -> tuple[list, list]:
 
 def run(args) -> int:
     import jaxspec as js
-    from jaxspec.train.corpus import file_prompts, tokenize_files
+    from jaxspec.train.corpus import file_prompts, spread_by_package, tokenize_files
     from jaxspec.train.draft_train import DraftTrainConfig, DraftTrainer
     from jaxspec.train.forward import num_params
     from jaxspec.train.optim import OptimConfig
@@ -106,7 +106,7 @@ def run(args) -> int:
     eos = target.eos_token_ids[0] if target.eos_token_ids else None
     train = tokenize_files(target.tokenizer, train_files, eos)
     heldout = tokenize_files(target.tokenizer, held, eos) if held else None
-    prompts = file_prompts(target.tokenizer, held, args.eval_prompts, args.prompt_tokens) if held else []
+    prompts = file_prompts(target.tokenizer, spread_by_package(held), args.eval_prompts, args.prompt_tokens)
     log(f"corpus: {len(train_files)} training files ({len(train)} tokens), {len(held)} held out "
         f"({0 if heldout is None else len(heldout)} tokens), {len(prompts)} eval prompts "
         f"[{time.perf_counter() - t:.0f}s]")

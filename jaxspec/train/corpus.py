@@ -106,6 +106,21 @@ def fixed_windows(stream: np.ndarray, count: int, length: int) -> np.ndarray:
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
+def spread_by_package(files: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Reorders files round-robin over their top-level directory (a top-level file is its own
+    group), groups in sorted order: the first files taken come from different packages (a
+    diverse prompt set, not, say, a run of similar codec tables)."""
+    groups: dict[str, list] = {}
+    for f in sorted(files, key=lambda f: f[1]):
+        rel = f[1].replace(os.sep, "/")
+        groups.setdefault(rel.split("/")[0] if "/" in rel else rel, []).append(f)
+    order = [groups[k] for k in sorted(groups)]
+    out = []
+    for i in range(max((len(g) for g in order), default=0)):
+        out.extend(g[i] for g in order if i < len(g))
+    return out
+
+
 def file_prompts(tokenizer, files: Sequence[tuple[str, str]], count: int, prompt_tokens: int) -> list[list[int]]:
     """The first ``prompt_tokens`` tokens of each of the first ``count`` files that are long
     enough (files are taken in sorted order: deterministic)."""
