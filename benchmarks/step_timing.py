@@ -28,9 +28,8 @@ from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.state import DecodeState, Plan
 from jaxspec.generate import next_pow2
 from jaxspec.kvcache.paging import pages_needed
-from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import LlamaConfig, RopeConfig
-from jaxspec.model.draft import eagle_draft
+from jaxspec.model.draft import create_draft_pool, eagle_draft
 from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
 from jaxspec.model.llama import init_llama_params
 from jaxspec.model.loader import Model
@@ -72,14 +71,8 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     num_pages = batch * width + 1
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page, dtype=dtype)
-    if draft is not None:
-        dcfg = draft.config
-        dpool = KVPool.create(num_layers=dcfg.num_layers, num_pages=num_pages, page_size=page,
-                              num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim, dtype=dtype)
-        dparams, hidden = draft.params, dcfg.hidden_size
-    else:
-        dpool = KVPool.create(num_layers=0, num_pages=1, page_size=page, num_kv_heads=1, head_dim=1, dtype=dtype)
-        dparams, hidden = None, 1
+    dpool = create_draft_pool(plan.draft, num_pages=num_pages, page_size=page, dtype=dtype)
+    dparams, hidden = (None, 1) if draft is None else (draft.params, draft.config.hidden_size)
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
     state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, topk=plan.topk, hidden_size=hidden,
                               hidden_dtype=dtype)

@@ -17,8 +17,7 @@ from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState, Plan
 from jaxspec.kvcache.paging import pages_needed
-from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.draft import DraftModel, check_draft_fits
+from jaxspec.model.draft import DraftModel, check_draft_fits, create_draft_pool
 from jaxspec.model.loader import Model
 from jaxspec.model.target import create_target_pool
 
@@ -169,6 +168,7 @@ def generate(
         implementation=engine.implementation,
     )
     window = getattr(target.config, "sliding_window", None)
+    dense_limit = getattr(target.config, "max_dense_positions", None)  # DSA: dense == sparse up to index_topk
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
         if total > engine.max_seq_len:
@@ -178,6 +178,11 @@ def generate(
             )
         if window is not None and total > window:
             raise ValueError(f"prompt {i} needs {total} positions; the model's sliding window is {window}")
+        if dense_limit is not None and total + plan.lookahead > dense_limit:
+            raise ValueError(
+                f"prompt {i} needs {total + plan.lookahead} positions; this DSA model runs dense attention, "
+                f"which equals its sparse attention only up to index_topk = {dense_limit} positions"
+            )
     stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
     keys = _request_keys(seed, sampling)
     requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
@@ -196,16 +201,8 @@ def generate(
     )
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
-    if draft is not None:
-        dcfg = draft.config
-        dpool = KVPool.create(
-            num_layers=dcfg.num_layers, num_pages=num_pages, page_size=engine.page_size,
-            num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim, dtype=dtype,
-        )
-        dparams = draft.params
-    else:
-        dpool = KVPool.create(num_layers=0, num_pages=1, page_size=engine.page_size, num_kv_heads=1, head_dim=1, dtype=dtype)
-        dparams = None
+    dpool = create_draft_pool(plan.draft, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+    dparams = None if draft is None else draft.params
     state = DecodeState.empty(
         batch=batch, out_width=out_width, num_stop=num_stop, topk=plan.topk,
         hidden_size=1 if draft is None else draft.config.hidden_size, hidden_dtype=dtype,

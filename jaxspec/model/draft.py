@@ -4,9 +4,12 @@
 Kinds:
   eagle1      EAGLE-1/2 feature head (target final hidden state in).
   eagle3      EAGLE-3 head (target aux residual streams in).
-  standalone  any Llama-family LM with the target's vocabulary (tokens in; its own KV).
+  standalone  any supported LM (Llama family or DeepSeek MLA) with the target's vocabulary
+              (tokens in; its own KV pool of its own kind).
   frozen_kv   frozen-KV MTP assistant: reads the target's KV, has none of its own
               (jaxspec.model.assistant); its seed step is iteration 0 of the draft loop.
+  mtp         DeepSeek-V3 NextN/MTP layer (target final hidden in; one MLA block with its
+              own MLA KV pool; jaxspec.model.mtp).
 
 Position convention: a feature-level head's row ``p`` consumes the token at ``p + 1`` and
 writes KV at ``p``; a standalone LM's row consumes the token at ``p`` and writes KV at ``p``.
@@ -41,15 +44,16 @@ from jaxspec.model.eagle import (
     eagle_logits,
     load_eagle_params,
 )
-from jaxspec.model.llama import lm_logits, llama_forward
+from jaxspec.model.llama import lm_logits
 from jaxspec.model.loader import Model, load_llama_params
+from jaxspec.model.target import create_target_pool, target_forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftConfig:
     """Static description of a draft, enough to shape every compiled program.
 
-    kind: "eagle1" | "eagle3" | "standalone" | "frozen_kv".
+    kind: "eagle1" | "eagle3" | "standalone" | "frozen_kv" | "mtp".
     model: the head's or LM's own config.
     feature: target feature consumed at draft-extend: "final" (normed final hidden),
       "aux" (EAGLE-3 taps) or None.
@@ -74,13 +78,6 @@ class DraftConfig:
         """Layers of the draft's own KV pool (0 for a frozen-KV assistant)."""
         return 0 if self.frozen_kv else self.model.num_layers
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.model.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.model.head_dim
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,8 +114,13 @@ def draft_forward(
             from_target=from_target, implementation=implementation,
         )
     if dcfg.kind == "standalone":
-        out = llama_forward(params, dcfg.model, tokens, positions, pool, attn, implementation=implementation)
+        out = target_forward(dcfg.model, params, tokens, positions, pool, attn, implementation=implementation)
         return out.hidden, out.pool
+    if dcfg.kind == "mtp":
+        from jaxspec.model.mtp import mtp_forward
+
+        return mtp_forward(params, dcfg.model, tokens, feature, positions, pool, attn,
+                           from_target=from_target, implementation=implementation)
     raise ValueError(f"unknown draft kind {dcfg.kind!r}")
 
 
@@ -127,7 +129,26 @@ def draft_logits(dcfg: DraftConfig, params: dict, hidden: jax.Array) -> jax.Arra
         return eagle_logits(params, dcfg.model, hidden)
     if dcfg.kind == "frozen_kv":
         return assistant_logits(params, hidden)
+    if dcfg.kind == "mtp":
+        from jaxspec.model.mtp import mtp_logits
+
+        return mtp_logits(params, dcfg.model, hidden)
     return lm_logits(params, hidden)
+
+
+def create_draft_pool(dcfg: DraftConfig | None, *, num_pages: int, page_size: int, dtype):
+    """The draft's own KV pool: MHA for EAGLE heads and standalone LMs, a one-layer MLA pool
+    for MTP, and a zero-layer pool (every op a no-op) for frozen-KV assistants or no draft."""
+    if dcfg is not None and dcfg.kind == "mtp":
+        from jaxspec.model.mtp import create_mtp_pool
+
+        return create_mtp_pool(dcfg.model, num_pages=num_pages, page_size=page_size, dtype=dtype)
+    if dcfg is None or dcfg.num_layers == 0:
+        return KVPool.create(num_layers=0, num_pages=1, page_size=page_size, num_kv_heads=1, head_dim=1, dtype=dtype)
+    if dcfg.kind == "standalone":
+        return create_target_pool(dcfg.model, num_pages=num_pages, page_size=page_size, dtype=dtype)
+    return KVPool.create(num_layers=dcfg.num_layers, num_pages=num_pages, page_size=page_size,
+                         num_kv_heads=dcfg.model.num_kv_heads, head_dim=dcfg.model.head_dim, dtype=dtype)
 
 
 def draft_ids(params: dict, index: jax.Array) -> jax.Array:
@@ -155,8 +176,9 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     """Loads a draft for ``target``; the kind is detected from the checkpoint.
 
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
-    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), or a standalone Llama-family
-    LM sharing the target's vocabulary.
+    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), a standalone Llama-family
+    LM sharing the target's vocabulary, a frozen-KV assistant, or -- for a DeepSeek-V3
+    target -- the NextN/MTP layer stored in its checkpoint (pass the target's directory).
 
     Raises:
       ValueError: the draft does not fit the target (vocabulary, hidden size, layers) or is
@@ -166,10 +188,10 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     np_dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     raw = read_config(path)
     where = os.path.join(path, "config.json")
-    if not isinstance(target.config, LlamaConfig):
-        raise ConfigError(f"{where}: EAGLE/standalone drafts need a Llama-family target, got {type(target.config).__name__}")
     ckpt = SafetensorsCheckpoint(path)
     try:
+        if not isinstance(target.config, LlamaConfig):
+            return _load_mtp(ckpt, target, np_dtype, path, where)
         if ASSISTANT_ARCHITECTURE in (raw.get("architectures") or []):
             acfg = assistant_config_from_hf(raw, target.config, where)
             return assistant_draft(acfg, load_assistant_params(ckpt, acfg, target.params, np_dtype), path)
@@ -201,6 +223,29 @@ def eagle_draft(cfg: EagleConfig, params: dict, path: str | None = None) -> Draf
     return DraftModel(config=config, params=params, path=path)
 
 
+def _load_mtp(ckpt: SafetensorsCheckpoint, target: Model, dtype, path: str, where: str) -> DraftModel:
+    from jaxspec.model.deepseek import DeepseekConfig
+    from jaxspec.model.mtp import find_mtp_layers, load_mtp_params
+
+    if not isinstance(target.config, DeepseekConfig):
+        raise ConfigError(f"{where}: no draft kind supports a {type(target.config).__name__} target")
+    if find_mtp_layers(ckpt):
+        params, mcfg = load_mtp_params(ckpt, target.config, dtype, target_params=target.params,
+                                       share_target_weights=True)
+        return mtp_draft(mcfg, params, path)
+    raise CheckpointError(
+        f"{path}: a DeepSeek target takes an MTP (NextN) draft, but this checkpoint has no "
+        f"model.layers.N.eh_proj.weight (pass the target's own directory if it ships the MTP layer, "
+        f"or load a smaller DeepSeek-family model with load_model and wrap it with standalone_draft)"
+    )
+
+
+def mtp_draft(cfg, params: dict, path: str | None = None) -> DraftModel:
+    """Wraps MTP head params (``jaxspec.model.mtp``) as a draft."""
+    config = DraftConfig(kind="mtp", model=cfg, feature="final", pos_offset=0, hidden_size=cfg.hidden_size)
+    return DraftModel(config=config, params=params, path=path)
+
+
 def assistant_draft(cfg: AssistantConfig, params: dict, path: str | None = None) -> DraftModel:
     """Wraps frozen-KV assistant params as a draft."""
     config = DraftConfig(kind="frozen_kv", model=cfg, feature="final", pos_offset=0,
@@ -208,14 +253,13 @@ def assistant_draft(cfg: AssistantConfig, params: dict, path: str | None = None)
     return DraftModel(config=config, params=params, path=path)
 
 
-def standalone_config(cfg: LlamaConfig) -> DraftConfig:
+def standalone_config(cfg) -> DraftConfig:
     return DraftConfig(kind="standalone", model=cfg, feature=None, pos_offset=1, hidden_size=1)
 
 
 def standalone_draft(model: Model) -> DraftModel:
-    """Uses an already-loaded LM (e.g. the target itself, for tests) as a standalone draft."""
-    if not isinstance(model.config, LlamaConfig):
-        raise ConfigError("a standalone draft must be a Llama-family model")
+    """Uses an already-loaded LM (e.g. a smaller model of the same family, or the target
+    itself in tests) as a standalone draft."""
     return DraftModel(config=standalone_config(model.config), params=model.params, path=model.path)
 
 
@@ -227,7 +271,7 @@ def check_draft_fits(target: Model, draft: DraftModel) -> None:
         raise ValueError(
             f"draft vocabulary ({cfg.model.vocab_size}) does not match the target's ({tcfg.vocab_size})"
         )
-    if cfg.kind in ("eagle1", "eagle3") and cfg.model.target_hidden_size != tcfg.hidden_size:
+    if cfg.kind in ("eagle1", "eagle3", "mtp") and cfg.model.target_hidden_size != tcfg.hidden_size:
         raise ValueError(
             f"draft was built for target hidden size {cfg.model.target_hidden_size}, "
             f"the target has {tcfg.hidden_size}"

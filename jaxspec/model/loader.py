@@ -131,6 +131,9 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, progress: bool = Tr
 
 
 def _detect(raw: dict, path: str) -> str:
-    if "DeepseekV3ForCausalLM" in (raw.get("architectures") or []) or raw.get("model_type") == "deepseek_v3":
+    archs = raw.get("architectures") or []
+    if {"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"} & set(archs) or raw.get("model_type") in (
+        "deepseek_v3", "deepseek_v32"
+    ):
         return "deepseek_v3"
     return detect_arch(raw, os.path.join(path, "config.json"))

@@ -15,21 +15,20 @@ from jaxspec.draft import step as step_lib
 from jaxspec.draft.compact import compact_pool
 from jaxspec.engine.state import DecodeState, Plan
 from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.draft import create_draft_pool
 from jaxspec.model.target import create_target_pool
 from tests.conftest import PROMPTS_4
 from tests.draft.test_lossless import drafts
 
 
-def prepared(target, draft, spec, page_size):
-    """State and pools right after prefilling PROMPTS_4 (ragged) into a batch of 4."""
+def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
+    """State and pools right after prefilling ``prompts`` (4, ragged) into a batch of 4."""
     plan = Plan(target=target.config, draft=draft.config, spec=spec, page_size=page_size)
     B, W = 4, -(-64 // page_size)
     num_pages = B * W + 1
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
     d = draft.config
-    dpool = KVPool.create(num_layers=d.num_layers, num_pages=num_pages, page_size=page_size,
-                          num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=jnp.float32)
+    dpool = create_draft_pool(d, num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
     state = DecodeState.empty(batch=B, out_width=64, num_stop=1, topk=spec.topk, hidden_size=d.hidden_size,
                               hidden_dtype=jnp.float32)
     # A scrambled page table: request pages are not contiguous in the pool.
@@ -38,7 +37,7 @@ def prepared(target, draft, spec, page_size):
     T = 16
     tokens = np.zeros((B, T), np.int32)
     lens = np.zeros(B, np.int32)
-    for i, p in enumerate(PROMPTS_4):
+    for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
         lens[i] = len(p)
     req = dict(max_new=jnp.full((B,), 60, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
@@ -48,6 +47,16 @@ def prepared(target, draft, spec, page_size):
         plan, target.params, draft.params, state, tpool, dpool, table, jnp.arange(B, dtype=jnp.int32),
         jnp.asarray(tokens), jnp.asarray(lens), req)
     return plan, state, tpool, dpool, table
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def verify_only(plan, tparams, dparams, state, tpool, dpool, table):
+    """Draft -> verify -> accept of one step, without committing: (accept_index, accept_lens,
+    the target pool with the verify KV written)."""
+    tree, _, _ = step_lib.draft_propose(plan, dparams, state, dpool, table, tpool)
+    logits, _, tpool = step_lib.target_verify(plan, tparams, state, tree, tpool, table)
+    accept_index, accept_lens, _ = step_lib.accept(plan, state, tree, logits)
+    return accept_index, accept_lens, tpool
 
 
 @pytest.mark.parametrize("spec", [js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)],
@@ -76,11 +85,10 @@ def test_tree_compaction_moves_the_accepted_path(tiny_target, page_size):
     plan, state, tpool, dpool, table = prepared(tiny_target, draft, spec, page_size)
     moved_somewhere = False
     for _ in range(4):  # a few steps so scattered accepts show up
-        tree, _, dpool = step_lib.draft_propose(plan, draft.params, state, dpool, table, tpool)
-        logits, feature, tpool = step_lib.target_verify(plan, tiny_target.params, state, tree, tpool, table)
-        accept_index, accept_lens, predict = step_lib.accept(plan, state, tree, logits)
-        before_k, before_v = np.asarray(tpool.k), np.asarray(tpool.v)
-        after = compact_pool(tpool, table, state.seq_lens, accept_index, accept_lens, state.active)
+        accept_index, accept_lens, verified = verify_only(plan, tiny_target.params, draft.params, state, tpool, dpool,
+                                                          table)
+        before_k, before_v = np.asarray(verified.k), np.asarray(verified.v)
+        after = compact_pool(verified, table, state.seq_lens, accept_index, accept_lens, state.active)
         ak, av = np.asarray(after.k), np.asarray(after.v)
         touched = set()
         for b in range(4):
