@@ -9,8 +9,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.draft import draft_forward, draft_logits, draft_topk
+from jaxspec.model.draft import create_draft_pool, draft_forward, draft_logits, draft_topk
 from tests.model.golden import arrays, case_dir, cases
 
 HEADS = cases("eagle3") + cases("eagle1")
@@ -32,8 +31,7 @@ def test_head_matches_reference(case):
     ref = arrays(case)
     T = case["T"]
     page = 16
-    pool = KVPool.create(num_layers=1, num_pages=2, page_size=page, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, dtype=jnp.float32)
+    pool = create_draft_pool(cfg, num_pages=2, page_size=page, dtype=jnp.float32)
     table = jnp.asarray([[1]], jnp.int32)
     ids = jnp.asarray(ref["input_ids"][None], jnp.int32)
     pos = jnp.asarray(ref["positions"][None], jnp.int32)
@@ -69,3 +67,48 @@ def test_eagle3_own_embedding_is_used():
     tgt = target(case["target"])
     draft = js.load_draft(case_dir(case), tgt)
     assert not np.array_equal(np.asarray(draft.params["embed"]), np.asarray(tgt.params["embed"]))
+
+
+def _copy(tmp_path, name):
+    import shutil
+
+    case = next(c for c in HEADS if c["name"] == name)
+    dst = tmp_path / name
+    shutil.copytree(case_dir(case), dst)
+    return dst
+
+
+def _edit(d, **fields):
+    import json
+
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name,fields,match", [
+    ("eagle3_midlayer", dict(vocab_size=300), "draft vocab_size 300 does not match the target's 256"),
+    ("eagle3_midlayer", dict(target_hidden_size=128), "expects target hidden size 128, the target has 64"),
+    ("eagle3_layers0", dict(hidden_size=32), "has shape"),
+    ("eagle1", dict(vocab_size=255), "vocab_size 255 does not match"),
+    ("eagle3_midlayer", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}), "outside the target's 7"),
+], ids=["eagle3-vocab", "eagle3-target-hidden", "eagle3-misshaped", "eagle1-vocab", "eagle3-aux-layers"])
+def test_draft_that_does_not_fit_the_target_is_refused(tmp_path, name, fields, match):
+    d = _copy(tmp_path, name)
+    _edit(d, **fields)
+    with pytest.raises(ValueError, match=match):
+        js.load_draft(d, target("llama3"))
+
+
+def test_standalone_draft_with_another_vocabulary_is_refused(tmp_path):
+    import shutil
+
+    src = next(c for c in cases("target") if c["name"] == "qwen2")
+    d = tmp_path / "qwen2"
+    shutil.copytree(case_dir(src), d)
+    _edit(d, vocab_size=300)
+    with pytest.raises(ValueError, match="standalone draft vocab_size 300 does not match the target's 256"):
+        js.load_draft(d, target("llama3"))
+    shutil.copytree(case_dir(src), tmp_path / "ok")
+    draft = js.load_draft(tmp_path / "ok", target("llama3"))
+    assert draft.kind == "standalone"
