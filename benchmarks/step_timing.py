@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
     specs = [("plain", None), ("chain S=3", js.SpecConfig.chain(3)),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8))]
-    print(f"| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")
+    print("| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")
     print("|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = None

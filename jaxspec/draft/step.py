@@ -147,7 +147,8 @@ def draft_propose(
 
     if dcfg.frozen_kv:  # seed step = iteration 0: root token + the target's last hidden state
         h0, y0, _ = forward(state.bonus[:, None], state.hidden[:, None], 0, None)
-        topk_p, topk_index, q0 = draft_seed(plan, dparams, y0[:, 0], rows, None if keys is None else sub_keys(keys, KEY_SEED))
+        seed_keys = None if keys is None else sub_keys(keys, KEY_SEED)
+        topk_p, topk_index, q0 = draft_seed(plan, dparams, y0[:, 0], rows, seed_keys)
         hidden = h0[:, 0]
     else:
         topk_p, topk_index, hidden, q0 = state.topk_p, state.topk_index, state.hidden, state.draft_q

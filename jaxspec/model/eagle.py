@@ -88,7 +88,7 @@ def eagle_forward(
 ) -> tuple[jax.Array, KVPool]:  # hidden [B, T, H] (pre-norm), new pool
     """One head step over T rows per request (extend: ``from_target``; drafting: not)."""
     B, T = tokens.shape
-    H, D = cfg.hidden_size, cfg.head_dim
+    D = cfg.head_dim
     lp = params["layer"]
     emb = params["embed"][tokens].astype(feature.dtype)
     if cfg.version == 3:
