@@ -40,7 +40,10 @@ def compact_pool(pool, page_table, seq_lens, accept_index, accept_lens, active, 
     if pool.num_layers == 0:
         return pool
     src, dst = compaction_moves(page_table, seq_lens, accept_index, accept_lens, active, pool.page_size)
-    return pool.with_buffers(kv_move(pool.buffers, src, dst, implementation=implementation))
+    # Moves are request-major (S per request), so requests can be spread over programs.
+    moved = kv_move(pool.buffers, src, dst, implementation=implementation,
+                    moves_per_request=accept_index.shape[1] - 1)
+    return pool.with_buffers(moved)
 
 
 def gather_to_front(
