@@ -34,7 +34,7 @@ from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
 from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
 from jaxspec.pallas.paged_attention import visible_mask
-from jaxspec.pallas.triton_common import whole
+from jaxspec.pallas.triton_common import merge_splits, split_out_shapes, whole
 
 _MASK_VALUE = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -248,14 +248,7 @@ def _mla_call(
     ins = (layer, prefix_lens, page_table.reshape(B * W))
     ins += () if causal else (block_mask.reshape(-1),)
     ins += (q_latent.reshape(B * T * Hq, C), q_rope.reshape(B * T * Hq, R), kv_pool.reshape(L * N, C + R))
-    if S == 1:
-        out_shape = (jax.ShapeDtypeStruct((B * T * Hq, C), q_latent.dtype),)
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((S * B * T * Hq, C), jnp.float32),  # unnormalized partial outputs
-            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # running max
-            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # softmax denominator
-        )
+    out_shape = split_out_shapes(S, B * T * Hq, C, q_latent.dtype)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -266,15 +259,7 @@ def _mla_call(
         interpret=interpret,
         name="mla_attention",
     )(*ins)
-    if S == 1:
-        return out[0].reshape(B, T, Hq, C)
-    o_part = out[0].reshape(S, B, T, Hq, C)  # merge the splits (flash-decoding)
-    m_part, l_part = (x.reshape(S, B, T, Hq) for x in out[1:])
-    m_all = jnp.max(m_part, axis=0)
-    scale = jnp.exp(m_part - m_all[None])
-    l_all = jnp.sum(scale * l_part, axis=0)
-    o = jnp.sum(scale[..., None] * o_part, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return o.astype(q_latent.dtype)
+    return merge_splits(out, (B, T, Hq, C), q_latent.dtype)
 
 
 def mla_blocks(*, batch: int, rows: int, block_width: int, latent_dim: int, max_kv_len: int,

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
 from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
-from jaxspec.pallas.triton_common import whole
+from jaxspec.pallas.triton_common import merge_splits, split_out_shapes, whole
 
 _MASK_VALUE = -1e30
 
@@ -263,14 +263,7 @@ def _attention_call(
     ins = (layer, prefix_lens, page_table.reshape(B * W))
     ins += () if causal else (block_mask.reshape(-1),)
     ins += (q.reshape(B * T * Hq, D), k_pool.reshape(L * N * Hkv, D), v_pool.reshape(L * N * Hkv, D))
-    if S == 1:
-        out_shape = (jax.ShapeDtypeStruct((B * T * Hq, D), q.dtype),)
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((S * B * T * Hq, D), jnp.float32),  # unnormalized partial outputs
-            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # running max
-            jax.ShapeDtypeStruct((S * B * T * Hq,), jnp.float32),  # softmax denominator
-        )
+    out_shape = split_out_shapes(S, B * T * Hq, D, q.dtype)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -281,16 +274,7 @@ def _attention_call(
         interpret=interpret,
         name="paged_attention",
     )(*ins)
-    if S == 1:
-        return out[0].reshape(B, T, Hq, D)
-    # Merge the splits (flash-decoding): rescale each split to the common max.
-    o_part = out[0].reshape(S, B, T, Hq, D)
-    m_part, l_part = (x.reshape(S, B, T, Hq) for x in out[1:])
-    m_all = jnp.max(m_part, axis=0)  # [B, T, Hq]
-    scale = jnp.exp(m_part - m_all[None])  # [S, B, T, Hq]
-    l_all = jnp.sum(scale * l_part, axis=0)
-    o = jnp.sum(scale[..., None] * o_part, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return o.astype(q.dtype)
+    return merge_splits(out, (B, T, Hq, D), q.dtype)
 
 
 def paged_attention_pallas(
