@@ -29,6 +29,9 @@ class SpecConfig:
       accept_threshold_single, accept_threshold_acc: SGLang's tree-sampling thresholds
         (temperature > 0). At 1.0 (default) sampling is exact; below 1 more drafts are
         accepted and the output distribution is NO LONGER the target's (lossy).
+      adaptive_steps: chains only: candidate depths to switch among between executable
+        calls, following the observed accept length (``num_steps`` is where it starts; each
+        depth has its own compiled program). Empty: fixed depth.
     """
 
     num_steps: int = 5
@@ -36,6 +39,7 @@ class SpecConfig:
     num_draft_tokens: int = 8
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
+    adaptive_steps: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -57,6 +61,15 @@ class SpecConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ValueError(f"SpecConfig.{name} must be in (0, 1], got {value!r}")
+        if self.adaptive_steps:
+            steps = tuple(self.adaptive_steps)
+            if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in steps):
+                raise ValueError(f"SpecConfig.adaptive_steps must be positive ints, got {steps!r}")
+            if self.topk != 1:
+                raise ValueError("SpecConfig.adaptive_steps is for chains (topk=1) only")
+            if self.num_steps not in steps:
+                raise ValueError(f"SpecConfig.num_steps={self.num_steps} must be one of adaptive_steps {steps}")
+            object.__setattr__(self, "adaptive_steps", tuple(sorted(set(steps))))
         if self.num_draft_tokens - 1 > self.num_candidates:
             raise ValueError(
                 f"SpecConfig: num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the "
@@ -65,9 +78,16 @@ class SpecConfig:
             )
 
     @classmethod
-    def chain(cls, num_steps: int) -> "SpecConfig":
-        """A topk=1 chain of ``num_steps`` draft tokens."""
-        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1)
+    def chain(cls, num_steps: int, adaptive_steps: tuple[int, ...] = ()) -> "SpecConfig":
+        """A topk=1 chain of ``num_steps`` draft tokens (optionally adaptive)."""
+        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, adaptive_steps=adaptive_steps)
+
+    def with_steps(self, num_steps: int) -> "SpecConfig":
+        """The fixed-depth chain this adaptive config runs at ``num_steps``."""
+        return SpecConfig(
+            num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1,
+            accept_threshold_single=self.accept_threshold_single, accept_threshold_acc=self.accept_threshold_acc,
+        )
 
     @property
     def num_candidates(self) -> int:

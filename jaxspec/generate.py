@@ -13,6 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.config import EngineConfig, SamplingParams, SpecConfig
+from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState, Plan
@@ -43,6 +44,7 @@ class GenerateOutput:
     wall_seconds: float
     kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
     kv_pages_total: int = 0
+    steps_per_call: list[int] = dataclasses.field(default_factory=list)  # adaptive chains: depth of each call
 
     @property
     def mean_accept_len(self) -> float:
@@ -157,16 +159,22 @@ def generate(
         check_draft_fits(target, draft)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
+    adaptive = None
+    if spec is not None and spec.adaptive_steps:
+        adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
+    plans = {}  # depth -> Plan, for adaptive chains
     plan = Plan(
         target=target.config,
         draft=None if draft is None else draft.config,
-        spec=spec,
+        spec=spec.with_steps(max(spec.adaptive_steps)) if adaptive else spec,
         page_size=engine.page_size,
         steps_per_call=engine.steps_per_call,
         greedy_only=all(s.is_greedy for s in sampling),
         filtering=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling if not s.is_greedy),
         implementation=engine.implementation,
     )
+    if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
+        plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
     window = getattr(target.config, "sliding_window", None)
     dense_limit = getattr(target.config, "max_dense_positions", None)  # DSA: dense == sparse up to index_topk
     for i, (p, s) in enumerate(zip(ids, sampling)):
@@ -224,10 +232,17 @@ def generate(
         if all(r is None for r in sched.rows):
             raise RuntimeError("scheduler made no progress (no request could be admitted)")
         sched.grant_ahead(seq_lens)
+        call_plan = plans[adaptive.steps] if adaptive else plan
+        before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
         state, tpool, dpool, _ = decode_program(
-            plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table)
+            call_plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table)
         )
-        host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens))
+        host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
+                                   nv=state.num_verify))
+        if adaptive:
+            steps_run = int((host["nv"] - before["nv"]).sum())
+            if steps_run:
+                adaptive.update(float((host["out_lens"] - before["out_lens"]).sum()) / steps_run)
         seq_lens = np.array(host["seq_lens"])
         finished_rows = [row for row, r in enumerate(sched.rows) if r is not None and not host["active"][row]]
         if finished_rows:
@@ -258,6 +273,7 @@ def generate(
     texts = [target.tokenizer.decode(t) for t in token_ids] if target.tokenizer is not None else None
     return GenerateOutput(
         token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
+        steps_per_call=adaptive.history if adaptive else [],
         kv_pages_free=sched.allocator.num_free, kv_pages_total=sched.allocator.capacity,
     )
 
