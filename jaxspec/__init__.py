@@ -8,6 +8,7 @@ from jaxspec.generate import GenerateOutput as GenerateOutput
 from jaxspec.generate import generate as generate
 from jaxspec.model.draft import DraftModel as DraftModel
 from jaxspec.model.draft import load_draft as load_draft
+from jaxspec.model.draft import standalone_draft as standalone_draft
 from jaxspec.model.loader import Model as Model
 from jaxspec.model.loader import load_model as load_model
 from jaxspec.model.tokenizer import load_tokenizer as load_tokenizer
