@@ -54,6 +54,39 @@ def llama_forward(
     )
 
 
+def attention_qkv(
+    lp: dict,  # one layer's params
+    cfg: LlamaConfig,
+    x: jax.Array,  # [B, T, H] residual stream entering the layer
+    positions: jax.Array,  # i32[B, T]
+    inv_freq,  # f32[D // 2]
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D]
+    """Input norm, q/k/v projections (+ Qwen2 bias, + Qwen3 per-head norm) and RoPE: the part
+    of a layer before attention, shared by the paged serving forward and the dense training one."""
+    B, T, _ = x.shape
+    D = cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(B, T, cfg.num_heads, D)
+    k = k.reshape(B, T, cfg.num_kv_heads, D)
+    v = v.reshape(B, T, cfg.num_kv_heads, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def layer_tail(
+    lp: dict, cfg: LlamaConfig, x: jax.Array, o: jax.Array  # x [B, T, H]; o [B, T, Hq, D] attention output
+) -> jax.Array:  # [B, T, H] residual stream leaving the layer
+    """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention."""
+    B, T, H = x.shape
+    x = x + o.reshape(B, T, -1) @ lp["wo"]
+    return x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
 def llama_forward_embeds(
     params: dict,
     cfg: LlamaConfig,
@@ -66,8 +99,7 @@ def llama_forward_embeds(
     implementation: str | None = None,
 ) -> ForwardOutput:
     B, T, H = x.shape
-    D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    inv_freq = rope_inv_freq(cfg.rope, D)
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     num_aux = len(aux_layers)
     # Layer l writes its input into aux slot tap[l]; untapped layers write the dummy slot.
     tap = np.full((cfg.num_layers,), num_aux, np.int32)
@@ -79,23 +111,9 @@ def llama_forward_embeds(
         x, pool, aux, l = carry
         if aux is not None:
             aux = jax.lax.dynamic_update_index_in_dim(aux, x, jnp.asarray(tap)[l], axis=0)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = q.reshape(B, T, Hq, D)
-        k = k.reshape(B, T, Hkv, D)
-        v = v.reshape(B, T, Hkv, D)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
         o, pool = write_and_attend(q, k, v, pool, l, attn, implementation=implementation)
-        x = x + o.reshape(B, T, Hq * D) @ lp["wo"]
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-        return (x, pool, aux, l + 1), None
+        return (layer_tail(lp, cfg, x, o), pool, aux, l + 1), None
 
     (x, pool, aux, _), _ = jax.lax.scan(layer, (x, pool, aux, jnp.int32(0)), params["layers"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
@@ -111,30 +129,42 @@ def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
-def init_llama_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
-    """Random params (tests, benchmarks). ``scale`` is the std of every linear weight."""
+def llama_param_shapes(cfg: LlamaConfig) -> dict:
+    """The param pytree as ``(shape, init)`` leaves, init ``"normal"`` (linear weights and
+    biases) or ``"ones"`` (norms); every initializer fills this one table, in its order."""
     L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    keys = iter(jax.random.split(key, 16))
-
-    def normal(shape, std=scale):
-        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
-
+    normal = lambda *shape: (shape, "normal")  # noqa: E731
+    ones = lambda *shape: (shape, "ones")  # noqa: E731
     layers = {
-        "attn_norm": jnp.ones((L, H), dtype),
-        "wq": normal((L, H, cfg.q_size)),
-        "wk": normal((L, H, cfg.kv_size)),
-        "wv": normal((L, H, cfg.kv_size)),
-        "wo": normal((L, cfg.q_size, H)),
-        "mlp_norm": jnp.ones((L, H), dtype),
-        "w_gate": normal((L, H, I)),
-        "w_up": normal((L, H, I)),
-        "w_down": normal((L, I, H)),
+        "attn_norm": ones(L, H), "wq": normal(L, H, cfg.q_size), "wk": normal(L, H, cfg.kv_size),
+        "wv": normal(L, H, cfg.kv_size), "wo": normal(L, cfg.q_size, H), "mlp_norm": ones(L, H),
+        "w_gate": normal(L, H, I), "w_up": normal(L, H, I), "w_down": normal(L, I, H),
     }
     if cfg.attention_bias:
-        layers |= {"bq": normal((L, cfg.q_size)), "bk": normal((L, cfg.kv_size)), "bv": normal((L, cfg.kv_size))}
+        layers |= {"bq": normal(L, cfg.q_size), "bk": normal(L, cfg.kv_size), "bv": normal(L, cfg.kv_size)}
     if cfg.qk_norm:
-        layers |= {"q_norm": jnp.ones((L, cfg.head_dim), dtype), "k_norm": jnp.ones((L, cfg.head_dim), dtype)}
-    params = {"embed": normal((V, H)), "layers": layers, "norm": jnp.ones((H,), dtype)}
+        layers |= {"q_norm": ones(L, cfg.head_dim), "k_norm": ones(L, cfg.head_dim)}
+    shapes = {"embed": normal(V, H), "layers": layers, "norm": ones(H)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = normal((H, V))
-    return params
+        shapes["lm_head"] = normal(H, V)
+    return shapes
+
+
+def fill_param_shapes(shapes: dict, normal, ones) -> dict:
+    """Maps the ``(shape, init)`` leaves of a shape table to arrays in the table's insertion
+    order (not ``jax.tree`` order, which sorts keys), so seeded draws stay put."""
+    return {
+        name: fill_param_shapes(leaf, normal, ones) if isinstance(leaf, dict)
+        else (normal(leaf[0]) if leaf[1] == "normal" else ones(leaf[0]))
+        for name, leaf in shapes.items()
+    }
+
+
+def init_llama_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random params (tests, benchmarks). ``scale`` is the std of every linear weight."""
+    keys = iter(jax.random.split(key, 16))
+    return fill_param_shapes(
+        llama_param_shapes(cfg),
+        lambda shape: (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype),
+        lambda shape: jnp.ones(shape, dtype),
+    )

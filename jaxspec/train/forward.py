@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.config import LlamaConfig
-from jaxspec.model.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from jaxspec.model.layers import rms_norm, rope_inv_freq
+from jaxspec.model.llama import attention_qkv, layer_tail
 
 _MASK_VALUE = -1e30
 
@@ -61,30 +62,15 @@ def dense_forward(
     recomputes each layer in the backward pass (less memory, more compute).
     """
     B, T = tokens.shape
-    D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    inv_freq = rope_inv_freq(cfg.rope, D)
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     mask = causal_mask(T)
     x = params["embed"][tokens]  # [B, T, H]
 
     def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = q.reshape(B, T, Hq, D)
-        k = k.reshape(B, T, Hkv, D)
-        v = v.reshape(B, T, Hkv, D)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
         o = dense_attention(q, k, v, mask)
-        x_in = x
-        x = x + o.reshape(B, T, Hq * D) @ lp["wo"]
-        x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
-        return x, (x_in if aux_layers else None)  # the layer's input residual stream is its tap
+        return layer_tail(lp, cfg, x, o), (x if aux_layers else None)  # the layer's input residual stream is its tap
 
     if remat:
         layer = jax.checkpoint(layer)

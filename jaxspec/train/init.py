@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxspec.model.config import LlamaConfig
 from jaxspec.model.eagle import EagleConfig
+from jaxspec.model.llama import fill_param_shapes, llama_param_shapes
 
 
 def _normal(rng: np.random.Generator, scale: float, dtype):
@@ -19,22 +20,8 @@ def _normal(rng: np.random.Generator, scale: float, dtype):
 
 def init_llama(cfg: LlamaConfig, seed: int = 0, scale: float = 0.02, dtype=np.float32) -> dict:
     """Random Llama-family params (``jaxspec.model.llama`` layout)."""
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     normal = _normal(np.random.default_rng(seed), scale, dtype)
-    ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
-    layers = {
-        "attn_norm": ones(L, H), "wq": normal(L, H, cfg.q_size), "wk": normal(L, H, cfg.kv_size),
-        "wv": normal(L, H, cfg.kv_size), "wo": normal(L, cfg.q_size, H), "mlp_norm": ones(L, H),
-        "w_gate": normal(L, H, I), "w_up": normal(L, H, I), "w_down": normal(L, I, H),
-    }
-    if cfg.attention_bias:
-        layers |= {"bq": normal(L, cfg.q_size), "bk": normal(L, cfg.kv_size), "bv": normal(L, cfg.kv_size)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ones(L, cfg.head_dim), "k_norm": ones(L, cfg.head_dim)}
-    params = {"embed": normal(V, H), "layers": layers, "norm": ones(H)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = normal(H, V)
-    return params
+    return fill_param_shapes(llama_param_shapes(cfg), lambda shape: normal(*shape), lambda shape: jnp.ones(shape, dtype))
 
 
 def init_eagle3(cfg: EagleConfig, seed: int = 0, scale: float = 0.02, dtype=np.float32) -> dict:
