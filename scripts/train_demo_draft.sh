@@ -16,4 +16,4 @@ for a in "$@"; do
 done
 exec "$PY" -m jaxspec train-draft --target demo/target --corpus stdlib --out demo/eagle3 \
   --run-dir runs/demo_eagle3 --draft-vocab-size 2048 --ttt-steps 5 --batch 8 --seq-len 256 \
-  --lr 2e-3 --warmup 30 --eval-every 50 --eval-prompts 4 --dtype bfloat16 "${budget[@]}" "$@"
+  --lr 2e-3 --warmup 30 --eval-every 50 --eval-prompts 4 --self-distill 512 --dtype bfloat16 "${budget[@]}" "$@"
