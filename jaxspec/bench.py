@@ -227,7 +227,7 @@ def cmd_bench(args) -> int:
     table = format_table(rows)
     print(table)
     result = dict(
-        device=device_name(), target=target_path, draft=draft_path, dtype=args.dtype, temperature=args.temperature,
+        device=device_name(), target=_shown(target_path), draft=draft_path and _shown(draft_path), dtype=args.dtype, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, num_prompts=len(prompts),
         repeats=args.repeats, seconds=time.perf_counter() - t, command=" ".join(["jaxspec"] + sys.argv[1:]),
         rows=rows,
@@ -240,6 +240,13 @@ def cmd_bench(args) -> int:
     plot(rows, png, f"jaxspec bench: {device_name()}, T={args.temperature}")
     print(f"wrote {out_json} and {png}", file=sys.stderr)
     return 0
+
+
+def _shown(path: str) -> str:
+    """A path as recorded in the JSON: relative to the working directory when under it, so
+    results committed from a checkout name no machine-specific directory."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def _ints(text: str) -> list[int]:
