@@ -11,7 +11,9 @@ import time
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
 DEMO_TARGET = os.path.join(DEMO_DIR, "target")
 DEMO_DRAFT = os.path.join(DEMO_DIR, "eagle3")
-DEMO_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+# Ends mid-line on purpose: the byte-level BPE merges a newline with the next line's indent into one
+# token, so a prompt ending in a bare "\n" tells the model the next line starts at column 0.
+DEMO_PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n    with open(path) as f:'
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +44,8 @@ def cmd_generate(args) -> int:
     spec = _spec_from(args) if draft is not None else None
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     sampling = js.SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        stop_token_ids=() if args.ignore_eos else None,
     )
     engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len)
     prompts = [prompt] if target.tokenizer is not None else [[int(t) for t in prompt.split()]]
@@ -69,6 +72,9 @@ def cmd_generate(args) -> int:
     print(prompt + text if isinstance(prompts[0], str) else text)
     print("=" * 72)
     st = out.stats[0]
+    if st.num_tokens == 0:
+        print("no tokens: the model's first token was a stop token (pass --ignore-eos to generate past it)")
+        return 0
     tps = statistics.median(spec_tps)
     print(f"tokens: {st.num_tokens}   tokens/s: {tps:.1f}", end="")
     if draft is not None:
@@ -96,6 +102,7 @@ def main(argv=None) -> int:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos tokens")
     g.add_argument("--no-compare", action="store_true", help="skip the plain-decoding baseline")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median is printed)")
     _add_spec_args(g)

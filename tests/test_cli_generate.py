@@ -1,0 +1,24 @@
+"""``jaxspec generate``: the README's main command on the shipped demo pair."""
+
+import re
+
+from jaxspec.cli import DEMO_PROMPT, main
+
+
+def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsys):
+    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("=" * 72)[1].strip("\n").startswith(DEMO_PROMPT)
+    summary = out.strip().splitlines()[-1]
+    m = re.search(r"tokens: (\d+) .* mean accept length: ([\d.]+) .* speedup: ([\d.]+)x", summary)
+    assert m, summary
+    tokens, accept, speedup = int(m[1]), float(m[2]), float(m[3])
+    assert 1 <= tokens <= 16 and 1.0 <= accept <= 6.0 and speedup > 0
+
+
+def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):
+    # A prompt ending in a bare newline after a docstring: the demo target tends to end the file here.
+    prompt = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n'
+    assert main(["generate", "--prompt", prompt, "--max-new-tokens", "8", "--repeats", "1", "--no-compare",
+                 "--ignore-eos"]) == 0
+    assert "tokens: 8 " in capsys.readouterr().out
