@@ -21,8 +21,8 @@ from tests.conftest import PROMPTS_4
 from tests.draft.test_lossless import drafts
 
 
-def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
-    """State and pools right after prefilling ``prompts`` (4, ragged) into a batch of 4."""
+def prefill_args(target, draft, spec, page_size, prompts=PROMPTS_4):
+    """(plan, arguments of ``step_lib.prefill``) for ``prompts`` (4, ragged) in a batch of 4."""
     plan = Plan(target=target.config, draft=draft.config, spec=spec, page_size=page_size)
     B, W = 4, -(-64 // page_size)
     num_pages = B * W + 1
@@ -43,10 +43,15 @@ def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
     req = dict(max_new=jnp.full((B,), 60, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
                temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
                top_p=jnp.ones((B,), jnp.float32), keys=jnp.zeros((B, 2), jnp.uint32))
-    state, tpool, dpool = jax.jit(step_lib.prefill, static_argnums=0)(
-        plan, target.params, draft.params, state, tpool, dpool, table, jnp.arange(B, dtype=jnp.int32),
-        jnp.asarray(tokens), jnp.asarray(lens), req)
-    return plan, state, tpool, dpool, table
+    return plan, (target.params, draft.params, state, tpool, dpool, table, jnp.arange(B, dtype=jnp.int32),
+                  jnp.asarray(tokens), jnp.asarray(lens), req)
+
+
+def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
+    """State and pools right after prefilling ``prompts`` (4, ragged) into a batch of 4."""
+    plan, args = prefill_args(target, draft, spec, page_size, prompts)
+    state, tpool, dpool = jax.jit(step_lib.prefill, static_argnums=0)(plan, *args)
+    return plan, state, tpool, dpool, args[5]
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -1,0 +1,87 @@
+"""Whole speculative steps with ``implementation="pallas"`` lowered for CUDA on a CPU machine:
+every kernel call site of the real engine (draft loop, verify, compaction, draft extend,
+prefill; MHA, MLA and MLA+indexer pools; EAGLE-3, frozen-KV and MTP drafts) gets through the
+Pallas-to-Triton lowering with the shapes the engine gives it, and the static topk=1 path has
+no KV move. The kernel tests cover each kernel alone; this covers how the engine calls them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import pytest
+
+import jaxspec as js
+from jaxspec.draft import step as step_lib
+from jaxspec.pallas import dispatch
+from tests.draft.test_frozen_kv import assistant
+from tests.draft.test_lossless import drafts
+from tests.draft.test_mla_spec import dsa_pair, golden
+from tests.draft.test_step import prefill_args, prepared
+from tests.pallas.triton_lowering import TRITON_CALL, lower_for_cuda
+
+CHAIN = js.SpecConfig.chain(3)
+TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+
+
+def _llama(kind):
+    def make(tiny_target):
+        draft = assistant(tiny_target) if kind == "frozen_kv" else drafts(tiny_target)[kind]
+        return tiny_target, draft, None
+    return make
+
+
+def _mtp(tiny_target):
+    case, target, draft, _ = golden("deepseek_v3_dense")
+    return target, draft, [p[:6] for p in case["prompts"]] + [case["prompts"][0][:2]]
+
+
+def _dsa(tiny_target):
+    target, draft = dsa_pair()
+    return target, draft, [[5, 9, 1, 33, 7, 2, 8], [60, 3, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [40]]
+
+
+# (pair, spec, page size, kernels expected in one spec step). Page sizes and prompts match the
+# step tests so the prefill compiles are shared.
+CASES = [
+    ("eagle3-chain", _llama("eagle3"), CHAIN, 4, {"paged_attention", "gather_spec_extras"}),
+    ("eagle3-tree", _llama("eagle3"), TREE, 4, {"paged_attention", "kv_move", "gather_spec_extras"}),
+    # Frozen KV: the seed step is folded into the draft loop, so there is no draft extend to gather for.
+    ("frozen_kv-tree", _llama("frozen_kv"), TREE, 4, {"paged_attention", "kv_move"}),
+    ("mtp_mla-chain", _mtp, js.SpecConfig.chain(2), 4, {"mla_attention", "gather_spec_extras"}),
+    ("mtp_mla-tree", _mtp, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 4,
+     {"mla_attention", "kv_move", "gather_spec_extras"}),
+    ("dsa_indexer-tree", _dsa, js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8), 1,
+     {"mla_attention", "kv_move", "gather_spec_extras"}),
+]
+
+
+def kernel_names(hlo: str) -> list[str]:
+    """Names of the Triton kernels launched by a lowered program, in order."""
+    return [re.search(r'name = "([^"]*)"', line).group(1) for line in hlo.splitlines() if TRITON_CALL in line]
+
+
+@pytest.mark.parametrize("make,spec,page,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_spec_step_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec, page, expected):
+    target, draft, prompts = make(tiny_target)
+    kw = {} if prompts is None else {"prompts": prompts}
+    plan, state, tpool, dpool, table = prepared(target, draft, spec, page, **kw)  # runs on CPU (XLA)
+    plan = dataclasses.replace(plan, implementation="pallas")
+    monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)  # native kernels, as on a GPU
+    hlo = lower_for_cuda(functools.partial(step_lib.spec_step, plan), target.params, draft.params, state, tpool,
+                         dpool, table)
+    assert set(kernel_names(hlo)) == expected
+
+
+@pytest.mark.parametrize("make,spec,page,expected", [
+    (_llama("eagle3"), TREE, 4, {"paged_attention"}),
+    (_mtp, js.SpecConfig.chain(2), 4, {"mla_attention"}),
+], ids=["eagle3", "mtp_mla"])
+def test_prefill_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec, page, expected):
+    target, draft, prompts = make(tiny_target)
+    kw = {} if prompts is None else {"prompts": prompts}
+    plan, args = prefill_args(target, draft, spec, page, **kw)
+    plan = dataclasses.replace(plan, implementation="pallas")
+    monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)
+    assert set(kernel_names(lower_for_cuda(functools.partial(step_lib.prefill, plan), *args))) == expected
