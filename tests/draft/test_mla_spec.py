@@ -23,6 +23,15 @@ from tests.model.golden import arrays, case_dir, cases
 from tests.model.test_golden_deepseek import v32_model
 
 
+# Ragged prompts for the function-level step tests (shared with the Triton lowering tests).
+DSA_PROMPTS = [[5, 9, 1, 33, 7, 2, 8], [60, 3, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [40]]
+
+
+def step_prompts(case):
+    """Four ragged prompts cut from a golden case's prompts."""
+    return [p[:6] for p in case["prompts"]] + [case["prompts"][0][:2]]
+
+
 @functools.cache
 def golden(name):
     case = next(c for c in cases("target") if c["name"] == name)
@@ -51,7 +60,7 @@ def test_mtp_drafting_is_lossless(name, spec, page):
                          ids=["chain", "tree"])
 def test_mtp_step_jit_equals_eager(spec):
     case, target, draft, _ = golden("deepseek_v3_dense")
-    prompts = [p[:6] for p in case["prompts"]] + [case["prompts"][0][:2]]
+    prompts = step_prompts(case)
     plan, state, tpool, dpool, table = prepared(target, draft, spec, page_size=4, prompts=prompts)
     run = functools.partial(step_lib.spec_step, plan)
     jitted = jax.jit(run)(target.params, draft.params, state, tpool, dpool, table)
@@ -81,7 +90,7 @@ def test_mla_and_indexer_rows_follow_the_accepted_path(page_size):
     target, draft = dsa_pair()
     cfg = target.config
     spec = js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)
-    prompts = [[5, 9, 1, 33, 7, 2, 8], [60, 3, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [40]]
+    prompts = DSA_PROMPTS
     plan, state, tpool, dpool, table = prepared(target, draft, spec, page_size, prompts=prompts)
     scattered = False
     step = jax.jit(step_lib.spec_step, static_argnums=0)

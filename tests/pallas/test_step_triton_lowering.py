@@ -17,7 +17,7 @@ from jaxspec.draft import step as step_lib
 from jaxspec.pallas import dispatch
 from tests.draft.test_frozen_kv import assistant
 from tests.draft.test_lossless import drafts
-from tests.draft.test_mla_spec import dsa_pair, golden
+from tests.draft.test_mla_spec import DSA_PROMPTS, dsa_pair, golden, step_prompts
 from tests.draft.test_step import prefill_args, prepared
 from tests.pallas.triton_lowering import TRITON_CALL, lower_for_cuda
 
@@ -34,12 +34,11 @@ def _llama(kind):
 
 def _mtp(tiny_target):
     case, target, draft, _ = golden("deepseek_v3_dense")
-    return target, draft, [p[:6] for p in case["prompts"]] + [case["prompts"][0][:2]]
+    return target, draft, step_prompts(case)
 
 
 def _dsa(tiny_target):
-    target, draft = dsa_pair()
-    return target, draft, [[5, 9, 1, 33, 7, 2, 8], [60, 3, 14], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [40]]
+    return (*dsa_pair(), DSA_PROMPTS)
 
 
 # (pair, spec, page size, kernels expected in one spec step). Page sizes and prompts match the
