@@ -25,15 +25,18 @@ import numpy as np
 
 import jaxspec as js
 from jaxspec.engine.programs import decode_program, prefill_program
-from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.draft.plan import Plan
+from jaxspec.engine.state import DecodeState
 from jaxspec.generate import next_pow2
 from jaxspec.kvcache.paging import pages_needed
-from jaxspec.model.config import LlamaConfig, RopeConfig
-from jaxspec.model.draft import create_draft_pool, eagle_draft
-from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
-from jaxspec.model.llama import init_llama_params
-from jaxspec.model.loader import Model
-from jaxspec.model.target import create_target_pool
+from jaxspec.model.config import RopeConfig
+from jaxspec.model.drafts.base import zero_pool
+from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_draft
+from jaxspec.model.io.eagle import eagle_table
+from jaxspec.model.io.llama import llama_table
+from jaxspec.model.io.tables import init_params
+from jaxspec.model.targets import Model, create_target_pool
+from jaxspec.model.targets.llama_config import LlamaConfig
 
 # Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -71,10 +74,10 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     num_pages = batch * width + 1
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page, dtype=dtype)
-    dpool = create_draft_pool(plan.draft, num_pages=num_pages, page_size=page, dtype=dtype)
+    dpool = zero_pool(page, dtype) if draft is None else draft.config.create_pool(num_pages=num_pages, page_size=page, dtype=dtype)
     dparams, hidden = (None, 1) if draft is None else (draft.params, draft.config.hidden_size)
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
-    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, topk=plan.topk, hidden_size=hidden,
+    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, hidden_size=hidden,
                               hidden_dtype=dtype)
     table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     table = jnp.asarray(table)
@@ -112,10 +115,10 @@ def main(argv=None) -> int:
     cfg = TINY if args.tiny else LLAMA3_8B
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target and EAGLE-3 head...", file=sys.stderr)
-    params = jax.jit(lambda k: init_llama_params(cfg, k, dtype=dtype))(jax.random.PRNGKey(0))
+    params = init_params(llama_table(cfg), 0, dtype=dtype, on_device=True)
     target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
     ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
-    draft = eagle_draft(ecfg, jax.jit(lambda k: init_eagle_params(ecfg, k, params, dtype=dtype))(jax.random.PRNGKey(1)))
+    draft = eagle_draft(ecfg, dict(init_params(eagle_table(ecfg), 1, dtype=dtype, on_device=True), embed=params["embed"]))
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}

@@ -202,7 +202,7 @@ def device_name() -> str:
 
 def cmd_bench(args) -> int:
     import jaxspec as js
-    from jaxspec.cli import DEMO_DRAFT, DEMO_TARGET
+    from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
 
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft or (DEMO_DRAFT if args.target is None else None)

@@ -179,6 +179,9 @@ class EngineConfig:
       steps_per_call: decode (or speculative) steps run on device per host round trip.
       implementation: kernels to use: "pallas", "xla", or None (Pallas on GPU, XLA elsewhere).
       min_prefill_bucket: smallest prefill length bucket (buckets double from here).
+      min_kv_bucket: smallest KV length (positions) attention reads; the page table handed to
+        each compiled call covers the live context rounded up to a power of two of pages,
+        never less than this (smaller: less read per step, more compiled variants).
     """
 
     page_size: int = 16
@@ -188,9 +191,10 @@ class EngineConfig:
     steps_per_call: int = 8
     implementation: Implementation = None
     min_prefill_bucket: int = 16
+    min_kv_bucket: int = 1024
 
     def __post_init__(self):
-        for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket"):
+        for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -13,14 +13,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.config import EngineConfig, SamplingParams, SpecConfig
+from jaxspec.draft.plan import Plan
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
-from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import pages_needed
-from jaxspec.model.draft import DraftModel, check_draft_fits, create_draft_pool
-from jaxspec.model.loader import Model
-from jaxspec.model.target import create_target_pool
+from jaxspec.model.drafts.base import DraftModel, zero_pool
+from jaxspec.model.targets import Model, create_target_pool
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def generate(
     Args:
       target: from ``load_model``.
       prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
-      draft: from ``load_draft`` (EAGLE, EAGLE-3, standalone); None for plain decoding
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone); None for plain decoding
         through the same engine.
       spec: the speculative step shape; required with a draft.
       sampling: one SamplingParams for every prompt or one per prompt.
@@ -156,7 +156,7 @@ def generate(
     if draft is not None:
         if not isinstance(draft, DraftModel):
             raise ValueError(f"draft must come from jaxspec.load_draft, got {type(draft).__name__}")
-        check_draft_fits(target, draft)
+        draft.config.check_fits(target.config)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
     adaptive = None
@@ -209,13 +209,11 @@ def generate(
     )
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
-    dpool = create_draft_pool(plan.draft, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+    dpool = zero_pool(engine.page_size, dtype) if draft is None else draft.config.create_pool(
+        num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
     dparams = None if draft is None else draft.params
-    state = DecodeState.empty(
-        batch=batch, out_width=out_width, num_stop=num_stop, topk=plan.topk,
-        hidden_size=1 if draft is None else draft.config.hidden_size, hidden_dtype=dtype,
-        draft_q_width=target.config.vocab_size if plan.draft_samples else 1,
-    )
+    seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * engine.page_size)
+    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed, hidden_dtype=dtype)
 
     total_new = sum(s.max_new_tokens for s in sampling)
     bar = tqdm(total=total_new, unit="tok", desc="generate", leave=False,
@@ -234,9 +232,9 @@ def generate(
         sched.grant_ahead(seq_lens)
         call_plan = plans[adaptive.steps] if adaptive else plan
         before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
-        state, tpool, dpool, _ = decode_program(
-            call_plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table)
-        )
+        live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
+        table = _live_table(sched.page_table, live + sched.step_growth + plan.lookahead, engine)
+        state, tpool, dpool, _ = decode_program(call_plan, target.params, dparams, state, tpool, dpool, table)
         host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
                                    nv=state.num_verify))
         if adaptive:
@@ -278,6 +276,14 @@ def generate(
     )
 
 
+def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig) -> jax.Array:  # i32[B, w]
+    """The page table cut to a power-of-two number of pages covering ``positions`` (at least
+    ``engine.min_kv_bucket`` positions), so attention reads only the live context and a
+    steady-state run compiles one program per bucket."""
+    want = max(pages_needed(positions, engine.page_size), pages_needed(engine.min_kv_bucket, engine.page_size))
+    return jnp.asarray(page_table[:, : min(page_table.shape[1], next_pow2(want))])
+
+
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
     R = next_pow2(len(admitted))
     longest = max(len(r.prompt) for r in admitted)
@@ -302,6 +308,6 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
         req["top_p"][i] = r.sampling.top_p
         req["keys"][i] = r.key
     return prefill_program(
-        plan, target.params, dparams, state, tpool, dpool, jnp.asarray(sched.page_table),
+        plan, target.params, dparams, state, tpool, dpool, _live_table(sched.page_table, T, engine),
         jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in req.items()},
     )

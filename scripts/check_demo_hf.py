@@ -27,7 +27,7 @@ JAXSPEC_SIDE = r"""
 import json, sys
 import numpy as np
 import jaxspec as js
-from jaxspec.model.target import forward_sequence
+from jaxspec.model.targets import forward_sequence
 target_dir, prompt, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 m = js.load_model(target_dir, dtype="float32", progress=False)
 ids = m.tokenizer.encode(prompt)

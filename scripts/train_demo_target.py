@@ -22,10 +22,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxspec.model.config import LlamaConfig  # noqa: E402
+from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
 from jaxspec.model.tokenizer import load_tokenizer  # noqa: E402
 from jaxspec.train.corpus import stdlib_files, tokenize_files  # noqa: E402
-from jaxspec.train.export import export_llama  # noqa: E402
+from jaxspec.model.io.llama import export_llama  # noqa: E402
 from jaxspec.train.lm import LMTrainConfig, train_lm  # noqa: E402
 from jaxspec.train.optim import OptimConfig  # noqa: E402
 
@@ -46,11 +46,11 @@ def export_checkpoint(cfg, tcfg, args, eos) -> None:
     """Exports a training checkpoint (e.g. of a run in progress) as an HF checkpoint."""
     import shutil
 
-    from jaxspec.train.init import init_llama
+    from jaxspec.model.io.llama import init_llama_params
     from jaxspec.train.optim import make_optimizer
     from jaxspec.train.state import load_checkpoint
 
-    params = init_llama(cfg)
+    params = init_llama_params(cfg)
     (params, _), meta = load_checkpoint(os.path.join(args.run_dir, "checkpoint"),
                                         (params, make_optimizer(tcfg.optim).init(params)))
     export_llama(args.export_checkpoint, params, cfg, dtype=args.dtype, bos_token_id=eos, eos_token_id=eos)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.llama import init_llama_params
-from jaxspec.model.loader import Model
+from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.targets import Model
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

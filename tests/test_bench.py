@@ -6,10 +6,11 @@ import pytest
 
 from jaxspec.bench import parse_config
 from jaxspec.cli import main
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.eagle import eagle3_config_for
-from jaxspec.train.export import export_eagle3
-from jaxspec.train.init import init_eagle3
+from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.drafts.eagle import eagle3_config_for
+from jaxspec.model.io.eagle import export_eagle3
+from jaxspec.model.io.eagle import eagle_table
+from jaxspec.model.io.tables import init_params
 from tests.train.tiny_hf import make_tiny_hf
 
 
@@ -34,7 +35,7 @@ def test_tiny_sweep_writes_json_and_png(tmp_path, capsys):
     cfg = LlamaConfig(vocab_size=raw["vocab_size"], hidden_size=32, intermediate_size=64, num_layers=7,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     ecfg = eagle3_config_for(cfg)
-    export_eagle3(str(tmp_path / "head"), init_eagle3(ecfg, seed=1), ecfg, target_num_layers=7)
+    export_eagle3(str(tmp_path / "head"), init_params(eagle_table(ecfg), 1), ecfg, target_num_layers=7)
     out = tmp_path / "bench.json"
     argv = ["bench", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts", str(corpus),
             "--configs", "chain2", "--batches", "1", "--prompt-tokens", "8", "--max-new-tokens", "8",

@@ -2,7 +2,8 @@
 
 import re
 
-from jaxspec.cli import DEMO_PROMPT, main
+from jaxspec.cli import main
+from jaxspec.demo import DEMO_PROMPT
 
 
 def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsys):

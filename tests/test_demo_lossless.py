@@ -7,7 +7,7 @@ import os
 import pytest
 
 import jaxspec as js
-from jaxspec.cli import DEMO_DRAFT, DEMO_TARGET
+from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
 from jaxspec.train.corpus import file_prompts, spread_by_package, stdlib_files
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.draft.sampling import sample_with_uniform
+from jaxspec.model.sampling import sample_with_uniform
 from jaxspec.draft.tree import Tree
 
 

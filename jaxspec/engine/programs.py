@@ -12,8 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.draft.step import prefill, spec_step
-from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.draft.plan import Plan
+from jaxspec.draft.step import spec_step
+from jaxspec.engine.prefill import prefill
+from jaxspec.engine.state import DecodeState, commit
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"))
@@ -21,9 +23,15 @@ def prefill_program(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpo
     return prefill(plan, tparams, dparams, state, tpool, dpool, page_table, rows, tokens, lens, request)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"))
-def decode_program(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table):
-    """Runs up to ``plan.steps_per_call`` steps; returns (state, tpool, dpool, steps_run)."""
+def decode_step(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table):
+    """One speculative step for every row, committed: (state, tpool, dpool)."""
+    out, tpool, dpool = spec_step(plan, tparams, dparams, state.step_rows(), tpool, dpool, page_table)
+    return commit(state, out), tpool, dpool
+
+
+def decode_steps(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table):
+    """Up to ``plan.steps_per_call`` steps in one ``lax.while_loop``; returns
+    (state, tpool, dpool, steps_run)."""
 
     def cond(carry):
         i, st, _, _ = carry
@@ -31,11 +39,13 @@ def decode_program(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpoo
 
     def body(carry):
         i, st, tp, dp = carry
-        st, tp, dp = spec_step(plan, tparams, dparams, st, tp, dp, page_table)
-        return i + 1, st, tp, dp
+        return i + 1, *decode_step(plan, tparams, dparams, st, tp, dp, page_table)
 
     steps, state, tpool, dpool = jax.lax.while_loop(cond, body, (jnp.int32(0), state, tpool, dpool))
     return state, tpool, dpool, steps
+
+
+decode_program = jax.jit(decode_steps, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"))
 
 
 def compiled_programs() -> dict[str, int]:

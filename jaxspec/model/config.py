@@ -1,7 +1,8 @@
-"""Static model configs, parsed from HF ``config.json`` files.
+"""Config pieces every model family shares: the error type, HF field reading, RoPE settings.
 
-Configs are frozen dataclasses of plain Python values: hashable, so they ride in the static
-part of a ``Model`` pytree and select compiled programs.
+Model configs are frozen dataclasses of plain Python values: hashable, so they ride in the
+static part of a ``Model`` and select compiled programs. Each family keeps its own config
+next to its forward (``jaxspec.model.targets.*_config``, ``jaxspec.model.drafts.*``).
 """
 
 from __future__ import annotations
@@ -9,18 +10,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# HF `architectures` / `model_type` values handled by the Llama-family forward.
-LLAMA_FAMILY = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-
 
 class ConfigError(ValueError):
     """A config.json field is missing, malformed or unsupported."""
+
+
+def get_field(cfg: dict[str, Any], key: str, kind=None, default=dataclasses.MISSING, where="config.json"):
+    """``cfg[key]`` checked as a positive int (``kind=int``) or a number (``kind=float``);
+    ``default`` when absent or null, else ``ConfigError`` naming the field."""
+    if key not in cfg or cfg[key] is None:
+        if default is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing required field {key!r}")
+        return default
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ConfigError(f"{where}: field {key!r} must be a positive int, got {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,70 +43,6 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
-    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
-
-    Attributes:
-      arch: "llama" | "mistral" | "qwen2" | "qwen3".
-      head_dim: per-head width D (Qwen3 sets it explicitly; else hidden / heads).
-      attention_bias: q/k/v projections carry a bias (Qwen2).
-      qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-      sliding_window: Mistral's window; sequences longer than it are refused.
-    """
-
-    arch: str = "llama"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope: RopeConfig = RopeConfig()
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int = 4096
-    sliding_window: int | None = None
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def eagle3_aux_layers(self) -> tuple[int, ...]:
-        """Layers whose *input* residual stream EAGLE-3 taps: (2, L//2, L-3)."""
-        L = self.num_layers
-        if L < 3:
-            raise ConfigError(f"EAGLE-3 taps layers (2, L//2, L-3): the target needs >= 3 layers, has {L}")
-        return (2, L // 2, L - 3)
-
-
-def _get(cfg: dict[str, Any], key: str, kind=None, default=dataclasses.MISSING, where="config.json"):
-    if key not in cfg or cfg[key] is None:
-        if default is dataclasses.MISSING:
-            raise ConfigError(f"{where}: missing required field {key!r}")
-        return default
-    value = cfg[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ConfigError(f"{where}: field {key!r} must be a positive int, got {value!r}")
-    if kind is float and not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
-    return value
 
 
 def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
@@ -138,53 +81,4 @@ def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
             raise ConfigError(f"{where}: llama3 rope_scaling is missing {e.args[0]!r}") from None
     raise ConfigError(
         f"{where}: unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
-    )
-
-
-def detect_arch(cfg: dict[str, Any], where: str = "config.json") -> str:
-    archs = cfg.get("architectures") or []
-    for a in archs:
-        if a in LLAMA_FAMILY:
-            return LLAMA_FAMILY[a]
-    model_type = cfg.get("model_type")
-    if not archs and model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
-    raise ConfigError(
-        f"{where}: unsupported architecture {archs or model_type!r}; supported: "
-        f"{sorted(LLAMA_FAMILY)} (and DeepseekV3ForCausalLM for MLA targets)"
-    )
-
-
-def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: str | None = None) -> LlamaConfig:
-    """Builds a ``LlamaConfig`` from a parsed HF config dict, or raises ``ConfigError``."""
-    arch = arch or detect_arch(cfg, where)
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    hidden = _get(cfg, "hidden_size", int, where=where)
-    heads = _get(cfg, "num_attention_heads", int, where=where)
-    kv_heads = _get(cfg, "num_key_value_heads", int, default=heads, where=where)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0:
-        raise ConfigError(f"{where}: head_dim must be a positive int, got {head_dim!r}")
-    if cfg.get("head_dim") is None and hidden % heads:
-        raise ConfigError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
-    bias_default = arch == "qwen2"
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
-    return LlamaConfig(
-        arch=arch,
-        vocab_size=_get(cfg, "vocab_size", int, where=where),
-        hidden_size=hidden,
-        intermediate_size=_get(cfg, "intermediate_size", int, where=where),
-        num_layers=_get(cfg, "num_hidden_layers", int, where=where),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", float, default=1e-6, where=where)),
-        rope=parse_rope(cfg, where),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", bias_default)),
-        qk_norm=arch == "qwen3",
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-        sliding_window=int(sliding) if sliding else None,
     )

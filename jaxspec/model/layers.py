@@ -1,4 +1,10 @@
-"""Building blocks shared by targets and draft heads: RMSNorm, RoPE, SwiGLU, attention."""
+"""Building blocks shared by targets, draft heads and training: RMSNorm, RoPE, SwiGLU, paged
+attention, and the Llama layer body (q/k/v projection before attention, output projection and
+MLP after it) that the Llama-family targets, the EAGLE heads, the frozen-KV assistant and the
+dense training forwards all run.
+
+Glossary: B rows, T positions per row, H model width, Hq / Hkv query / KV heads, D head width.
+"""
 
 from __future__ import annotations
 
@@ -83,3 +89,62 @@ def write_and_attend(
     )
     return o, pool
 
+
+
+# ------------------------------------------------------------------------------- Llama layer
+#
+# A Llama-family layer (and every head built from one) is
+#     q, k, v = project(norm(x));  o = attention(q, k, v);  x' = layer_tail(x, o)
+# ``cfg`` is any config with num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_bias
+# (Qwen2 q/k/v bias) and qk_norm (Qwen3 per-head RMSNorm before RoPE). Weights ``[in, out]``.
+
+
+def project_q(
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
+) -> jax.Array:  # [B, T, Hq, D] with RoPE
+    B, T, _ = a.shape
+    q = a @ lp["wq"]
+    if cfg.attention_bias:
+        q = q + lp["bq"]
+    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq)
+
+
+def project_kv(
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A]
+) -> tuple[jax.Array, jax.Array]:  # k (RoPE applied), v: [B, T, Hkv, D]
+    B, T, _ = a.shape
+    k, v = a @ lp["wk"], a @ lp["wv"]
+    if cfg.attention_bias:
+        k, v = k + lp["bk"], v + lp["bv"]
+    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(k, positions, inv_freq), v
+
+
+def attention_qkv(
+    lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq  # x [B, T, H] residual stream
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D]
+    """Input norm, then q/k/v projections and RoPE: the part of a layer before attention."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    return (project_q(lp, cfg, h, positions, inv_freq), *project_kv(lp, cfg, h, positions, inv_freq))
+
+
+def layer_tail(
+    lp: dict, cfg, x: jax.Array, o: jax.Array  # x [B, T, H] residual; o [B, T, Hq, D] attention output
+) -> jax.Array:  # [B, T, H] residual stream leaving the layer
+    """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention."""
+    B, T, _ = x.shape
+    x = x + o.reshape(B, T, -1) @ lp["wo"]
+    return x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
+def lm_head(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
+    """Output head in f32: ``params["lm_head"] [H, V]``, or tied to ``params["embed"] [V, H]``."""
+    if "lm_head" in params:
+        return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)

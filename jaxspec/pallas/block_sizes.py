@@ -140,23 +140,22 @@ class GatherBlocks:
 
     Attributes:
       block_rows: gathered rows per program.
-      block_hidden: hidden-state columns per program (the small per-row arrays are gathered
-        by the programs of the first hidden column block).
+      block_cols: columns per program, per gathered array (one entry per array).
       num_warps: Triton launch parameter.
     """
 
     block_rows: int
-    block_hidden: int
+    block_cols: tuple[int, ...]
     num_warps: int = 4
 
     def __post_init__(self):
-        for v in (self.block_rows, self.block_hidden):
+        for v in (self.block_rows, *self.block_cols):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"gather tiles must be powers of two, got {self}")
 
 
-def gather_blocks(*, num_rows: int, hidden_width: int) -> GatherBlocks:
-    """Heuristic tiles for the fused gather (R rows, Hd hidden columns; Hd = 0 without hidden)."""
+def gather_blocks(*, num_rows: int, widths: tuple[int, ...]) -> GatherBlocks:
+    """Heuristic tiles for the fused gather (R rows; C_i columns per array)."""
     rows = _clamp(next_pow2(num_rows), 1, 32)
-    hidden = _clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(max(hidden_width, 1)))
-    return GatherBlocks(block_rows=rows, block_hidden=hidden, num_warps=4)
+    cols = tuple(_clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(max(w, 1))) for w in widths)
+    return GatherBlocks(block_rows=rows, block_cols=cols, num_warps=4)

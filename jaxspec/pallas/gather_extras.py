@@ -1,13 +1,13 @@
 """Fused gather of the speculative "extras" by one index vector (seed 002).
 
-After draft-extend, each request's next draft seed lives in row ``accept_len - 1`` of its
-block: ``topk_p``, ``topk_index``, the next token and (for feature-level drafts) the hidden
-state. One op gathers all four with a single index vector instead of four gathers.
+After draft extend, each request's next draft seed lives in row ``accept_len - 1`` of its
+block: the next root token and the draft's hidden state (and whatever else a draft carries).
+One op gathers the rows of all of them with a single index vector instead of one gather each.
 
-Pallas kernel (Triton): one ``pallas_call`` (one launch) with grid
-``(row blocks, hidden column blocks)``. Every program gathers its rows' hidden columns; the
-programs of the first column block also gather ``topk_p``, ``topk_index`` and the token.
-Indices are clamped to ``[0, N)`` (the rows the engine asks for are always in range).
+Pallas kernel (Triton): one ``pallas_call`` (one launch) with grid ``(row blocks, column
+blocks)``. Every array is seen as ``[N, C_i]`` (a 1-D array as one column); the program of
+column block ``c`` gathers columns ``[c * Cb_i, (c + 1) * Cb_i)`` of its rows of every array
+that has them. Indices are clamped to ``[0, N)`` (the rows the engine asks for are in range).
 """
 
 from __future__ import annotations
@@ -20,115 +20,82 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks
 from jaxspec.pallas.triton_common import whole
-from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks, next_pow2
 
 
 def gather_spec_extras_reference(
     index: jax.Array,  # i32[R] rows to take
-    topk_p: jax.Array,  # f32[N, K]
-    topk_index: jax.Array,  # i32[N, K]
-    tokens: jax.Array,  # i32[N]
-    hidden: jax.Array | None,  # [N, Hd] | None
-):  # -> (f32[R, K], i32[R, K], i32[R], [R, Hd] | None)
-    take = lambda x: None if x is None else x[index]  # noqa: E731
-    return take(topk_p), take(topk_index), take(tokens), take(hidden)
+    *arrays: jax.Array | None,  # each [N, ...] or None
+) -> tuple[jax.Array | None, ...]:  # each [R, ...] or None
+    return tuple(None if x is None else x[index] for x in arrays)
 
 
 def _gather_kernel(
     index_ref,  # i32[R]
-    topk_p_ref,  # f32[N, K]
-    topk_index_ref,  # i32[N, K]
-    tokens_ref,  # i32[N]
-    *refs,  # [hidden_ref [N, Hd]], then outputs: p [R, K], idx [R, K], tok [R], [hid [R, Hd]]
+    *refs,  # inputs [N, C_i] then outputs [R, C_i]
     block_rows: int,
-    block_hidden: int,
-    has_hidden: bool,
+    block_cols: tuple[int, ...],  # Cb_i per array
 ):
-    if has_hidden:
-        hidden_ref, p_out, i_out, t_out, h_out = refs
-    else:
-        hidden_ref = h_out = None
-        p_out, i_out, t_out = refs
+    n = len(block_cols)
+    in_refs, out_refs = refs[:n], refs[n:]
     R = index_ref.shape[0]
-    N, K = topk_p_ref.shape
     r = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # [br]
     row_ok = r < R
     src = plgpu.load(index_ref.at[jnp.where(row_ok, r, 0)], mask=row_ok, other=0)  # [br]
-    src = jnp.clip(src, 0, N - 1)
+    src = jnp.clip(src, 0, in_refs[0].shape[0] - 1)
     r_store = jnp.where(row_ok, r, R)  # masked rows: out of range, never written
+    col_block = pl.program_id(1)
+    for x_ref, o_ref, cb in zip(in_refs, out_refs, block_cols):
+        width = x_ref.shape[1]
 
-    @pl.when(pl.program_id(1) == 0)
-    def _():
-        kp = next_pow2(K)
-        k = jnp.arange(kp, dtype=jnp.int32)  # [Kp]
-        k_ok = k < K
-        m2 = row_ok[:, None] & k_ok[None, :]  # [br, Kp]
-        k_in = jnp.where(k_ok, k, 0)[None, :]
-        k_st = jnp.where(k_ok, k, K)[None, :]
-        p = plgpu.load(topk_p_ref.at[src[:, None], k_in], mask=m2, other=0)  # [br, Kp]
-        plgpu.store(p_out.at[r_store[:, None], k_st], p, mask=m2)
-        ix = plgpu.load(topk_index_ref.at[src[:, None], k_in], mask=m2, other=0)  # [br, Kp]
-        plgpu.store(i_out.at[r_store[:, None], k_st], ix, mask=m2)
-        tok = plgpu.load(tokens_ref.at[src], mask=row_ok, other=0)  # [br]
-        plgpu.store(t_out.at[r_store], tok, mask=row_ok)
-
-    if has_hidden:
-        Hd = hidden_ref.shape[1]
-        c = pl.program_id(1) * block_hidden + jnp.arange(block_hidden, dtype=jnp.int32)  # [bh]
-        c_ok = c < Hd
-        m2 = row_ok[:, None] & c_ok[None, :]  # [br, bh]
-        h = plgpu.load(hidden_ref.at[src[:, None], jnp.where(c_ok, c, 0)[None, :]], mask=m2, other=0)
-        plgpu.store(h_out.at[r_store[:, None], jnp.where(c_ok, c, Hd)[None, :]], h, mask=m2)
+        @pl.when(col_block < pl.cdiv(width, cb))
+        def _():
+            c = col_block * cb + jnp.arange(cb, dtype=jnp.int32)  # [Cb]
+            c_ok = c < width
+            m2 = row_ok[:, None] & c_ok[None, :]  # [br, Cb]
+            x = plgpu.load(x_ref.at[src[:, None], jnp.where(c_ok, c, 0)[None, :]], mask=m2, other=0)
+            plgpu.store(o_ref.at[r_store[:, None], jnp.where(c_ok, c, width)[None, :]], x, mask=m2)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def _gather_call(index, topk_p, topk_index, tokens, hidden, *, blocks: GatherBlocks, interpret: bool):
+def _gather_call(index, arrays, *, blocks: GatherBlocks, interpret: bool):
     R = index.shape[0]
-    has_hidden = hidden is not None
-    col_blocks = pl.cdiv(hidden.shape[1], blocks.block_hidden) if has_hidden else 1
-    ins = (index, topk_p, topk_index, tokens) + ((hidden,) if has_hidden else ())
-    out_shape = (
-        jax.ShapeDtypeStruct((R, topk_p.shape[1]), topk_p.dtype),
-        jax.ShapeDtypeStruct((R, topk_index.shape[1]), topk_index.dtype),
-        jax.ShapeDtypeStruct((R,), tokens.dtype),
-    ) + ((jax.ShapeDtypeStruct((R, hidden.shape[1]), hidden.dtype),) if has_hidden else ())
+    flat = tuple(x.reshape(x.shape[0], -1) for x in arrays)  # [N, C_i]
+    col_blocks = max(pl.cdiv(f.shape[1], cb) for f, cb in zip(flat, blocks.block_cols))
+    out_shape = tuple(jax.ShapeDtypeStruct((R, f.shape[1]), f.dtype) for f in flat)
     out = pl.pallas_call(
-        functools.partial(_gather_kernel, block_rows=blocks.block_rows, block_hidden=blocks.block_hidden,
-                          has_hidden=has_hidden),
+        functools.partial(_gather_kernel, block_rows=blocks.block_rows, block_cols=blocks.block_cols),
         grid=(pl.cdiv(R, blocks.block_rows), col_blocks),
-        in_specs=[whole(x) for x in ins],
+        in_specs=[whole(index)] + [whole(f) for f in flat],
         out_specs=tuple(whole(s) for s in out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="gather_spec_extras",
-    )(*ins)
-    return tuple(out) if has_hidden else (*out, None)
+    )(index, *flat)
+    return tuple(o.reshape((R,) + x.shape[1:]) for o, x in zip(out, arrays))
 
 
 def gather_spec_extras_pallas(
     index: jax.Array,  # i32[R]
-    topk_p: jax.Array,  # f32[N, K]
-    topk_index: jax.Array,  # i32[N, K]
-    tokens: jax.Array,  # i32[N]
-    hidden: jax.Array | None,  # [N, Hd] | None
-    *,
+    *arrays: jax.Array | None,  # each [N, ...] or None
     interpret: bool,
     blocks: GatherBlocks | None = None,
-):  # -> (f32[R, K], i32[R, K], i32[R], [R, Hd] | None)
-    """Pallas path of :func:`gather_spec_extras`: one launch for all four arrays."""
+) -> tuple[jax.Array | None, ...]:  # each [R, ...] or None
+    """Pallas path of :func:`gather_spec_extras`: one launch for every array."""
+    present = [x for x in arrays if x is not None]
     R = index.shape[0]
-    if R == 0:
-        return gather_spec_extras_reference(index, topk_p, topk_index, tokens, hidden)
+    if R == 0 or not present:
+        return gather_spec_extras_reference(index, *arrays)
     if blocks is None:
-        blocks = gather_blocks(num_rows=R, hidden_width=0 if hidden is None else hidden.shape[1])
-    return _gather_call(index.astype(jnp.int32), topk_p, topk_index, tokens, hidden,
-                        blocks=blocks, interpret=interpret)
+        blocks = gather_blocks(num_rows=R, widths=tuple(int(x.size // x.shape[0]) for x in present))
+    got = iter(_gather_call(index.astype(jnp.int32), tuple(present), blocks=blocks, interpret=interpret))
+    return tuple(None if x is None else next(got) for x in arrays)
 
 
-def gather_spec_extras(index, topk_p, topk_index, tokens, hidden=None, *, implementation=None):
-    """Rows ``index`` of (topk_p, topk_index, tokens, hidden); ``hidden`` may be None."""
+def gather_spec_extras(index: jax.Array, *arrays: jax.Array | None, implementation=None):
+    """Rows ``index`` of every array (each ``[N, ...]``; None stays None), in one launch."""
     if dispatch.resolve(implementation) == "pallas":
-        return gather_spec_extras_pallas(index, topk_p, topk_index, tokens, hidden, interpret=dispatch.interpret_mode())
-    return gather_spec_extras_reference(index, topk_p, topk_index, tokens, hidden)
+        return gather_spec_extras_pallas(index, *arrays, interpret=dispatch.interpret_mode())
+    return gather_spec_extras_reference(index, *arrays)

@@ -20,14 +20,13 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from jaxspec.model.draft import eagle_draft
-from jaxspec.model.eagle import EagleConfig, eagle3_config_for
-from jaxspec.model.llama import lm_logits
-from jaxspec.model.loader import Model
+from jaxspec.model.drafts.eagle import EagleConfig, eagle3_config_for, eagle_draft
+from jaxspec.model.io.eagle import eagle_table, export_eagle3
+from jaxspec.model.io.tables import init_params
+from jaxspec.model.layers import lm_head
+from jaxspec.model.targets import Model
 from jaxspec.train.corpus import fixed_windows, sample_windows
-from jaxspec.train.export import export_eagle3
 from jaxspec.train.forward import dense_forward
-from jaxspec.train.init import init_eagle3
 from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
 from jaxspec.train.state import load_checkpoint, save_checkpoint
 from jaxspec.train.ttt import chain_accept_estimate, ttt_loss
@@ -81,7 +80,7 @@ def target_features(target_params: dict, tcfg, aux_layers, tokens):
     """Frozen target over ``tokens: i32[B, T+1]``: (aux [B, T, F] at rows 0..T-1,
     logits f32[B, T, V] at positions 1..T, i.e. l[p+1] for row p)."""
     hidden, aux = dense_forward(target_params, tcfg, tokens, aux_layers=aux_layers)
-    logits = lm_logits(target_params, hidden[:, 1:])
+    logits = lm_head(target_params, hidden[:, 1:])
     return jax.lax.stop_gradient(aux[:, :-1]), jax.lax.stop_gradient(logits)
 
 
@@ -154,7 +153,7 @@ class DraftTrainer:
         self.eval_prompts = list(eval_prompts)
         self.dcfg = head_config(target, cfg)
         V, Vd = self.dcfg.vocab_size, self.dcfg.draft_vocab_size
-        self.trainable = init_eagle3(self.dcfg, seed=cfg.seed)
+        self.trainable = init_params(eagle_table(self.dcfg), cfg.seed)  # the embedding is the target's
         self.frozen = {"embed": jnp.asarray(target.params["embed"], jnp.float32)}
         if Vd != V:
             _, _, hot = build_draft_vocab(token_counts(self.train_stream, V), Vd)
@@ -203,7 +202,7 @@ class DraftTrainer:
                             dict(step=self.step, elapsed_s=self.elapsed, history=self.history))
 
     def params(self) -> dict:
-        """Full head params (``jaxspec.model.eagle`` layout), embedding shared with the target."""
+        """Full head params (``jaxspec.model.drafts.eagle`` layout), embedding shared with the target."""
         return dict(self.trainable, **{k: v for k, v in self.frozen.items()})
 
     def export(self, dtype: str = "float32") -> None:

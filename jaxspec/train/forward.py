@@ -1,6 +1,6 @@
 """Dense causal forward of a Llama-family target, for training and for computing features.
 
-The serving forward (``jaxspec.model.llama``) writes K/V into a paged pool; training needs
+The serving forward (``jaxspec.model.targets.llama``) writes K/V into a paged pool; training needs
 neither pages nor a pool, only the same math over whole sequences with a causal mask. This
 module reuses the serving building blocks (``jaxspec.model.layers``) and the same param
 layout, so a model trained here is served as is (tests check it equals ``forward_sequence``).
@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.layers import rms_norm, rope_inv_freq
-from jaxspec.model.llama import attention_qkv, layer_tail
+from jaxspec.model.layers import attention_qkv, layer_tail, rms_norm, rope_inv_freq
+from jaxspec.model.targets.llama_config import LlamaConfig
 
 _MASK_VALUE = -1e30
 
@@ -56,7 +55,7 @@ def dense_forward(
 ) -> tuple[jax.Array, jax.Array | None]:  # hidden [B, T, H] (final, normed), aux [B, T, nA*H] | None
     """Causal forward over whole sequences at positions 0..T-1.
 
-    Returns the final normed hidden state (feed it to ``jaxspec.model.llama.lm_logits``) and
+    Returns the final normed hidden state (feed it to ``jaxspec.model.layers.lm_head``) and
     the EAGLE-3 features: the pre-norm residual streams entering ``aux_layers``,
     concatenated low to high (as ``llama_forward(..., aux_layers=...)``). ``remat``
     recomputes each layer in the backward pass (less memory, more compute).

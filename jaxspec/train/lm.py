@@ -2,7 +2,7 @@
 
 ``train_lm`` samples random windows from a token stream, steps AdamW, reports held-out loss,
 checkpoints (and resumes), and returns the final params. Export with
-``jaxspec.train.export.export_llama``.
+``jaxspec.model.io.llama.export_llama``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.llama import lm_logits
+from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.layers import lm_head
+from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.train.corpus import fixed_windows, sample_windows
 from jaxspec.train.forward import dense_forward
-from jaxspec.train.init import init_llama
 from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
 from jaxspec.train.state import load_checkpoint, save_checkpoint
 
@@ -52,7 +52,7 @@ class LMTrainConfig:
 def lm_loss(params: dict, cfg: LlamaConfig, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over ``tokens: i32[B, T + 1]``."""
     hidden, _ = dense_forward(params, cfg, tokens[:, :-1])
-    logits = lm_logits(params, hidden)  # f32[B, T, V]
+    logits = lm_head(params, hidden)  # f32[B, T, V]
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -80,7 +80,7 @@ def train_lm(
 ) -> tuple[dict, dict]:
     """Trains an LM from scratch (or resumes from ``run_dir/checkpoint``); returns (params, summary)."""
     opt = make_optimizer(tcfg.optim)
-    params = init_llama(cfg, seed=tcfg.seed, scale=tcfg.init_scale)
+    params = init_llama_params(cfg, tcfg.seed, scale=tcfg.init_scale)
     opt_state = opt.init(params)
     step, total, elapsed = 0, tcfg.steps, 0.0
     ckpt = os.path.join(run_dir, "checkpoint") if run_dir else None

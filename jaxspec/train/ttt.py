@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.eagle import EagleConfig
-from jaxspec.model.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from jaxspec.model.drafts.eagle import EagleConfig, eagle_attention_input, eagle_logits
+from jaxspec.model.layers import layer_tail, project_kv, project_q, rope_inv_freq
 from jaxspec.train.forward import dense_attention
 
 
@@ -44,30 +44,26 @@ def ttt_forward(
     features: jax.Array,  # [B, T, F] target aux features f[p]
     num_steps: int,
 ) -> list[jax.Array]:  # num_steps x [B, T, H] pre-norm head outputs
-    """Runs the head for ``num_steps`` simulated draft steps (the math of ``eagle_forward``
-    with dense attention over the TTT mask). ``params`` in ``jaxspec.model.eagle`` layout."""
+    """Runs the head for ``num_steps`` simulated draft steps (``eagle_forward``'s layer body with
+    dense attention over the TTT mask). ``params`` in ``jaxspec.model.drafts.eagle`` layout."""
     if cfg.version != 3:
         raise ValueError("ttt_forward trains EAGLE-3 heads")
     B, T = next_tokens.shape
-    D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     lp = params["layer"]
-    inv_freq = rope_inv_freq(cfg.rope, D)
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    emb = params["embed"][next_tokens].astype(features.dtype)
-    e = rms_norm(emb, lp["input_norm"], cfg.rms_norm_eps)  # [B, T, H] same for every step
     keys, values, outs = [], [], []
-    h = features @ params["fc"]  # [B, T, H]
+    h, from_target = features, True  # step 0: target features through fc
     for k in range(num_steps):
         if k > 0:  # row p continues from the previous step's row p - 1
-            h = jnp.pad(outs[-1][:, :-1], ((0, 0), (1, 0), (0, 0)))
-        a = jnp.concatenate([e, rms_norm(h, lp["hidden_norm"], cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
-        q = apply_rope((a @ lp["wq"]).reshape(B, T, Hq, D), positions, inv_freq)
-        keys.append(apply_rope((a @ lp["wk"]).reshape(B, T, Hkv, D), positions, inv_freq))
-        values.append((a @ lp["wv"]).reshape(B, T, Hkv, D))
+            h, from_target = jnp.pad(outs[-1][:, :-1], ((0, 0), (1, 0), (0, 0))), False
+        a, residual = eagle_attention_input(params, cfg, next_tokens, h, from_target=from_target)  # [B, T, 2H]
+        q = project_q(lp, cfg, a, positions, inv_freq)
+        k_new, v_new = project_kv(lp, cfg, a, positions, inv_freq)
+        keys.append(k_new)
+        values.append(v_new)
         o = dense_attention(q, jnp.concatenate(keys, 1), jnp.concatenate(values, 1), jnp.asarray(ttt_mask(T, k)))
-        out = h + o.reshape(B, T, Hq * D) @ lp["wo"]
-        out = out + swiglu(rms_norm(out, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
-        outs.append(out)
+        outs.append(layer_tail(lp, cfg, residual, o))
     return outs
 
 
@@ -107,10 +103,7 @@ def ttt_loss(
     losses, accs = [], []
     rows = jnp.arange(next_tokens.shape[1])[None, :]
     for k, out in enumerate(outs):
-        logits = jnp.einsum(
-            "bth,hv->btv", rms_norm(out, params["norm"], cfg.rms_norm_eps), params["lm_head"],
-            preferred_element_type=jnp.float32,
-        )
+        logits = eagle_logits(params, cfg, out)  # f32[B, T, Vd]
         logp = jax.nn.log_softmax(logits, axis=-1)
         if label == "soft":
             ce = -jnp.sum(t_probs * logp, axis=-1)

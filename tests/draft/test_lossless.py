@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.model.draft import eagle_draft, standalone_draft
-from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
-from jaxspec.model.loader import Model
+from jaxspec.model.drafts import eagle_draft, standalone_draft
+from jaxspec.model.drafts.eagle import eagle3_config_for
+from jaxspec.model.io.eagle import init_eagle_params
+from jaxspec.model.targets import Model
 from tests.conftest import PROMPTS_1, PROMPTS_4, engine
 
 MAX_NEW = 24

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.draft import step as step_lib
+from jaxspec.engine.programs import decode_step
 from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
-from jaxspec.model.deepseek import create_mla_pool, deepseek_forward
-from jaxspec.model.draft import standalone_draft
-from jaxspec.model.loader import Model
+from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
+from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.targets import Model
 from tests.conftest import engine
 from tests.draft.test_step import prepared, verify_only
 from tests.model.golden import arrays, case_dir, cases
@@ -62,13 +62,13 @@ def test_mtp_step_jit_equals_eager(spec):
     case, target, draft, _ = golden("deepseek_v3_dense")
     prompts = step_prompts(case)
     plan, state, tpool, dpool, table = prepared(target, draft, spec, page_size=4, prompts=prompts)
-    run = functools.partial(step_lib.spec_step, plan)
+    run = functools.partial(decode_step, plan)
     jitted = jax.jit(run)(target.params, draft.params, state, tpool, dpool, table)
     with jax.disable_jit():
         eager = run(target.params, draft.params, state, tpool, dpool, table)
     for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-    for name in ("seq_lens", "bonus", "out_tokens", "out_lens", "accept_log", "topk_index"):
+    for name in ("seq_lens", "bonus", "out_tokens", "out_lens", "accept_log"):
         np.testing.assert_array_equal(np.asarray(getattr(jitted[0], name)), np.asarray(getattr(eager[0], name)), name)
 
 
@@ -93,7 +93,7 @@ def test_mla_and_indexer_rows_follow_the_accepted_path(page_size):
     prompts = DSA_PROMPTS
     plan, state, tpool, dpool, table = prepared(target, draft, spec, page_size, prompts=prompts)
     scattered = False
-    step = jax.jit(step_lib.spec_step, static_argnums=0)
+    step = jax.jit(decode_step, static_argnums=0)
     for _ in range(4):
         accept_index, accept_lens, _ = verify_only(plan, target.params, draft.params, state, tpool, dpool, table)
         j = np.arange(accept_index.shape[1])

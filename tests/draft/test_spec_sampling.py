@@ -17,14 +17,15 @@ import pytest
 from scipy import stats
 
 import jaxspec as js
-import jaxspec.draft.step as step_mod
+import jaxspec.draft.shape as shape_mod  # where acceptance calls the sampler
 from jaxspec.draft import verify as verify_mod
-from jaxspec.draft.sampling import sample_with_uniform, target_probs
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.draft import eagle_draft, standalone_draft
-from jaxspec.model.eagle import eagle3_config_for, init_eagle_params
-from jaxspec.model.loader import Model
-from jaxspec.model.target import forward_sequence
+from jaxspec.model.sampling import sample_with_uniform, target_probs
+from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.drafts import eagle_draft, standalone_draft
+from jaxspec.model.drafts.eagle import eagle3_config_for
+from jaxspec.model.io.eagle import init_eagle_params
+from jaxspec.model.targets import Model
+from jaxspec.model.targets import forward_sequence
 from tests.conftest import tiny_model
 
 V, K_TOKENS, ROWS = 5, 4, 256
@@ -142,7 +143,7 @@ def _biased_chain_rejection(tokens, draft_probs, probs, coins, coin_final):
 def test_biased_sampler_fails_the_same_test(monkeypatch):
     sampling = HOT
     probs = exact_joint(sampling)
-    monkeypatch.setattr(step_mod, "verify_chain_rejection", _biased_chain_rejection)
+    monkeypatch.setattr(shape_mod, "verify_chain_rejection", _biased_chain_rejection)
     jax.clear_caches()  # the compiled decode program must pick up the patched sampler
     try:
         counts = sample_counts(drafts()["perturbed"], js.SpecConfig.chain(2), sampling, calls=48)

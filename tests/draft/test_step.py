@@ -13,24 +13,28 @@ import pytest
 import jaxspec as js
 from jaxspec.draft import step as step_lib
 from jaxspec.draft.compact import compact_pool
-from jaxspec.engine.state import DecodeState, Plan
+from jaxspec.draft.plan import Plan
+from jaxspec.draft.proposers import proposer_for
+from jaxspec.draft.shape import shape_for
+from jaxspec.engine.prefill import prefill
+from jaxspec.engine.programs import decode_step
+from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.model.draft import create_draft_pool
-from jaxspec.model.target import create_target_pool
+from jaxspec.model.drafts.base import DraftContext
+from jaxspec.model.targets import create_target_pool
 from tests.conftest import PROMPTS_4
 from tests.draft.test_lossless import drafts
 
 
 def prefill_args(target, draft, spec, page_size, prompts=PROMPTS_4):
-    """(plan, arguments of ``step_lib.prefill``) for ``prompts`` (4, ragged) in a batch of 4."""
+    """(plan, arguments of ``prefill``) for ``prompts`` (4, ragged) in a batch of 4."""
     plan = Plan(target=target.config, draft=draft.config, spec=spec, page_size=page_size)
     B, W = 4, -(-64 // page_size)
     num_pages = B * W + 1
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
     d = draft.config
-    dpool = create_draft_pool(d, num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
-    state = DecodeState.empty(batch=B, out_width=64, num_stop=1, topk=spec.topk, hidden_size=d.hidden_size,
-                              hidden_dtype=jnp.float32)
+    dpool = d.create_pool(num_pages=num_pages, page_size=page_size, dtype=jnp.float32)
+    state = DecodeState.empty(batch=B, out_width=64, num_stop=1, hidden_size=d.hidden_size, hidden_dtype=jnp.float32)
     # A scrambled page table: request pages are not contiguous in the pool.
     perm = np.random.default_rng(page_size).permutation(np.arange(1, num_pages)).astype(np.int32)
     table = jnp.asarray(perm.reshape(B, W))
@@ -50,7 +54,7 @@ def prefill_args(target, draft, spec, page_size, prompts=PROMPTS_4):
 def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
     """State and pools right after prefilling ``prompts`` (4, ragged) into a batch of 4."""
     plan, args = prefill_args(target, draft, spec, page_size, prompts)
-    state, tpool, dpool = jax.jit(step_lib.prefill, static_argnums=0)(plan, *args)
+    state, tpool, dpool = jax.jit(prefill, static_argnums=0)(plan, *args)
     return plan, state, tpool, dpool, args[5]
 
 
@@ -58,9 +62,10 @@ def prepared(target, draft, spec, page_size, prompts=PROMPTS_4):
 def verify_only(plan, tparams, dparams, state, tpool, dpool, table):
     """Draft -> verify -> accept of one step, without committing: (accept_index, accept_lens,
     the target pool with the verify KV written)."""
-    tree, _, _ = step_lib.draft_propose(plan, dparams, state, dpool, table, tpool)
-    logits, _, tpool = step_lib.target_verify(plan, tparams, state, tree, tpool, table)
-    accept_index, accept_lens, _ = step_lib.accept(plan, state, tree, logits)
+    rows = state.step_rows()
+    tree, q_all, _ = proposer_for(plan).propose(plan, dparams, rows, dpool, DraftContext(table, rows.seq_lens, tpool))
+    logits, _, tpool = step_lib.target_verify(plan, tparams, rows, tree, tpool, table)
+    accept_index, accept_lens, _ = shape_for(plan).accept(plan, rows, tree, logits, q_all)
     return accept_index, accept_lens, tpool
 
 
@@ -69,14 +74,14 @@ def verify_only(plan, tparams, dparams, state, tpool, dpool, table):
 def test_step_jit_equals_eager(tiny_target, spec):
     draft = drafts(tiny_target)["eagle3"]
     plan, state, tpool, dpool, table = prepared(tiny_target, draft, spec, page_size=4)
-    run = functools.partial(step_lib.spec_step, plan)
+    run = functools.partial(decode_step, plan)
     jitted = jax.jit(run)(tiny_target.params, draft.params, state, tpool, dpool, table)
     with jax.disable_jit():
         eager = run(tiny_target.params, draft.params, state, tpool, dpool, table)
     for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
     # Integer state (tokens, lengths, accept logs) must agree exactly.
-    for name in ("seq_lens", "bonus", "out_tokens", "out_lens", "accept_log", "topk_index"):
+    for name in ("seq_lens", "bonus", "out_tokens", "out_lens", "accept_log"):
         np.testing.assert_array_equal(np.asarray(getattr(jitted[0], name)), np.asarray(getattr(eager[0], name)), name)
 
 
@@ -111,7 +116,7 @@ def test_tree_compaction_moves_the_accepted_path(tiny_target, page_size):
         np.testing.assert_array_equal(ak[:, untouched], before_k[:, untouched])
         np.testing.assert_array_equal(av[:, untouched], before_v[:, untouched])
         # Continue from the real step so later iterations see fresh trees.
-        state, tpool, dpool = jax.jit(step_lib.spec_step, static_argnums=0)(
+        state, tpool, dpool = jax.jit(decode_step, static_argnums=0)(
             plan, tiny_target.params, draft.params, state, tpool, dpool, table)
         assert bool(state.active.all())
     assert moved_somewhere, "the perturbed draft never accepted a non-prefix path"

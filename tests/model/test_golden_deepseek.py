@@ -14,17 +14,14 @@ from safetensors.numpy import load_file, save_file
 
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.model.checkpoint import CheckpointError, SafetensorsCheckpoint
+from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint
 from jaxspec.model.config import ConfigError
-from jaxspec.model.deepseek import (
-    DeepseekConfig,
-    create_mla_pool,
-    deepseek_config_from_hf,
-    deepseek_forward,
-    init_deepseek_params,
-)
-from jaxspec.model.mtp import create_mtp_pool, load_mtp_params, mtp_forward, mtp_logits
-from jaxspec.model.target import forward_sequence
+from jaxspec.model.io.deepseek import init_deepseek_params
+from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
+from jaxspec.model.targets.deepseek_config import DeepseekConfig, deepseek_config_from_hf
+from jaxspec.model.drafts.mtp import create_mtp_pool, mtp_forward, mtp_logits
+from jaxspec.model.io.mtp import load_mtp_params
+from jaxspec.model.targets import forward_sequence
 from tests.conftest import engine
 from tests.model.golden import arrays, case_dir, cases
 

@@ -9,7 +9,6 @@ import pytest
 
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.model.draft import create_draft_pool, draft_forward, draft_logits, draft_topk
 from tests.model.golden import arrays, case_dir, cases
 
 HEADS = cases("eagle3") + cases("eagle1")
@@ -31,25 +30,26 @@ def test_head_matches_reference(case):
     ref = arrays(case)
     T = case["T"]
     page = 16
-    pool = create_draft_pool(cfg, num_pages=2, page_size=page, dtype=jnp.float32)
+    pool = cfg.create_pool(num_pages=2, page_size=page, dtype=jnp.float32)
     table = jnp.asarray([[1]], jnp.int32)
     ids = jnp.asarray(ref["input_ids"][None], jnp.int32)
     pos = jnp.asarray(ref["positions"][None], jnp.int32)
     attn = AttentionInputs.build(table, jnp.zeros((1,), jnp.int32), pos, page)
-    h, pool = draft_forward(cfg, draft.params, ids, jnp.asarray(ref["hidden_in"][None]), pos, pool, attn, from_target=True)
+    h, _, pool = cfg.forward(draft.params, ids, jnp.asarray(ref["hidden_in"][None]), pos, pool, attn, None,
+                             from_target=True)
     tol = dict(atol=case["atol"], rtol=case["rtol"])
     np.testing.assert_allclose(np.asarray(h[0]), ref["hidden_out"], **tol)
-    np.testing.assert_allclose(np.asarray(draft_logits(cfg, draft.params, h)[0]), ref["logits"], **tol)
+    np.testing.assert_allclose(np.asarray(cfg.logits(draft.params, h)[0]), ref["logits"], **tol)
     # The draft's argmax, mapped to target ids (d2t), is the next token of the recurrent check.
-    _, top = draft_topk(cfg, draft.params, h[:, -1], 1)
-    assert int(top[0, 0]) == int(ref["next_id"])
+    top = cfg.to_target_ids(draft.params, jnp.argmax(cfg.logits(draft.params, h[:, -1]), axis=-1))
+    assert int(top[0]) == int(ref["next_id"])
     # Recurrent step: the head's own output (H wide: EAGLE-3 skips fc) at the next position.
     nxt = jnp.asarray([[int(ref["next_position"])]], jnp.int32)
     attn = AttentionInputs.build(table, jnp.full((1,), T, jnp.int32), nxt, page)
-    h2, _ = draft_forward(cfg, draft.params, jnp.asarray([[int(ref["next_id"])]], jnp.int32), h[:, -1:], nxt, pool,
-                          attn, from_target=False)
+    h2, _, _ = cfg.forward(draft.params, jnp.asarray([[int(ref["next_id"])]], jnp.int32), h[:, -1:], nxt, pool,
+                           attn, None, from_target=False)
     np.testing.assert_allclose(np.asarray(h2[0, 0]), ref["next_hidden_out"], **tol)
-    np.testing.assert_allclose(np.asarray(draft_logits(cfg, draft.params, h2)[0, 0]), ref["next_logits"], **tol)
+    np.testing.assert_allclose(np.asarray(cfg.logits(draft.params, h2)[0, 0]), ref["next_logits"], **tol)
 
 
 def test_eagle3_d2t_maps_draft_ids_to_target_ids():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.model.target import forward_sequence
+from jaxspec.model.targets import forward_sequence
 from tests.conftest import engine
 from tests.model.golden import arrays, case_dir, cases
 

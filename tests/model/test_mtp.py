@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.model.deepseek import deepseek_config_from_hf
-from jaxspec.model.mtp import MtpConfig, create_mtp_pool, init_mtp_params, mtp_forward, mtp_logits
+from jaxspec.model.targets.deepseek_config import deepseek_config_from_hf
+from jaxspec.model.drafts.mtp import MtpConfig, create_mtp_pool, mtp_forward, mtp_logits
+from jaxspec.model.io.mtp import init_mtp_params
 from tests.model.test_golden_deepseek import V32_RAW
 
 

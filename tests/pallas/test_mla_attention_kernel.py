@@ -145,7 +145,7 @@ def test_lowers_to_one_triton_kernel(kind, splits):
 def test_model_forward_pallas_equals_xla():
     """The DeepSeek forward with the Pallas MLA path (interpret mode) equals the XLA path."""
     from jaxspec.kvcache.paging import AttentionInputs
-    from jaxspec.model.deepseek import create_mla_pool, deepseek_forward
+    from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
     from tests.model.test_golden_deepseek import v32_model
 
     cfg, params = v32_model()

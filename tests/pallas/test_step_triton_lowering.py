@@ -13,7 +13,8 @@ import re
 import pytest
 
 import jaxspec as js
-from jaxspec.draft import step as step_lib
+from jaxspec.engine.prefill import prefill
+from jaxspec.engine.programs import decode_step
 from jaxspec.pallas import dispatch
 from tests.draft.test_frozen_kv import assistant
 from tests.draft.test_lossless import drafts
@@ -46,8 +47,9 @@ def _dsa(tiny_target):
 CASES = [
     ("eagle3-chain", _llama("eagle3"), CHAIN, 4, {"paged_attention", "gather_spec_extras"}),
     ("eagle3-tree", _llama("eagle3"), TREE, 4, {"paged_attention", "kv_move", "gather_spec_extras"}),
-    # Frozen KV: the seed step is folded into the draft loop, so there is no draft extend to gather for.
-    ("frozen_kv-tree", _llama("frozen_kv"), TREE, 4, {"paged_attention", "kv_move"}),
+    # Frozen KV: the seed step is folded into the draft loop; extend only gathers the root and the
+    # target's hidden at the last accepted row (the same fused gather as every draft).
+    ("frozen_kv-tree", _llama("frozen_kv"), TREE, 4, {"paged_attention", "kv_move", "gather_spec_extras"}),
     ("mtp_mla-chain", _mtp, js.SpecConfig.chain(2), 4, {"mla_attention", "gather_spec_extras"}),
     ("mtp_mla-tree", _mtp, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 4,
      {"mla_attention", "kv_move", "gather_spec_extras"}),
@@ -68,7 +70,7 @@ def test_spec_step_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec
     plan, state, tpool, dpool, table = prepared(target, draft, spec, page, **kw)  # runs on CPU (XLA)
     plan = dataclasses.replace(plan, implementation="pallas")
     monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)  # native kernels, as on a GPU
-    hlo = lower_for_cuda(functools.partial(step_lib.spec_step, plan), target.params, draft.params, state, tpool,
+    hlo = lower_for_cuda(functools.partial(decode_step, plan), target.params, draft.params, state, tpool,
                          dpool, table)
     assert set(kernel_names(hlo)) == expected
 
@@ -83,4 +85,4 @@ def test_prefill_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec, 
     plan, args = prefill_args(target, draft, spec, page, **kw)
     plan = dataclasses.replace(plan, implementation="pallas")
     monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)
-    assert set(kernel_names(lower_for_cuda(functools.partial(step_lib.prefill, plan), *args))) == expected
+    assert set(kernel_names(lower_for_cuda(functools.partial(prefill, plan), *args))) == expected

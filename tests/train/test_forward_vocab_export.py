@@ -5,20 +5,23 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.model.config import LlamaConfig
-from jaxspec.model.eagle import eagle3_config_for
-from jaxspec.model.llama import lm_logits
-from jaxspec.model.loader import Model
-from jaxspec.model.target import forward_sequence
-from jaxspec.train.export import export_eagle3, export_llama
+from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.drafts.eagle import eagle3_config_for
+from jaxspec.model.layers import lm_head
+from jaxspec.model.targets import Model
+from jaxspec.model.targets import forward_sequence
+from jaxspec.model.io.eagle import export_eagle3
+from jaxspec.model.io.llama import export_llama
 from jaxspec.train.forward import dense_forward
-from jaxspec.train.init import init_eagle3, init_llama
+from jaxspec.model.io.eagle import eagle_table
+from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.io.tables import init_params
 from jaxspec.train.vocab import build_draft_vocab, token_counts
 from tests.conftest import TINY
 
 
 def tiny_model(cfg=TINY) -> Model:
-    return Model(config=cfg, params=init_llama(cfg, seed=0, scale=0.3), dtype=np.dtype(np.float32))
+    return Model(config=cfg, params=init_llama_params(cfg, 0, scale=0.3), dtype=np.dtype(np.float32))
 
 # Every optional feature at once: QKV bias (Qwen2), q/k norms and an explicit head_dim (Qwen3),
 # tied embeddings, 7 layers (distinct default EAGLE-3 taps).
@@ -40,7 +43,7 @@ def test_dense_forward_equals_forward_sequence(cfg):
         model.params, cfg, tokens, aux_layers=aux_layers)
     np.testing.assert_allclose(np.asarray(h2), np.asarray(hidden), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(aux2), np.asarray(aux), atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(np.asarray(lm_logits(model.params, h2)), np.asarray(logits), atol=5e-5, rtol=5e-5)
+    np.testing.assert_allclose(np.asarray(lm_head(model.params, h2)), np.asarray(logits), atol=5e-5, rtol=5e-5)
 
 
 def test_draft_vocab_from_frequencies():
@@ -63,7 +66,7 @@ def test_draft_vocab_from_frequencies():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_llama_round_trip(tmp_path, dtype):
-    params = init_llama(TINY, seed=0)
+    params = init_llama_params(TINY, 0)
     export_llama(str(tmp_path), params, TINY, dtype=dtype, bos_token_id=0, eos_token_id=0)
     model = js.load_model(str(tmp_path), dtype="float32", progress=False)
     assert model.config == TINY and model.eos_token_ids == (0,)
@@ -75,7 +78,7 @@ def test_export_llama_round_trip(tmp_path, dtype):
 def test_export_eagle3_round_trip(tmp_path):
     target = tiny_model()
     cfg = eagle3_config_for(TINY, draft_vocab_size=40, intermediate_size=96)
-    params = dict(init_eagle3(cfg, seed=2, scale=0.1), embed=target.params["embed"],
+    params = dict(init_params(eagle_table(cfg), 2, scale=0.1), embed=target.params["embed"],
                   hot_ids=np.arange(0, 80, 2, dtype=np.int32))
     export_eagle3(str(tmp_path), params, cfg, target_num_layers=TINY.num_layers)
     draft = js.load_draft(str(tmp_path), target)
@@ -94,6 +97,6 @@ def test_export_eagle3_custom_taps(tmp_path):
     import dataclasses
 
     cfg = dataclasses.replace(cfg, aux_layers=(1, 2, 3))
-    export_eagle3(str(tmp_path), init_eagle3(cfg, seed=2), cfg,
+    export_eagle3(str(tmp_path), init_params(eagle_table(cfg), 2), cfg,
                   target_num_layers=TINY.num_layers)
     assert js.load_draft(str(tmp_path), target).config.aux_layers == (1, 2, 3)

@@ -9,16 +9,18 @@ import pytest
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.eagle import eagle3_config_for, eagle_forward
-from jaxspec.model.loader import Model
+from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_forward
+from jaxspec.model.targets import Model
 from jaxspec.train.forward import dense_forward
-from jaxspec.train.init import init_eagle3, init_llama
+from jaxspec.model.io.eagle import eagle_table
+from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.io.tables import init_params
 from jaxspec.train.ttt import ttt_forward, ttt_loss, ttt_mask
 from tests.conftest import TINY
 
 
 def tiny_model() -> Model:
-    return Model(config=TINY, params=init_llama(TINY, seed=0, scale=0.3), dtype=np.dtype(np.float32))
+    return Model(config=TINY, params=init_llama_params(TINY, 0, scale=0.3), dtype=np.dtype(np.float32))
 
 
 def visible_loop(T: int, step: int) -> set[tuple[int, int]]:
@@ -57,7 +59,7 @@ def _dense(params, cfg, tokens, aux_layers):
 
 def _head(target, draft_vocab_size=None):
     cfg = eagle3_config_for(target.config, draft_vocab_size=draft_vocab_size)
-    params = dict(init_eagle3(cfg, seed=3, scale=0.2), embed=target.params["embed"])
+    params = dict(init_params(eagle_table(cfg), 3, scale=0.2), embed=target.params["embed"])
     if draft_vocab_size:
         params["hot_ids"] = jnp.asarray(np.sort(np.random.default_rng(3).choice(
             TINY.vocab_size, draft_vocab_size, replace=False)).astype(np.int32))

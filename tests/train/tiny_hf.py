@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxspec.model.config import LlamaConfig
-from jaxspec.train.export import export_llama
-from jaxspec.train.init import init_llama
+from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.io.llama import export_llama
+from jaxspec.model.io.llama import init_llama_params
 
 LINES = [
     "def add(a, b):\n    return a + b\n",
@@ -34,7 +34,7 @@ def make_tiny_hf(root) -> tuple:
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_layers=7,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     target_dir = root / "target"
-    export_llama(str(target_dir), init_llama(cfg, seed=0, scale=0.3), cfg,
+    export_llama(str(target_dir), init_llama_params(cfg, 0, scale=0.3), cfg,
                  bos_token_id=0, eos_token_id=0)
     tok.save(str(target_dir / "tokenizer.json"))
     return target_dir, corpus

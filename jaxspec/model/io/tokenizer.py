@@ -6,7 +6,7 @@ import os
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jaxspec.model.checkpoint import read_eos_ids, read_json
+from jaxspec.model.io.checkpoint import read_eos_ids, read_json
 
 
 class Tokenizer:

@@ -17,6 +17,26 @@ DTYPES = {
 }
 
 
+def rope_fields(rope) -> dict:
+    """``RopeConfig`` -> the classic HF config fields (``rope_theta`` + ``rope_scaling``)."""
+    out: dict = {"rope_theta": rope.theta}
+    if rope.kind == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": rope.factor}
+    elif rope.kind == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    return out
+
+
+def write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
 class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing or malformed."""
 

@@ -2,7 +2,7 @@
 ``rope_parameters`` form and the classic ``rope_scaling`` form, YaRN included).
 
 Configs are frozen and hashable: they ride in jit static arguments (see
-``jaxspec.model.deepseek`` for the forward and the loader).
+``jaxspec.model.targets.deepseek`` for the forward, ``jaxspec.model.io.deepseek`` for the names).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.model.config import ConfigError, _get
+from jaxspec.model.config import ConfigError, get_field
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
@@ -282,10 +282,10 @@ def _parse_moe(raw: dict, where: str) -> MoEConfig | None:
         raise ConfigError(f"{where}: topk_method {method!r} is not supported (DeepSeek-V3 uses 'noaux_tc')")
     moe = MoEConfig(
         num_experts=num_experts,
-        num_experts_per_tok=_get(raw, "num_experts_per_tok", int, where=where),
+        num_experts_per_tok=get_field(raw, "num_experts_per_tok", int, where=where),
         n_group=_opt_int(raw, "n_group", where, default=1),
         topk_group=_opt_int(raw, "topk_group", where, default=1),
-        moe_intermediate_size=_get(raw, "moe_intermediate_size", int, where=where),
+        moe_intermediate_size=get_field(raw, "moe_intermediate_size", int, where=where),
         n_shared_experts=_opt_int(raw, "n_shared_experts", where, default=0, minimum=0),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=_opt_float(raw, "routed_scaling_factor", where, 1.0),
@@ -326,9 +326,9 @@ def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> 
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only silu)")
     if raw.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for MLA")
-    num_layers = _get(raw, "num_hidden_layers", int, where=where)
-    nope = _get(raw, "qk_nope_head_dim", int, where=where)
-    rope_dim = _get(raw, "qk_rope_head_dim", int, where=where)
+    num_layers = get_field(raw, "num_hidden_layers", int, where=where)
+    nope = get_field(raw, "qk_nope_head_dim", int, where=where)
+    rope_dim = get_field(raw, "qk_rope_head_dim", int, where=where)
     qk_head_dim = raw.get("qk_head_dim")
     if qk_head_dim is not None and qk_head_dim != nope + rope_dim:
         raise ConfigError(
@@ -339,21 +339,21 @@ def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> 
     index_head_dim = _opt_int(raw, "index_head_dim", where, default=0, minimum=0) if arch == "deepseek_v32" else 0
     index_n_heads = index_topk = 0
     if index_head_dim:
-        index_n_heads = _get(raw, "index_n_heads", int, where=where)
-        index_topk = _get(raw, "index_topk", int, where=where)
+        index_n_heads = get_field(raw, "index_n_heads", int, where=where)
+        index_topk = get_field(raw, "index_topk", int, where=where)
     try:
         return DeepseekConfig(
             arch=arch,
-            vocab_size=_get(raw, "vocab_size", int, where=where),
-            hidden_size=_get(raw, "hidden_size", int, where=where),
-            intermediate_size=_get(raw, "intermediate_size", int, where=where),
+            vocab_size=get_field(raw, "vocab_size", int, where=where),
+            hidden_size=get_field(raw, "hidden_size", int, where=where),
+            intermediate_size=get_field(raw, "intermediate_size", int, where=where),
             num_layers=num_layers,
-            num_heads=_get(raw, "num_attention_heads", int, where=where),
+            num_heads=get_field(raw, "num_attention_heads", int, where=where),
             q_lora_rank=_opt_int(raw, "q_lora_rank", where),
-            kv_lora_rank=_get(raw, "kv_lora_rank", int, where=where),
+            kv_lora_rank=get_field(raw, "kv_lora_rank", int, where=where),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
-            v_head_dim=_get(raw, "v_head_dim", int, where=where),
+            v_head_dim=get_field(raw, "v_head_dim", int, where=where),
             rms_norm_eps=_opt_float(raw, "rms_norm_eps", where, 1e-6),
             rope=parse_mla_rope(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

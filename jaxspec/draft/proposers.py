@@ -1,0 +1,46 @@
+"""Draft loops, one per way of proposing, chosen by the draft's declared ``proposer``.
+
+A proposer has four static methods, called by ``jaxspec.draft.step`` and the engine's prefill:
+``propose`` (-> verify tree, sampling q, draft pool), ``feature`` (what it takes from the
+target's verify forward), ``extend`` (-> next bonus token and draft seed) and ``prefill``.
+"""
+
+from __future__ import annotations
+
+from jaxspec.draft.plan import Plan, StepRows
+from jaxspec.draft.recurrent import Recurrent
+from jaxspec.draft.shape import Root
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
+
+
+class NoDraft:
+    """Plain decoding through the same step: the tree is the root alone."""
+
+    @staticmethod
+    def propose(plan: Plan, dparams, rows: StepRows, dpool, ctx: DraftContext):
+        return Root.build(rows.bonus, None, plan), None, dpool
+
+    @staticmethod
+    def feature(plan: Plan, out):
+        return None
+
+    @staticmethod
+    def extend(plan: Plan, dparams, rows: StepRows, predict, feature, accept_lens, dpool, ctx: DraftContext):
+        return predict[:, 0], rows.seed, dpool
+
+    @staticmethod
+    def prefill(plan: Plan, dparams, tokens, lens, first, out, dpool, ctx: DraftContext, seed: DraftSeed):
+        return seed, dpool
+
+
+PROPOSERS = {"recurrent": Recurrent}
+
+
+def proposer_for(plan: Plan):
+    """The draft loop of ``plan.draft`` (``NoDraft`` for plain decoding)."""
+    if plan.draft is None:
+        return NoDraft
+    try:
+        return PROPOSERS[plan.draft.proposer]
+    except KeyError:
+        raise ValueError(f"draft kind {plan.draft.kind!r} asks for an unknown proposer {plan.draft.proposer!r}") from None

@@ -1,0 +1,145 @@
+"""The recurrent draft loop: a draft proposes token by token (EAGLE, EAGLE-3, DeepSeek MTP, the
+frozen-KV assistant, standalone LMs), as a chain or as SGLang's dynamic tree.
+
+    prefill   the draft over the prompt with the target's features -> the first seed
+    propose   root (the seed, or the root forward of a frozen-KV assistant: iteration 0 of the
+              loop), then S - 1 draft forwards on the frontier -> the verify tree
+    extend    the draft over the accepted rows -> the next seed (one fused gather, seed 002)
+
+Draft scratch KV for branch ``j``, step ``i`` sits at position ``base + j*S + i``
+(``jaxspec.kvcache.layout``); the frontier of a tree attends to the prefix and its own
+ancestors (an exact ancestor mask, ``jaxspec.draft.shape``).
+
+Glossary: B rows, K topk, S num_steps, A = S + 1, R prefilled rows, T prompt bucket,
+Hd draft hidden width, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.draft import tree as tree_lib
+from jaxspec.draft.plan import KEY_DRAFT_STEP, KEY_SEED, Plan, StepRows, sub_keys
+from jaxspec.draft.shape import broadcast_rows, shape_for
+from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
+from jaxspec.model.sampling import sample_categorical, target_probs
+from jaxspec.pallas.gather_extras import gather_spec_extras
+
+
+def draft_distribution(plan: Plan, dparams: dict, logit_in: jax.Array, rows: StepRows) -> jax.Array:
+    """q: the draft's sampling distribution over the TARGET vocabulary, f32[B, ..., V], with each
+    row's temperature / top_k / top_p (one-hot argmax for greedy rows)."""
+    draft = plan.draft
+    logits = draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in))
+    lead = logits.shape[:-1]
+    t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)
+    return target_probs(logits, t, k, p, plan.filtering)
+
+
+def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int):  # -> f32[..., k], i32[..., k] target ids
+    """Top-k of the draft's softmax. k = 1 uses max/argmax (no top_k primitive)."""
+    probs = jax.nn.softmax(plan.draft.logits(dparams, logit_in), axis=-1)
+    if k == 1:
+        index = jnp.argmax(probs, axis=-1)[..., None]
+        p = jnp.max(probs, axis=-1, keepdims=True)
+    else:
+        p, index = jax.lax.top_k(probs, k)
+    return p, plan.draft.to_target_ids(dparams, index)
+
+
+def _candidates(plan: Plan, dparams, logit_in, rows: StepRows, key_purpose: int):
+    """The draft's next candidates from its output ``logit_in`` [B, R, *] (R frontier rows):
+    greedy drafting takes the top-K; chain sampling draws one token x ~ q and keeps q.
+    Returns (topk_p f32[B, R, K], topk_index i32[B, R, K], q f32[B, V] or None)."""
+    if plan.draft_samples:
+        q = draft_distribution(plan, dparams, logit_in[:, 0], rows)  # [B, V]
+        x = sample_categorical(q, sub_keys(rows.keys, key_purpose))
+        return jnp.take_along_axis(q, x[:, None], axis=1)[:, :, None], x[:, None, None], q
+    topk_p, topk_index = draft_topk(plan, dparams, logit_in, plan.topk)
+    return topk_p, topk_index, None
+
+
+class Recurrent:
+    """Drives any draft that proposes one token per forward."""
+
+    @staticmethod
+    def propose(plan: Plan, dparams: dict, rows: StepRows, dpool, ctx: DraftContext):
+        """S levels of candidates -> (tree, q_all f32[B, S, V] for chain sampling else None, dpool)."""
+        draft, shape, spec = plan.draft, shape_for(plan), plan.spec
+        K, S = spec.topk, spec.num_steps
+        B = rows.bonus.shape[0]
+        base = rows.seq_lens + draft.pos_offset  # [B] first draft-scratch position
+        # Branch j, step i writes at base + j*S + i; step i uses row i of the [S, B*K] view.
+        scratch = draft_scratch_positions(base, K, S)
+        scratch = jnp.where(jnp.repeat(rows.active, K * S), scratch, -1)
+        write_per_step = per_step_draft_locs(scratch, B, K, S)  # [S, B*K]
+
+        with jax.named_scope("draft_root"):  # a frozen-KV assistant's seed step runs here (iteration 0)
+            hidden, logit_in = draft.root(dparams, rows.bonus, rows.seed, ctx, implementation=plan.implementation)
+        topk_p, topk_index, q = _candidates(plan, dparams, logit_in[:, None], rows, KEY_SEED)
+        topk_p, topk_index = topk_p[:, 0], topk_index[:, 0]  # [B, K]
+        q_levels = [q]  # chain sampling: q_j of each drafted token, [B, V]
+        levels: list[tree_lib.DraftLevel] = []
+        scores = None
+        ancestors = jnp.zeros((B, K, S), jnp.int32)
+        for i in range(S):
+            ids, rows_hidden, scores, parent_row, level = tree_lib.select_top_k_tokens(
+                i, K, topk_p, topk_index, hidden, scores
+            )
+            levels.append(level)
+            if i == S - 1:
+                break  # the last level needs no forward
+            mask, ancestors = shape.draft_mask(ancestors, parent_row, i, S)
+            attn = AttentionInputs.build(ctx.page_table, base, write_per_step[i].reshape(B, K), plan.page_size,
+                                         block_mask=mask)
+            positions = jnp.broadcast_to((base + i)[:, None], ids.shape)
+            hidden, logit_in, dpool = draft.forward(dparams, ids, rows_hidden, positions, dpool, attn, ctx,
+                                                    from_target=False, implementation=plan.implementation)
+            topk_p, topk_index, q = _candidates(plan, dparams, logit_in, rows, KEY_DRAFT_STEP + i)  # [B, K, K]
+            q_levels.append(q)
+        q_all = jnp.stack(q_levels, axis=1) if plan.draft_samples else None  # [B, S, V]
+        return shape.build(rows.bonus, levels, plan), q_all, dpool
+
+    @staticmethod
+    def feature(plan: Plan, out):
+        return plan.draft.target_feature(out)
+
+    @staticmethod
+    def extend(plan: Plan, dparams: dict, rows: StepRows, predict, feature, accept_lens, dpool, ctx: DraftContext):
+        """Draft over the A accepted-front rows; row ``accept_len - 1`` seeds the next step.
+
+        predict: i32[B, A] accepted tokens then the bonus, front-compacted; feature: [B, A, F].
+        Returns (bonus i32[B], DraftSeed, dpool)."""
+        draft = plan.draft
+        B, A = predict.shape
+        select = jnp.arange(B, dtype=jnp.int32) * A + accept_lens - 1
+        base = rows.seq_lens + draft.pos_offset
+        positions = base[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]
+        write = jnp.where(rows.active[:, None], positions, -1)
+        attn = AttentionInputs.build(ctx.page_table, base, write, plan.page_size)
+        h, dpool = draft.extend(dparams, predict, feature, positions, dpool, attn, ctx,
+                                implementation=plan.implementation)  # [B, A, Hd]
+        bonus, hidden = gather_spec_extras(select, predict.reshape(B * A), h.reshape(B * A, -1),
+                                           implementation=plan.implementation)
+        return bonus, DraftSeed(hidden=hidden.astype(rows.seed.hidden.dtype)), dpool  # [B], [B, Hd]
+
+    @staticmethod
+    def prefill(plan: Plan, dparams: dict, tokens, lens, first, out, dpool, ctx: DraftContext, seed: DraftSeed):
+        """The draft over R new prompts (tokens i32[R, T], lens i32[R], first token i32[R]) with
+        the target's prefill output ``out``; returns (DraftSeed [R, Hd], dpool)."""
+        draft = plan.draft
+        R, T = tokens.shape
+        off = draft.pos_offset  # row p consumes the token at p + 1 - off of prompt + first token
+        full = tokens.at[jnp.arange(R), lens].set(first, mode="drop")
+        dtok = jnp.pad(full[:, 1 - off:], ((0, 0), (0, 1 - off)))
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+        write = jnp.where((pos < (lens + off)[:, None]) & (lens > 0)[:, None], pos, -1)
+        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+        h, dpool = draft.extend(dparams, dtok, draft.target_feature(out), pos, dpool, attn, ctx,
+                                implementation=plan.implementation)  # [R, T, Hd]
+        sel = jnp.maximum(lens - 1 + off, 0)
+        hidden = jnp.take_along_axis(h, sel[:, None, None], axis=1)[:, 0]
+        return DraftSeed(hidden=hidden.astype(seed.hidden.dtype)), dpool

@@ -1,0 +1,160 @@
+"""The shape of a step's verify tree, decided once per plan: a root alone (plain decoding), a
+chain (topk = 1, the static specialization of seed 000) or a tree (topk > 1).
+
+Everything that differs between them lives here, so the step and the draft loops never test
+``topk``: the draft attention mask, organizing drafted candidates, building the verify tree,
+its verify mask, acceptance (greedy and sampled) and compaction of the accepted path.
+
+Glossary: B rows, K topk, S num_steps, n num_draft_tokens, A = S + 1, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.draft import tree as tree_lib
+from jaxspec.draft.compact import compact_pool, gather_to_front
+from jaxspec.draft.plan import KEY_COINS, KEY_FINAL, Plan, StepRows, sub_keys
+from jaxspec.draft.verify import verify_chain_greedy, verify_chain_rejection, verify_tree_greedy, verify_tree_target_only
+from jaxspec.model.sampling import pick_tokens, target_probs, uniforms
+
+
+def broadcast_rows(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Per-row parameter [B] broadcast to [B, ...]."""
+    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(shape) - 1)), shape)
+
+
+def _target_p(plan: Plan, rows: StepRows, logits: jax.Array) -> jax.Array:  # f32[B, n, V]
+    lead = logits.shape[:-1]
+    t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)
+    return target_probs(logits, t, k, p, plan.filtering)
+
+
+class Root:
+    """No draft: the tree is the root alone, one target forward per token."""
+
+    @staticmethod
+    def build(bonus: jax.Array, levels, plan: Plan) -> tree_lib.Tree:
+        B = bonus.shape[0]
+        zeros = jnp.zeros((B, 1), jnp.int32)
+        return tree_lib.Tree(tokens=bonus[:, None], depth=zeros, parent=zeros - 1, mask=jnp.ones((B, 1, 1), bool),
+                             retrieve_index=jnp.arange(B, dtype=jnp.int32)[:, None], next_token=zeros - 1,
+                             next_sibling=zeros - 1)
+
+    @staticmethod
+    def verify_mask(tree):
+        return None  # a causal block of one row
+
+    @staticmethod
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+        B = logits.shape[0]
+        predict = pick_tokens(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.keys, plan.greedy_only,
+                              plan.filtering)[:, None]
+        return jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), predict
+
+    @staticmethod
+    def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
+        return tpool, predict, feature
+
+
+class Chain:
+    """topk = 1: parents and indices are constants, tokens a concatenation, the verify block
+    causal, the accepted path a prefix (no top_k / sort / gather, no KV move)."""
+
+    @staticmethod
+    def draft_mask(ancestors, parent_row, step: int, num_steps: int):
+        B = ancestors.shape[0]
+        mask = jnp.asarray(np.broadcast_to(np.arange(num_steps) <= step, (B, 1, num_steps)))
+        return mask, ancestors
+
+    @staticmethod
+    def build(bonus: jax.Array, levels, plan: Plan) -> tree_lib.Tree:
+        _, _, draft_tokens = tree_lib.organize_chain(levels)
+        return tree_lib.chain_tree(bonus, draft_tokens)
+
+    @staticmethod
+    def verify_mask(tree):
+        return None  # chains verify with a causal block
+
+    @staticmethod
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+        if plan.greedy_only:
+            return verify_chain_greedy(tree.tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        p = _target_p(plan, rows, logits)
+        coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))  # [B, n]
+        coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))  # [B]
+        if plan.draft_samples:
+            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, : plan.spec.num_steps], coin_final)
+        return _target_only(plan, tree, p, coins, coin_final)
+
+    @staticmethod
+    def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
+        return tpool, predict, feature  # the accepted nodes are already at the front
+
+
+class Tree:
+    """topk > 1: SGLang's dynamic tree (top n-1 of the drafted candidates), a tree verify
+    mask, a tree walk, and the accepted path compacted to the front (seed 001)."""
+
+    @staticmethod
+    def draft_mask(ancestors, parent_row, step: int, num_steps: int):
+        B, K, S = ancestors.shape
+        if step > 0:
+            ancestors = jnp.take_along_axis(ancestors, parent_row[:, :, None], axis=1)
+        ancestors = ancestors.at[:, :, step].set(jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)))
+        return draft_ancestor_mask(ancestors, step, num_steps), ancestors
+
+    @staticmethod
+    def build(bonus: jax.Array, levels, plan: Plan) -> tree_lib.Tree:
+        spec = plan.spec
+        parent_list, top_index, draft_tokens = tree_lib.organize_draft_results(levels, spec.num_draft_tokens)
+        return tree_lib.build_tree(bonus, parent_list, top_index, draft_tokens, spec.topk, spec.num_steps)
+
+    @staticmethod
+    def verify_mask(tree):
+        return tree.mask
+
+    @staticmethod
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+        if plan.greedy_only:
+            return verify_tree_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), plan.spec.num_steps)
+        coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))
+        coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))
+        return _target_only(plan, tree, _target_p(plan, rows, logits), coins, coin_final)
+
+    @staticmethod
+    def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
+        tpool = compact_pool(tpool, page_table, rows.seq_lens, accept_index, accept_lens, rows.active,
+                             implementation=plan.implementation)
+        predict = gather_to_front(predict, accept_index)  # [B, A]
+        feature = None if feature is None else gather_to_front(feature, accept_index)
+        return tpool, predict, feature
+
+
+def _target_only(plan: Plan, tree, p, coins, coin_final):
+    spec = plan.spec
+    return verify_tree_target_only(tree, p, coins, coin_final, spec.num_steps, spec.accept_threshold_single,
+                                   spec.accept_threshold_acc)
+
+
+def draft_ancestor_mask(
+    ancestors: jax.Array,  # i32[B, K, S] branch of each row's ancestor at every step
+    step: int,
+    num_steps: int,
+) -> jax.Array:  # bool[B, K, K*S]: scratch offset j*S + i visible to each row
+    """Row k at ``step`` sees scratch offset ``j*S + i`` iff i <= step and its step-i
+    ancestor is branch j (exact tree attention for the draft)."""
+    B, K, S = ancestors.shape
+    branch = jnp.arange(K, dtype=jnp.int32)[:, None]  # j
+    level = jnp.arange(S, dtype=jnp.int32)[None, :]  # i
+    hit = (ancestors[:, :, None, :] == branch[None, None]) & (level[None, None] <= step)  # [B, K, K, S]
+    return hit.reshape(B, K, K * num_steps)
+
+
+def shape_for(plan: Plan):
+    """The one place that decides root / chain / tree."""
+    if plan.spec is None:
+        return Root
+    return Chain if plan.spec.topk == 1 else Tree

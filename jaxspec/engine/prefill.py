@@ -1,0 +1,76 @@
+"""Admitting requests: the target's prefill forward over the prompts, the first token, and the
+draft's prefill (its KV and seed), written into free rows of the decode state.
+
+Glossary: R rows being admitted (a power-of-two bucket), T prompt bucket (> every prompt),
+B batch rows, NS stop ids per row, M output width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.draft.plan import Plan
+from jaxspec.draft.proposers import proposer_for
+from jaxspec.engine.state import DecodeState
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.drafts.base import DraftContext
+from jaxspec.model.sampling import pick_tokens
+from jaxspec.model.targets import target_forward, target_logits
+
+
+def prefill(
+    plan: Plan,
+    tparams: dict,
+    dparams,
+    state: DecodeState,
+    tpool,
+    dpool,
+    page_table: jax.Array,  # i32[B, W] (rows being admitted already hold their pages)
+    rows: jax.Array,  # i32[R] batch rows to fill (>= B: padding)
+    tokens: jax.Array,  # i32[R, T] prompts, right-padded
+    lens: jax.Array,  # i32[R] prompt lengths (0 for padding rows)
+    request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, keys u32[R, 2]
+):
+    """Prefills R new requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
+    R, T = tokens.shape
+    B = state.bonus.shape[0]
+    pt = page_table[jnp.minimum(rows, B - 1)]
+    real = lens > 0
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+    write = jnp.where(pos < lens[:, None], pos, -1)
+    attn = AttentionInputs.build(pt, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+    out = target_forward(plan.target, tparams, tokens, pos, tpool, attn, aux_layers=plan.aux_layers,
+                         implementation=plan.implementation)
+    tpool = out.pool
+    last = jnp.maximum(lens - 1, 0)
+    h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [R, H]
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(request["keys"]), jnp.zeros((R,), jnp.int32))
+    first = pick_tokens(target_logits(plan.target, tparams, h_last), request["temperature"], request["top_k"],
+                        request["top_p"], keys, plan.greedy_only, plan.filtering)
+    empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
+    seed, dpool = proposer_for(plan).prefill(plan, dparams, tokens, lens, first, out, dpool,
+                                             DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool), empty)
+    stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
+    out_width = state.out_tokens.shape[1]
+    row = dict(
+        seq_lens=lens,
+        bonus=first,
+        active=real & ~stop & (request["max_new"] > 1),
+        out_tokens=jnp.zeros((R, out_width), jnp.int32).at[:, 0].set(first),
+        out_lens=jnp.where(stop, 0, 1).astype(jnp.int32),
+        max_new=request["max_new"],
+        stop_ids=request["stop_ids"],
+        temperature=request["temperature"],
+        top_k=request["top_k"],
+        top_p=request["top_p"],
+        keys=request["keys"],
+        steps=jnp.ones((R,), jnp.int32),
+        num_verify=jnp.zeros((R,), jnp.int32),
+        accept_log=jnp.zeros((R, out_width), jnp.int32),
+        seed=seed,
+    )
+    put = lambda old, new: old.at[rows].set(new.astype(old.dtype), mode="drop")  # noqa: E731
+    return dataclasses.replace(state, **jax.tree.map(put, {k: getattr(state, k) for k in row}, row)), tpool, dpool

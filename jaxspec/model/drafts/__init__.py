@@ -1,0 +1,16 @@
+"""Draft kinds behind one interface (``base.Draft``): EAGLE-1/2, EAGLE-3, DeepSeek MTP, the
+frozen-KV assistant and standalone LMs. Loading and detection: ``jaxspec.model.io.drafts``."""
+
+from jaxspec.model.drafts.assistant import FrozenKVAssistant as FrozenKVAssistant
+from jaxspec.model.drafts.assistant import assistant_draft as assistant_draft
+from jaxspec.model.drafts.base import Draft as Draft
+from jaxspec.model.drafts.base import DraftContext as DraftContext
+from jaxspec.model.drafts.base import DraftModel as DraftModel
+from jaxspec.model.drafts.base import DraftSeed as DraftSeed
+from jaxspec.model.drafts.eagle import Eagle3Draft as Eagle3Draft
+from jaxspec.model.drafts.eagle import EagleDraft as EagleDraft
+from jaxspec.model.drafts.eagle import eagle_draft as eagle_draft
+from jaxspec.model.drafts.mtp import MtpDraft as MtpDraft
+from jaxspec.model.drafts.mtp import mtp_draft as mtp_draft
+from jaxspec.model.drafts.standalone import StandaloneDraft as StandaloneDraft
+from jaxspec.model.drafts.standalone import standalone_draft as standalone_draft

@@ -1,0 +1,41 @@
+"""A standalone draft: any supported LM with the target's vocabulary, run token by token with
+its own KV pool of its own kind (MHA or MLA)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
+from jaxspec.model.layers import lm_head
+from jaxspec.model.targets import Model, create_target_pool, target_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class StandaloneDraft(Draft):
+    """Row ``p`` consumes the token at ``p`` (``pos_offset`` 1); it reads no target feature."""
+
+    model: Any  # a target config (LlamaConfig, DeepseekConfig)
+    kind: ClassVar[str] = "standalone"
+    pos_offset: ClassVar[int] = 1
+
+    @property
+    def feature(self) -> None:
+        return None
+
+    def create_pool(self, *, num_pages, page_size, dtype):
+        return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype)
+
+    def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,
+                implementation=None):
+        out = target_forward(self.model, params, tokens, positions, pool, attn, implementation=implementation)
+        return out.hidden, out.hidden, out.pool
+
+    def logits(self, params, logit_in):
+        return lm_head(params, logit_in)
+
+
+def standalone_draft(model: Model) -> DraftModel:
+    """Uses an already-loaded LM (e.g. a smaller model of the same family, or the target
+    itself in tests) as a standalone draft."""
+    return DraftModel(config=StandaloneDraft(model=model.config), params=model.params, path=model.path)

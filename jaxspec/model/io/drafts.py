@@ -1,0 +1,146 @@
+"""``load_draft``: a draft checkpoint directory -> ``DraftModel``, its kind detected from the files.
+
+Detection reads ``config.json``'s ``architectures`` first and the tensor names second. A
+draft-specific architecture (``LlamaForCausalLMEagle3``, ``JaxspecFrozenKVAssistant``, ...)
+names its format, and the tensors must agree; a generic LM architecture (``LlamaForCausalLM``,
+which SafeAILab's EAGLE checkpoints also carry) is told apart by its tensors (``fc.weight``
+marks an EAGLE head). Anything else is refused with an error naming what was found and what
+is supported, so no checkpoint is loaded as a kind it is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from jaxspec.model.config import ConfigError
+from jaxspec.model.drafts.assistant import assistant_draft
+from jaxspec.model.drafts.base import DraftModel
+from jaxspec.model.drafts.eagle import eagle_draft
+from jaxspec.model.drafts.mtp import mtp_draft
+from jaxspec.model.drafts.standalone import StandaloneDraft
+from jaxspec.model.io import assistant as assistant_io
+from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config, resolve_dtype
+from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
+from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
+from jaxspec.model.io.loader import TARGET_FAMILIES, target_family
+from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
+from jaxspec.model.io.tables import load_params
+from jaxspec.model.targets import Model
+from jaxspec.model.targets.deepseek_config import DeepseekConfig
+from jaxspec.model.targets.llama_config import LlamaConfig
+
+LM_ARCHITECTURES = tuple(a for fam in TARGET_FAMILIES for a in fam.architectures)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftFormat:
+    """One checkpoint format a draft can come in.
+
+    name: for messages. architectures: ``config.json`` values that may name it.
+    matches: (tensor names) -> whether the tensors are of this format.
+    targets: target config types it can serve.
+    load: (ckpt, raw config, target, dtype, where, path) -> DraftModel.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    matches: Callable[[set[str]], bool]
+    targets: tuple[type, ...]
+    load: Callable
+
+
+def _load_eagle(version: int):
+    def load(ckpt, raw, target: Model, dtype, where, path):
+        cfg, params = load_eagle(ckpt, raw, version, target.config, target.params, dtype, where)
+        return eagle_draft(cfg, params, path)
+    return load
+
+
+def _load_assistant(ckpt, raw, target: Model, dtype, where, path):
+    cfg = assistant_io.assistant_config_from_hf(raw, target.config, where)
+    return assistant_draft(cfg, assistant_io.load_assistant_params(ckpt, cfg, target.params, dtype), path)
+
+
+def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
+    params, cfg = load_mtp_params(ckpt, target.config, dtype, target_params=target.params, share_target_weights=True)
+    return mtp_draft(cfg, params, path)
+
+
+def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
+    family = target_family(raw, where)
+    cfg = family.parse(raw, where)
+    if cfg.vocab_size != target.config.vocab_size:
+        raise ConfigError(
+            f"{where}: standalone draft vocab_size {cfg.vocab_size} does not match the target's "
+            f"{target.config.vocab_size}"
+        )
+    params = load_params(family.table(cfg, ckpt), ckpt, dtype)
+    return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path)
+
+
+def _is_lm(names: set[str]) -> bool:
+    return any(n.startswith("model.layers.") for n in names) and "fc.weight" not in names and not find_mtp_layers(names)
+
+
+DRAFT_FORMATS = (
+    DraftFormat("EAGLE-3 head", EAGLE_ARCHITECTURES[:2] + ("LlamaForCausalLM",),
+                lambda names: detect_eagle_version(names) == 3, (LlamaConfig,), _load_eagle(3)),
+    DraftFormat("EAGLE-1/2 head", EAGLE_ARCHITECTURES[2:] + ("LlamaForCausalLM",),
+                lambda names: detect_eagle_version(names) == 1, (LlamaConfig,), _load_eagle(1)),
+    DraftFormat("frozen-KV assistant", (assistant_io.ARCHITECTURE,),
+                lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
+    DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
+                lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
+    DraftFormat("standalone LM", LM_ARCHITECTURES, _is_lm, (LlamaConfig, DeepseekConfig), _load_standalone),
+)
+
+
+def detect_draft_format(raw: dict, names: set[str], where: str) -> DraftFormat:
+    """The format of a draft checkpoint (``architectures`` first, tensor names second)."""
+    archs = list(raw.get("architectures") or [])
+    claimed = [f for f in DRAFT_FORMATS if not archs or set(archs) & set(f.architectures)]
+    if not claimed:
+        supported = sorted({a for f in DRAFT_FORMATS for a in f.architectures})
+        raise ConfigError(f"{where}: unsupported draft architecture {archs}; supported: {supported}")
+    for fmt in claimed:
+        if fmt.matches(names):
+            return fmt
+    kinds = " or ".join(f.name for f in claimed)
+    found = [f.name for f in DRAFT_FORMATS if f.matches(names)]
+    raise CheckpointError(
+        f"{where}: architectures {archs or '(none)'} claim: {kinds}; but the tensors are not of that format"
+        + (f" (they are those of: {found[0]})" if found else "")
+    )
+
+
+def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel:
+    """Loads a draft for ``target``; the kind is detected from the checkpoint.
+
+    EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
+    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), a standalone LM of a supported
+    family sharing the target's vocabulary, a frozen-KV assistant, or -- for a DeepSeek-V3
+    target -- the NextN/MTP layer stored in its checkpoint (pass the target's directory).
+
+    Raises:
+      ValueError: an unknown or mismatched kind, or a draft that does not fit the target
+        (vocabulary, hidden size, layers), named; FileNotFoundError: missing files.
+    """
+    path = os.fspath(path)
+    np_dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    raw = read_config(path)
+    where = os.path.join(path, "config.json")
+    ckpt = SafetensorsCheckpoint(path)
+    try:
+        fmt = detect_draft_format(raw, set(ckpt.keys()), where)
+        if not isinstance(target.config, fmt.targets):
+            raise ConfigError(
+                f"{where}: a {fmt.name} cannot serve a {type(target.config).__name__} target "
+                f"(it serves {', '.join(t.__name__ for t in fmt.targets)})"
+            )
+        draft = fmt.load(ckpt, raw, target, np_dtype, where, path)
+    finally:
+        ckpt.close()
+    draft.config.check_fits(target.config)
+    return draft

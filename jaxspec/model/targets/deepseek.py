@@ -1,0 +1,220 @@
+"""DeepSeek-V3 / V3.2 target: multi-head latent attention (MLA) + DeepSeekMoE, as pure functions
+(checkpoint names in ``jaxspec.model.io.deepseek``).
+
+Attention (per layer, HF ``DeepseekV3Attention`` semantics, absorbed form):
+
+    q      = q_proj(h)  or  q_b_proj(q_a_layernorm(q_a_proj(h)))      # [B, T, Hq, Dn + R]
+    c, kr  = split(kv_a_proj_with_mqa(h), [C, R]);  c = kv_a_layernorm(c)
+    q_rope, kr = RoPE(q_rope), RoPE(kr)       (interleaved pairs on the R rope dims)
+    pool[layer, slot] = [c | kr]                                       # [C + R] per token
+    q_latent = W_uk^T q_nope                  (k half of kv_b_proj absorbed into the query)
+    o = W_uv (sum_k softmax(sm_scale * (q_latent.c_k + q_rope.kr_k)) c_k);  out = o_proj(o)
+
+MLP: SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE after (sigmoid router
+with ``e_score_correction_bias`` for selection only, group-limited top-k, routed scaling,
+shared experts). The dense prefix and the MoE layers run as two ``lax.scan`` s (two compiled
+layer bodies, whatever the depth).
+
+DeepSeek-V3.2 (DSA) adds a lightning indexer per layer. Its per-token key
+``k_idx = RoPE_half(LayerNorm(h @ wk))`` (rotate-half RoPE on the first R dims) is written to
+``MLAPool.index_k`` with the latent. Attention stays dense: sparse top-k selection only changes
+anything for queries that see more than ``index_topk`` positions (see ``DeepseekConfig``).
+
+Params (linear weights ``[in, out]``; ``[Ls]`` = stacked over the layers of a scan):
+    embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
+    dense/, moe/ (each present when it has layers):
+      attn_norm [Ls, H]; wq [Ls, H, Hq*Dqk]  or  wq_a [Ls, H, Rq], q_a_norm [Ls, Rq], wq_b [Ls, Rq, Hq*Dqk]
+      wkv_a [Ls, H, C+R]; kv_a_norm [Ls, C]; w_uk [Ls, Hq, Dn, C]; w_uv [Ls, Hq, C, Dv]; wo [Ls, Hq*Dv, H]
+      idx_wk [Ls, H, Di], idx_norm_w, idx_norm_b [Ls, Di]              (V3.2 indexer)
+      mlp_norm [Ls, H]
+      dense: w_gate, w_up [Ls, H, I]; w_down [Ls, I, H]
+      moe:   router [Ls, H, E]; router_bias f32[Ls, E]; experts_gate, experts_up [Ls, E, H, Im];
+             experts_down [Ls, E, Im, H]; shared_gate, shared_up [Ls, H, Is]; shared_down [Ls, Is, H]
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.pool import MLAPool
+from jaxspec.model.layers import apply_rope, rms_norm, swiglu
+from jaxspec.model.targets.base import AuxTaps, ForwardOutput
+from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
+from jaxspec.pallas.mla_attention import mla_attention
+
+# ------------------------------------------------------------------------------------ pool
+
+
+def create_mla_pool(cfg: DeepseekConfig, *, num_pages: int, page_size: int, dtype, num_layers: int | None = None) -> MLAPool:
+    """MLA pool ``kv: [L, num_slots, C + R]`` (+ ``index_k: [L, num_slots, Di]`` with an indexer)."""
+    return MLAPool.create(
+        num_layers=cfg.num_layers if num_layers is None else num_layers,
+        num_pages=num_pages, page_size=page_size, kv_dim=cfg.kv_dim,
+        index_dim=cfg.index_head_dim if cfg.has_indexer else 0, dtype=dtype,
+    )
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+def _rope(x: jax.Array, positions: jax.Array, rope: MLARope, inv_freq: np.ndarray, interleave: bool) -> jax.Array:
+    """RoPE on ``x: [B, T, H, R]``. Interleaved pairs are de-interleaved first (evens, then
+    odds), as HF writes them; q and k get the same layout, so q.k is unchanged."""
+    if interleave:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, positions, inv_freq, scale=rope.cos_sin_scale)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm in f32 (the V3.2 indexer's ``k_norm``), cast back to ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def indexer_key(
+    lp: dict, cfg: DeepseekConfig, h: jax.Array, positions: jax.Array, inv_freq: np.ndarray
+) -> jax.Array:  # [B, T, Di]
+    """V3.2 lightning-indexer key of each token: ``LayerNorm(h @ wk)`` with rotate-half
+    (non-interleaved) RoPE on its first R dims. ``h`` is the attention input (after
+    ``input_layernorm``). The Hadamard rotation of DeepSeek's reference is omitted: it is
+    orthogonal and applied to queries and keys alike, so index scores are unchanged."""
+    R = cfg.qk_rope_head_dim
+    k = layer_norm(h @ lp["idx_wk"], lp["idx_norm_w"], lp["idx_norm_b"])  # [B, T, Di]
+    k_rope = _rope(k[:, :, None, :R], positions, cfg.rope, inv_freq, interleave=False)[:, :, 0]
+    return jnp.concatenate([k_rope, k[..., R:]], axis=-1)
+
+
+def mla_attention_block(
+    lp: dict,
+    cfg: DeepseekConfig,
+    h: jax.Array,  # [B, T, H] (after input_layernorm)
+    positions: jax.Array,  # i32[B, T]
+    pool: MLAPool,
+    layer: jax.Array,  # i32[] pool layer
+    attn: AttentionInputs,
+    *,
+    implementation: str | None,
+) -> tuple[jax.Array, MLAPool]:  # [B, T, H], new pool
+    """Writes this forward's latent (and indexer key) into ``pool`` first, then attends
+    through the page table (absorbed MLA)."""
+    B, T, _ = h.shape
+    Hq, Dn, R, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    inv_freq = cfg.rope.inv_freq(R)
+    if cfg.q_lora_rank is None:
+        q = h @ lp["wq"]
+    else:
+        q = rms_norm(h @ lp["wq_a"], lp["q_a_norm"], cfg.rms_norm_eps) @ lp["wq_b"]
+    q = q.reshape(B, T, Hq, Dn + R)
+    q_nope, q_rope = q[..., :Dn], q[..., Dn:]
+    q_rope = _rope(q_rope, positions, cfg.rope, inv_freq, cfg.rope.interleave)  # [B, T, Hq, R]
+    kv = h @ lp["wkv_a"]  # [B, T, C + R]
+    latent = rms_norm(kv[..., :C], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, C]
+    k_rope = _rope(kv[:, :, None, C:], positions, cfg.rope, inv_freq, cfg.rope.interleave)[:, :, 0]  # [B, T, R]
+    row = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C + R]
+    index_k = indexer_key(lp, cfg, h, positions, inv_freq) if "idx_wk" in lp else None
+    slots = attn.write_slots.reshape(B * T)
+    pool = pool.write(layer, slots, row.reshape(B * T, -1), None if index_k is None else index_k.reshape(B * T, -1))
+    q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
+    o = mla_attention(
+        q_latent, q_rope, pool.kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+        page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
+    )  # [B, T, Hq, C]
+    o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, Hq * cfg.v_head_dim)
+    return o @ lp["wo"], pool
+
+
+def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+    """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), routed experts
+    as grouped matmuls over tokens sorted by expert, plus the shared experts."""
+    B, T, H = x.shape
+    N, E, K, G = B * T, moe.num_experts, moe.num_experts_per_tok, moe.n_group
+    xf = x.reshape(N, H)
+    logits = jnp.dot(xf.astype(jnp.float32), lp["router"].astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # f32[N, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + lp["router_bias"].astype(jnp.float32)
+    if moe.topk_group < G:
+        grouped = choice.reshape(N, G, E // G)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_score, moe.topk_group)  # [N, topk_group]
+        group_mask = jnp.any(jax.nn.one_hot(keep, G, dtype=jnp.bool_), axis=1)  # [N, G]
+        choice = jnp.where(jnp.repeat(group_mask, E // G, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, K)  # i32[N, K]
+    weights = jnp.take_along_axis(scores, experts, axis=1)  # f32[N, K]
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * moe.routed_scaling_factor
+    # Sort the N*K (token, expert) assignments by expert and run one grouped matmul.
+    flat = experts.reshape(N * K)
+    order = jnp.argsort(flat, stable=True)
+    token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+    xs = xf[token]  # [N*K, H]
+    g = jax.lax.ragged_dot(xs, lp["experts_gate"], sizes)
+    u = jax.lax.ragged_dot(xs, lp["experts_up"], sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, lp["experts_down"], sizes)  # [N*K, H]
+    y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(x.dtype)
+    out = jnp.zeros((N, H), x.dtype).at[token].add(y)
+    if moe.n_shared_experts:
+        out = out + swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
+    return out.reshape(B, T, H)
+
+
+def decoder_block(
+    lp: dict,
+    cfg: DeepseekConfig,
+    x: jax.Array,  # [B, T, H] residual stream
+    positions: jax.Array,  # i32[B, T]
+    pool: MLAPool,
+    layer: jax.Array,  # i32[]
+    attn: AttentionInputs,
+    *,
+    moe: bool,
+    implementation: str | None,
+) -> tuple[jax.Array, MLAPool]:
+    """One DeepSeek decoder layer (pre-norm MLA, then dense or MoE MLP)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
+    x = x + o
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (moe_mlp(lp, cfg.moe, h) if moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    return x, pool
+
+
+def deepseek_forward(
+    params: dict,
+    cfg: DeepseekConfig,
+    tokens: jax.Array,  # i32[B, T]
+    positions: jax.Array,  # i32[B, T] RoPE positions
+    pool: MLAPool,
+    attn: AttentionInputs,
+    *,
+    aux_layers: tuple[int, ...] = (),
+    implementation: str | None = None,
+) -> ForwardOutput:
+    """Runs the decoder over T new tokens per request, writing their latent KV (and indexer
+    keys) into ``pool``; same contract as ``llama_forward``."""
+    x = params["embed"][tokens]  # [B, T, H]
+    taps = AuxTaps(cfg.num_layers, aux_layers)
+    aux = taps.empty(x)
+    layer0 = jnp.int32(0)
+    for group, is_moe in (("dense", False), ("moe", True)):
+        if group not in params:
+            continue
+
+        def body(carry, lp, is_moe=is_moe):
+            x, pool, aux, l = carry
+            aux = taps.record(aux, l, x)
+            x, pool = decoder_block(lp, cfg, x, positions, pool, l, attn, moe=is_moe, implementation=implementation)
+            return (x, pool, aux, l + 1), None
+
+        (x, pool, aux, layer0), _ = jax.lax.scan(body, (x, pool, aux, layer0), params[group])
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=pool)
