@@ -10,7 +10,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.engine.programs import compiled_programs
-from jaxspec.model.draft import standalone_draft
+from jaxspec.model.drafts import standalone_draft
 from tests.conftest import PROMPTS_4, engine, tiny_model
 from tests.model.golden import GOLDEN
 
@@ -215,3 +215,23 @@ def test_load_model_bfloat16(tmp_path):
     assert model.params["embed"].dtype == jax.numpy.bfloat16
     out = js.generate(model, [[1, 2, 3]], sampling=js.SamplingParams(max_new_tokens=4), engine=engine(16, 4))
     assert len(out.token_ids[0]) == 4
+
+
+def test_live_kv_buckets_equal_full_width_and_stop_compiling(tiny_target):
+    """With a small ``min_kv_bucket`` each call attends over a page table cut to a power-of-two
+    bucket of the live context: the output equals full-width attention, several buckets are
+    compiled on the way, and a second run of the same shapes compiles nothing new."""
+    draft = standalone_draft(tiny_target)
+    spec = js.SpecConfig.chain(1)
+    sampling = js.SamplingParams(max_new_tokens=64)
+    prompts = [[11, 22, 33, 44, 55]]
+    full = js.generate(tiny_target, prompts, draft=draft, spec=spec, sampling=sampling,
+                       engine=engine(4, 1, steps_per_call=2))
+    before = compiled_programs()
+    small = engine(4, 1, steps_per_call=2, min_kv_bucket=8)
+    live = js.generate(tiny_target, prompts, draft=draft, spec=spec, sampling=sampling, engine=small)
+    assert live.token_ids == full.token_ids
+    assert compiled_programs()["decode"] - before["decode"] >= 3  # 4, 8, 16 (and 32) pages
+    after = compiled_programs()
+    js.generate(tiny_target, [[12, 23, 34, 45, 56]], draft=draft, spec=spec, sampling=sampling, engine=small)
+    assert compiled_programs() == after

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import zlib
 
 import jax
@@ -188,7 +189,14 @@ def test_kv_move_in_place_under_jit_with_donation():
     buffers = random_buffers(rng, "mha", 2, N, jnp.float32)
     want = kv_move_reference(buffers, jnp.asarray(src), jnp.asarray(dst))
     step = jax.jit(lambda bufs, s, d: kv_move(bufs, s, d, implementation="pallas"), donate_argnums=0)
-    got = step(tuple(jnp.array(b) for b in buffers), jnp.asarray(src), jnp.asarray(dst))
+    donated = tuple(jnp.array(b) for b in buffers)
+    args = (jnp.asarray(src), jnp.asarray(dst))
+    # The pool buffers are aliased to the outputs (updated in place, no copy of the pool) ...
+    aliases = re.search(r"input_output_alias=\{([^\n]*)\}", step.lower(donated, *args).compile().as_text())
+    assert aliases and all(f"({i}, {{}}" in aliases.group(1) for i in range(len(buffers))), aliases
+    got = step(donated, *args)
+    # ... so the donated inputs are gone after the call.
+    assert all(b.is_deleted() for b in donated)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
