@@ -21,8 +21,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
+
+from jaxspec.mesh import MODEL
+from jaxspec.model.io.checkpoint import CheckpointError
 
 LINEAR = (1, 0)  # nn.Linear [out, in] -> ours [in, out]
 
@@ -42,6 +47,12 @@ class Param:
       layers: checkpoint layer indices stacked on our leading axis (None: not stacked).
       experts: experts stacked on the next axis (None: no expert axis).
       dtype: a fixed dtype (e.g. "float32" for a router bias) instead of the model's.
+      tp: how tensor parallelism splits it over the mesh's ``model`` axis: the axis of ``shape``
+        that is split (column-parallel weights: the output axis, row-parallel: the input axis,
+        the vocabulary axis of the embedding and head), "experts" for the expert axis, None to
+        replicate.
+      repeat: each checkpoint head (``unit`` rows of its first axis) appears ``repeat`` times in
+        ours: KV heads replicated when the model axis has more shards than KV heads.
     """
 
     path: str
@@ -52,6 +63,9 @@ class Param:
     layers: tuple[int, ...] | None = None
     experts: int | None = None
     dtype: str | None = None
+    tp: int | str | None = None
+    repeat: int = 1
+    unit: int = 0
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -65,19 +79,25 @@ class Param:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        if self.perm is None:
-            return tuple(self.shape)
-        out = [0] * len(self.shape)
-        for ours, theirs in enumerate(self.perm):
-            out[theirs] = self.shape[ours]
+        out = list(self.shape)
+        if self.perm is not None:
+            for ours, theirs in enumerate(self.perm):
+                out[theirs] = self.shape[ours]
+        out[0] //= self.repeat
         return tuple(out)
 
     def from_hf(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if self.repeat > 1:  # [heads * unit, ...] -> [heads * repeat * unit, ...]
+            heads = x.reshape((-1, self.unit) + x.shape[1:])
+            x = np.repeat(heads, self.repeat, axis=0).reshape((-1,) + x.shape[1:])
         return (x if self.perm is None else np.transpose(x, self.perm),)
 
     def to_hf(self, *ours: np.ndarray) -> np.ndarray:
         (x,) = ours
-        return x if self.perm is None else np.transpose(x, np.argsort(self.perm))
+        x = x if self.perm is None else np.transpose(x, np.argsort(self.perm))
+        if self.repeat > 1:  # keep one copy of each repeated head
+            x = x.reshape((-1, self.repeat, self.unit) + x.shape[1:])[:, 0].reshape((-1,) + x.shape[1:])
+        return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +114,7 @@ class SplitParam:
     layers: tuple[int, ...] | None = None
     experts: int | None = None
     dtype: str | None = None
+    tp: int | str | None = None  # as ``Param.tp``, for every part
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -181,20 +202,113 @@ def param_shapes(table: Table, dtype) -> dict:
     return out
 
 
-def load_params(table: Table, ckpt, dtype, *, progress: bool = False, desc: str = "loading") -> dict:
-    """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our
-    layout, cast to ``dtype``. Each stacked array is filled in place, one checkpoint tensor at a
-    time. Raises ``CheckpointError`` naming a missing or misshaped tensor."""
+def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple[int, int] | None = None,
+                progress: bool = False, desc: str = "loading") -> dict:
+    """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our layout.
+
+    Streaming: each checkpoint tensor goes from its memory map to the device on its own; the
+    cast to ``dtype`` and any transpose run on the device, and a stacked array is filled in place
+    (donated) one layer at a time, so the host holds one tensor at a time. ``sharding_of(path)``
+    gives each array's sharding (None: the default device). A float8 tensor with a
+    ``<name>_scale_inv`` block scale (``fp8_block`` rows x cols per scale) is dequantized on the
+    device, per tensor, into ``dtype``. Raises ``CheckpointError`` naming a missing or misshaped
+    tensor."""
     out: dict = {}
     for e in tqdm(table, desc=desc, disable=not progress, leave=False):
-        dt = np.dtype(e.dtype) if e.dtype else np.dtype(dtype)
-        bufs = [np.empty(shape, dt) for _, shape in _shapes(e)]
+        dt = jnp.dtype(e.dtype) if e.dtype else jnp.dtype(dtype)
+        shapes = _shapes(e)
+        shards = [None if sharding_of is None else sharding_of(path) for path, _ in shapes]
+        stacked = e.layers is not None or e.experts is not None
+        bufs = [_zeros(shape, dt, sh) if stacked else None for (_, shape), sh in zip(shapes, shards)]
         for idx, name in _names(e):
-            for buf, part in zip(bufs, e.from_hf(ckpt.get(name, _hf_shape(e), dt))):
-                buf[idx] = part
-        for (path, _), buf in zip(_shapes(e), bufs):
-            _set(out, path, jnp.asarray(buf))
+            raw = ckpt.read(name, _hf_shape(e))
+            scale = _fp8_scale(ckpt, name, raw, fp8_block)
+            if isinstance(e, SplitParam):
+                x = np.asarray(raw) if scale is None else _dequantize_host(raw, scale, fp8_block)
+                parts, how, scale = e.from_hf(x), _Layout(), None
+            else:
+                parts, how = (raw,), _Layout(e.perm, e.repeat, e.unit, None if scale is None else fp8_block)
+            for k, part in enumerate(parts):
+                if stacked:
+                    bufs[k] = _write(bufs[k], part, scale, np.asarray(idx, np.int32), how)
+                else:
+                    bufs[k] = _place(part, scale, how, dt, shards[k])
+            del raw, parts
+        for (path, _), buf in zip(shapes, bufs):
+            _set(out, path, buf)
     return out
+
+
+def _zeros(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+
+def _fp8_scale(ckpt, name: str, raw, block):
+    """The block scale of a float8 tensor (``<name>_scale_inv``), None for other dtypes."""
+    if raw.dtype not in FP8_DTYPES:
+        return None
+    scale_name = name + "_scale_inv"
+    if block is None or scale_name not in ckpt:
+        raise CheckpointError(
+            f"{ckpt.path}: tensor {name!r} is {raw.dtype} but the checkpoint has no "
+            f"{'quantization_config weight_block_size' if block is None else repr(scale_name)} to dequantize it"
+        )
+    rows, cols = raw.shape[-2:]
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    return ckpt.read(scale_name, raw.shape[:-2] + want)
+
+
+def _expand_blocks(scale, shape, block, xp):
+    """A [..., ceil(r/br), ceil(c/bc)] block scale repeated to [..., r, c]."""
+    full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
+
+
+def _dequantize_host(x, scale, block) -> np.ndarray:
+    xf = np.asarray(x).astype(np.float32)
+    return xf * _expand_blocks(np.asarray(scale, np.float32), xf.shape, block, np)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a checkpoint tensor becomes ours on the device: block-scaled FP8 dequantized
+    (``fp8_block``), heads repeated (``Param.repeat / unit``), axes permuted (``Param.perm``)."""
+
+    perm: tuple[int, ...] | None = None
+    repeat: int = 1
+    unit: int = 0
+    fp8_block: tuple[int, int] | None = None
+
+    def __call__(self, x, scale):
+        if self.fp8_block is not None:
+            x = x.astype(jnp.float32) * _expand_blocks(scale.astype(jnp.float32), x.shape, self.fp8_block, jnp)
+        if self.repeat > 1:
+            heads = x.reshape((-1, self.unit) + x.shape[1:])
+            x = jnp.repeat(heads, self.repeat, axis=0).reshape((-1,) + x.shape[1:])
+        return x if self.perm is None else jnp.transpose(x, self.perm)
+
+
+def _zeros(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, static_argnames=("how", "dtype", "sharding"))
+def _place(x, scale, how: _Layout, dtype, sharding):
+    x = how(x, scale).astype(dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("how",), donate_argnums=0)
+def _write(buf, x, scale, index, how: _Layout):  # buf [*lead, *shape]; x one checkpoint tensor; index i32[len(lead)]
+    x = how(x, scale).astype(buf.dtype)
+    lead = index.shape[0]
+    if x.shape != buf.shape[lead:]:  # (a trace-time check: a smaller update would write silently)
+        raise ValueError(f"a checkpoint tensor becomes {x.shape}, its place is {buf.shape[lead:]}")
+    start = tuple(index[i] for i in range(lead)) + (0,) * x.ndim
+    return jax.lax.dynamic_update_slice(buf, x.reshape((1,) * lead + x.shape), start)
 
 
 def export_params(table: Table, params: dict, dtype) -> dict[str, np.ndarray]:
@@ -247,3 +361,47 @@ def init_params(table: Table, seed, *, scale: float = 0.02, dtype=np.float32, on
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _device_normal(key, shape, dtype, scale):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def partition_specs(table: Table, model_axis: str | None) -> dict[str, tuple]:
+    """{path: partition spec (a tuple of axis names) of the stacked array} for tensor parallelism
+    over ``model_axis`` (None: everything replicated)."""
+    out = {}
+    for e in table:
+        for path, shape in _shapes(e):
+            lead = (0 if e.layers is None else 1) + (0 if e.experts is None else 1)
+            spec = [None] * len(shape)
+            if model_axis is not None and e.tp is not None:
+                if e.tp == "experts":
+                    spec[lead - 1 if e.experts is not None else lead] = model_axis
+                else:
+                    spec[lead + e.tp] = model_axis
+            out[path] = tuple(spec)
+    return out
+
+
+def check_divisible(table: Table, shards: int, where: str) -> None:
+    """Every split axis divides evenly over ``shards`` (else a ValueError naming the tensor)."""
+    for e in table:
+        for path, shape in _shapes(e):
+            spec = partition_specs([e], "model")[path]
+            for axis, name in enumerate(spec):
+                if name is not None and shape[axis] % shards:
+                    raise ValueError(
+                        f"{where}: {path} of shape {shape} cannot be split over a model axis of {shards}: "
+                        f"axis {axis} ({shape[axis]}) is not a multiple of {shards}"
+                    )
+
+
+def replicated(entries: Sequence[Entry]) -> list[Entry]:
+    """The same entries, never split (small heads kept whole on every shard)."""
+    return [dataclasses.replace(e, tp=None) for e in entries]
+
+
+def shardings_for(table, mesh, split: bool):
+    """``sharding_of(path)`` for ``load_params``: the table's tensor-parallel layout over the
+    mesh's model axis (``split``), or every array replicated on the mesh; None without a mesh."""
+    if mesh is None:
+        return None
+    specs = partition_specs(table, MODEL if split else None)
+    return lambda path: NamedSharding(mesh, PartitionSpec(*specs[path]))
