@@ -46,6 +46,8 @@ class AttentionBlocks:
       kv_splits: programs that share one (request, KV head, row block) along the prefix
         (flash-decoding); their partial results are merged outside the kernel.
       num_warps, num_stages: Triton launch parameters.
+      reload_q: (MLA) re-read the query tile from global memory (L2) for every KV tile
+        instead of holding it in registers across the loop (see ``mla_attention``).
     """
 
     block_m: int
@@ -54,6 +56,7 @@ class AttentionBlocks:
     kv_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    reload_q: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_w"):
@@ -62,6 +65,17 @@ class AttentionBlocks:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.kv_splits < 1:
             raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def split_kv(*, programs: int, max_kv_len: int, block_k: int, interpret: bool) -> int:
+    """KV splits (flash-decoding) for a launch of ``programs`` programs: when too few to fill
+    the GPU (decode / verify at small batch), split the prefix across programs, as long as
+    each split keeps a few KV blocks. Interpret mode keeps one (the CPU runs programs in turn)."""
+    if interpret or programs >= _TARGET_PROGRAMS:
+        return 1
+    want = -(-_TARGET_PROGRAMS // programs)
+    max_blocks = -(-max_kv_len // block_k)
+    return _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
 
 
 def attention_blocks(
@@ -80,15 +94,8 @@ def attention_blocks(
     block_k = 64 if d_pad <= 128 else 32
     block_w = _clamp(next_pow2(block_width), 16, block_k)
     num_warps = 8 if block_m * d_pad >= 128 * 64 else 4
-    kv_splits = 1
-    if not interpret:
-        # Too few programs to fill the GPU (decode / verify at small batch): split the
-        # prefix across programs, as long as each split keeps a few KV blocks.
-        programs = batch * kv_heads * -(-rows // block_m)
-        max_blocks = -(-max_kv_len // block_k)
-        if programs < _TARGET_PROGRAMS:
-            want = -(-_TARGET_PROGRAMS // programs)
-            kv_splits = _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
+    programs = batch * kv_heads * -(-rows // block_m)
+    kv_splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=block_k, interpret=interpret)
     return AttentionBlocks(block_m=block_m, block_k=block_k, block_w=block_w, kv_splits=kv_splits,
                            num_warps=num_warps, num_stages=2)
 

@@ -7,7 +7,8 @@ state. One op gathers all four with a single index vector instead of four gather
 Pallas kernel (Triton): one ``pallas_call`` (one launch) with grid
 ``(row blocks, hidden column blocks)``. Every program gathers its rows' hidden columns; the
 programs of the first column block also gather ``topk_p``, ``topk_index`` and the token.
-Indices are clamped to ``[0, N)`` (the rows the engine asks for are always in range).
+Row indices are clamped to ``[0, N)`` (the rows the engine asks for are always in range);
+column indices are never clamped (see ``triton_common``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import dispatch
-from jaxspec.pallas.triton_common import whole
+from jaxspec.pallas.triton_common import columns, tile_mask, whole
 from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks, next_pow2
 
 
@@ -60,26 +61,22 @@ def _gather_kernel(
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        kp = next_pow2(K)
-        k = jnp.arange(kp, dtype=jnp.int32)  # [Kp]
-        k_ok = k < K
-        m2 = row_ok[:, None] & k_ok[None, :]  # [br, Kp]
-        k_in = jnp.where(k_ok, k, 0)[None, :]
-        k_st = jnp.where(k_ok, k, K)[None, :]
-        p = plgpu.load(topk_p_ref.at[src[:, None], k_in], mask=m2, other=0)  # [br, Kp]
-        plgpu.store(p_out.at[r_store[:, None], k_st], p, mask=m2)
-        ix = plgpu.load(topk_index_ref.at[src[:, None], k_in], mask=m2, other=0)  # [br, Kp]
-        plgpu.store(i_out.at[r_store[:, None], k_st], ix, mask=m2)
+        k, k_ok = columns(K, next_pow2(K))  # [Kp]
+        m2 = tile_mask(row_ok, k, k_ok)  # [br, Kp]
+        p = plgpu.load(topk_p_ref.at[src[:, None], k[None, :]], mask=m2, other=0)  # [br, Kp]
+        plgpu.store(p_out.at[r_store[:, None], k[None, :]], p, mask=m2)
+        ix = plgpu.load(topk_index_ref.at[src[:, None], k[None, :]], mask=m2, other=0)  # [br, Kp]
+        plgpu.store(i_out.at[r_store[:, None], k[None, :]], ix, mask=m2)
         tok = plgpu.load(tokens_ref.at[src], mask=row_ok, other=0)  # [br]
         plgpu.store(t_out.at[r_store], tok, mask=row_ok)
 
     if has_hidden:
         Hd = hidden_ref.shape[1]
+        # Unclamped columns (vector loads and stores); masked only when a block overhangs the row.
         c = pl.program_id(1) * block_hidden + jnp.arange(block_hidden, dtype=jnp.int32)  # [bh]
-        c_ok = c < Hd
-        m2 = row_ok[:, None] & c_ok[None, :]  # [br, bh]
-        h = plgpu.load(hidden_ref.at[src[:, None], jnp.where(c_ok, c, 0)[None, :]], mask=m2, other=0)
-        plgpu.store(h_out.at[r_store[:, None], jnp.where(c_ok, c, Hd)[None, :]], h, mask=m2)
+        m2 = tile_mask(row_ok, c, None if Hd % block_hidden == 0 else c < Hd)  # [br, bh]
+        h = plgpu.load(hidden_ref.at[src[:, None], c[None, :]], mask=m2, other=0)  # [br, bh]
+        plgpu.store(h_out.at[r_store[:, None], c[None, :]], h, mask=m2)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))

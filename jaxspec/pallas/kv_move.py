@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import dispatch
-from jaxspec.pallas.triton_common import whole
+from jaxspec.pallas.triton_common import tile_mask, whole
 from jaxspec.pallas.block_sizes import MoveBlocks, move_blocks
 
 
@@ -109,18 +109,18 @@ def _kv_move_kernel(
 
             @pl.when(col_block < nblocks)
             def _():
+                # Unclamped columns (16-byte vector loads and stores); a mask only when the
+                # last column block overhangs the row.
                 cols = col_block * cb + jnp.arange(cb, dtype=jnp.int32)  # [Cb]
-                col_ok = cols < width
-                mask = move[:, None] & col_ok[None, :]  # [R, Cb]
+                mask = tile_mask(move, cols, None if width % cb == 0 else cols < width)  # [R, Cb]
                 # Read from the aliased output: on the GPU it is the same memory as the input,
                 # and in interpret mode it holds every earlier program's writes.
-                rows = plgpu.load(ref.at[src_row[:, None], jnp.where(col_ok, cols, 0)[None, :]],
-                                  mask=mask, other=0)  # [R, Cb]
+                rows = plgpu.load(ref.at[src_row[:, None], cols[None, :]], mask=mask, other=0)  # [R, Cb]
                 if not interpret:
                     # Every thread of the CTA has its sources in registers before any target is
                     # written (a target may be another thread's source).
                     plgpu.debug_barrier()
-                plgpu.store(ref.at[dst_row[:, None], jnp.where(col_ok, cols, width)[None, :]], rows, mask=mask)
+                plgpu.store(ref.at[dst_row[:, None], cols[None, :]], rows, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
