@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas import dispatch
+from jaxspec.pallas import block_table, dispatch
 from jaxspec.pallas.triton_common import columns, tile_mask, whole
 from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks, next_pow2
 
@@ -119,13 +119,15 @@ def gather_spec_extras_pallas(
     if R == 0:
         return gather_spec_extras_reference(index, topk_p, topk_index, tokens, hidden)
     if blocks is None:
-        blocks = gather_blocks(num_rows=R, hidden_width=0 if hidden is None else hidden.shape[1])
+        blocks = gather_blocks(num_rows=R, hidden_width=0 if hidden is None else hidden.shape[1],
+                               **block_table.copy_overrides("gather_spec_extras", gpu=dispatch.gpu_kind(),
+                                                            interpret=interpret))
     return _gather_call(index.astype(jnp.int32), topk_p, topk_index, tokens, hidden,
                         blocks=blocks, interpret=interpret)
 
 
 def gather_spec_extras(index, topk_p, topk_index, tokens, hidden=None, *, implementation=None):
     """Rows ``index`` of (topk_p, topk_index, tokens, hidden); ``hidden`` may be None."""
-    if dispatch.resolve(implementation) == "pallas":
+    if dispatch.choose("gather_spec_extras", implementation, shape_class="gather_spec_extras") == "pallas":
         return gather_spec_extras_pallas(index, topk_p, topk_index, tokens, hidden, interpret=dispatch.interpret_mode())
     return gather_spec_extras_reference(index, topk_p, topk_index, tokens, hidden)

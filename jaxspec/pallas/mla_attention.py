@@ -22,7 +22,6 @@ follows ``block_mask`` (or is causal over the T rows when ``block_mask`` is None
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -32,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.pallas import dispatch
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2, split_kv
+from jaxspec.pallas import block_table, dispatch
+from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2
 from jaxspec.pallas.paged_attention import visible_mask
 from jaxspec.pallas.triton_common import (
     AttentionGeometry, MASK_VALUE, columns, init_carry, kv_slots, merge_splits, online_softmax_step, program_rows,
@@ -72,6 +71,44 @@ def mla_attention_reference(
     return o.astype(q_latent.dtype)
 
 
+def mla_attention_xla(
+    q_latent: jax.Array,  # [B, T, Hq, C]
+    q_rope: jax.Array,  # [B, T, Hq, R]
+    kv_pool: jax.Array,  # [L, N, C + R]
+    layer: jax.Array,  # i32[]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # bool[B, T, Wb] | None (causal)
+    *,
+    page_size: int,
+    sm_scale: float,
+) -> jax.Array:  # [B, T, Hq, C], q_latent.dtype
+    """The XLA path users run (CPU default, GPU fallback), lean where the reference is exact.
+
+    It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
+    to the live context's bucket) in the pool's dtype, never copied to f32 nor split: the
+    scores are one matmul of ``[q_latent | q_rope]`` against the whole ``[c | k_rope]`` row,
+    and the weighted sum runs over the whole row too, its rope columns dropped from the
+    (small) output instead of slicing the (large) gathered latent. Both matmuls accumulate in
+    f32; float32 pools keep HIGHEST precision, so float32 runs stay exact.
+    """
+    B, T, Hq, C = q_latent.shape
+    kv_len = page_table.shape[1] * page_size
+    dt = kv_pool.dtype
+    precision = _HIGHEST if dt == jnp.float32 else None
+    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
+    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    kv = kv_pool[layer, slots]  # [B, K, C + R], pool dtype
+    q = jnp.concatenate([q_latent.astype(dt), q_rope.astype(dt)], axis=-1)  # [B, T, Hq, C + R]
+    s = jnp.einsum("bthc,bkc->bhtk", q, kv, precision=precision, preferred_element_type=jnp.float32)
+    mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
+    s = jnp.where(mask[:, None], s * sm_scale, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)  # f32[B, Hq, T, K]
+    # [B, Hq, T, C + R] (canonical dot layout; see paged_attention_xla), transposed after.
+    o = jnp.einsum("bhtk,bkc->bhtc", p.astype(dt), kv, precision=precision, preferred_element_type=jnp.float32)
+    return o[..., :C].transpose(0, 2, 1, 3).astype(q_latent.dtype)
+
+
 # --------------------------------------------------------------------------- Pallas kernel
 #
 # MLA is MQA over one shared KV row per token: the anatomy of the paged-attention kernel
@@ -89,9 +126,10 @@ def mla_attention_reference(
 # mma.sync operand holds 16 rows x the whole contraction per warp, so the [bm, 512] query
 # kept across the loop costs another 128. At DeepSeek-V3 shapes (128 heads) that spilled
 # ~1 KB per thread (block_m = 64, compiled for sm_90a by Triton 3.6). What compiles without
-# spills here: block_m = 32 rows (8 warps), and the queries re-read from global memory
-# (L2) per KV tile instead of held in registers across the loop (``reload_q``): their live
-# range ends at the score matmul, before the value matmul needs its registers. The cost is
+# spills here: block_m = 32 rows (8 warps), block_k = 16, and the queries re-read from
+# global memory (L2) per KV tile instead of held in registers across the loop (``reload_q``):
+# their live range ends at the score matmul, before the value matmul needs its registers
+# (block_k = 32 also compiles without spills, at 253-255 registers: no margin). The cost is
 # that a request's latent KV is streamed by T * Hq / 32 programs (4 for decode at 128
 # heads) instead of one. That is inherent in this design: one program owning all 128 heads
 # would need a 128 x 512 f32 accumulator (256 KB), more than a CTA's registers or shared
@@ -210,21 +248,6 @@ def _mla_call(
     return merge_splits(out, (B, T, Hq, C), q_latent.dtype)
 
 
-def mla_blocks(*, batch: int, rows: int, block_width: int, latent_dim: int, max_kv_len: int,
-               interpret: bool) -> AttentionBlocks:
-    """Heuristic tiles: those of the paged-attention kernel for one KV head of width C, and for
-    a wide latent (DeepSeek-V3: 512) the spill-free configuration of the kernel notes above."""
-    blocks = attention_blocks(batch=batch, kv_heads=1, rows=rows, block_width=block_width, head_dim=latent_dim,
-                              max_kv_len=max_kv_len, interpret=interpret)
-    if next_pow2(latent_dim) < 256:
-        return blocks
-    # 32 rows x 512 over 8 warps: 64 accumulator registers per thread, queries re-read per tile.
-    block_m = min(blocks.block_m, 32)
-    splits = split_kv(programs=batch * -(-rows // block_m), max_kv_len=max_kv_len, block_k=32, interpret=interpret)
-    return dataclasses.replace(blocks, block_m=block_m, block_k=32, kv_splits=splits, num_warps=8, num_stages=2,
-                               reload_q=True)
-
-
 def mla_attention_pallas(
     q_latent: jax.Array,  # [B, T, Hq, C]
     q_rope: jax.Array,  # [B, T, Hq, R]
@@ -239,16 +262,17 @@ def mla_attention_pallas(
     interpret: bool,
     blocks: AttentionBlocks | None = None,
 ) -> jax.Array:  # [B, T, Hq, C], q_latent.dtype
-    """Pallas path of :func:`mla_attention` (see the kernel notes above)."""
+    """Pallas path of :func:`mla_attention` (see the kernel notes above). ``blocks=None``:
+    the block table's entry for this GPU kind and shape class, else the heuristics."""
     _check_inputs(q_latent, q_rope, kv_pool, page_table, prefix_lens, block_mask)
+    if reason := _unsupported(kv_pool):
+        raise NotImplementedError(f"mla_attention: {reason}")
     B, T, Hq, C = q_latent.shape
-    L, N, _ = kv_pool.shape
-    if L * N >= 2**31:
-        raise NotImplementedError(f"pool rows L*N = {L * N} overflow the kernel's int32 row index")
     if blocks is None:
-        blocks = mla_blocks(
-            batch=B, rows=T * Hq, block_width=T if block_mask is None else block_mask.shape[2],
-            latent_dim=C, max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
+        blocks = block_table.attention_blocks_for(
+            _shape_class(q_latent, block_mask, page_size), gpu=dispatch.gpu_kind(), batch=B, kv_heads=1,
+            rows=T * Hq, block_width=T if block_mask is None else block_mask.shape[2], head_dim=C,
+            max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
         )
     dt = kv_pool.dtype  # queries take the pool's dtype (the pool is never copied)
     o = _mla_call(
@@ -273,13 +297,31 @@ def mla_attention(
     sm_scale: float,
     implementation: str | None = None,
 ) -> jax.Array:  # [B, T, Hq, C]
-    """Absorbed MLA of T query rows per request over its paged latent KV (module docstring)."""
-    if dispatch.resolve(implementation) == "pallas":
-        return mla_attention_pallas(
-            q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask,
-            page_size=page_size, sm_scale=sm_scale, interpret=dispatch.interpret_mode(),
-        )
-    return mla_attention_reference(
-        q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask,
-        page_size=page_size, sm_scale=sm_scale,
-    )
+    """Absorbed MLA of T query rows per request over its paged latent KV (module docstring).
+
+    ``implementation``: "pallas", "xla" (the lean :func:`mla_attention_xla`), None (Pallas on
+    a GPU where the kernel takes the shape, else XLA) or a mapping op name -> those.
+    """
+    _check_inputs(q_latent, q_rope, kv_pool, page_table, prefix_lens, block_mask)
+    impl = dispatch.choose("mla_attention", implementation,
+                           shape_class=_shape_class(q_latent, block_mask, page_size), unsupported=_unsupported(kv_pool))
+    fn = mla_attention_xla
+    if impl == "pallas":
+        fn = functools.partial(mla_attention_pallas, interpret=dispatch.interpret_mode())
+    return fn(q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask, page_size=page_size,
+              sm_scale=sm_scale)
+
+
+def _shape_class(q_latent, block_mask, page_size: int) -> str:
+    T = q_latent.shape[1]
+    phase = block_table.attention_phase(rows=T, block_width=T if block_mask is None else block_mask.shape[2],
+                                        causal=block_mask is None)
+    return block_table.attention_class("mla_attention", phase=phase, head_dim=q_latent.shape[3], page_size=page_size)
+
+
+def _unsupported(kv_pool) -> str | None:
+    """Why the kernel cannot take this pool, or None."""
+    L, N, _ = kv_pool.shape
+    if L * N >= 2**31:
+        return f"pool rows L*N = {L * N} overflow the kernel's int32 row index"
+    return None

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.pallas import dispatch
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
+from jaxspec.pallas import block_table, dispatch
+from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2
 from jaxspec.pallas.triton_common import (
     AttentionGeometry, MASK_VALUE, columns, init_carry, kv_slots, merge_splits, online_softmax_step, program_rows,
     split_out_shapes, stream_kv, store_attention, tile_mask, whole,
@@ -84,6 +84,48 @@ def paged_attention_reference(
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
+def paged_attention_xla(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pool: jax.Array,  # [L, N, Hkv, D]
+    v_pool: jax.Array,  # [L, N, Hkv, D]
+    layer: jax.Array,  # i32[]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # bool[B, T, Wb] | None
+    *,
+    page_size: int,
+    sm_scale: float,
+) -> jax.Array:  # [B, T, Hq, D], q.dtype
+    """The XLA path users run (CPU default, GPU fallback), lean where the reference is exact.
+
+    It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
+    to a power-of-two bucket of the live context), in the pool's dtype: the gathered K/V are
+    never copied to f32, and both matmuls accumulate in f32 (``preferred_element_type``) at
+    the default precision. The softmax runs in f32; its weights enter P @ V in the pool dtype
+    (as in the kernel). Float32 pools keep HIGHEST precision, so float32 runs stay exact.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    G = Hq // Hkv
+    kv_len = page_table.shape[1] * page_size
+    dt = k_pool.dtype
+    precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
+    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    k = k_pool[layer, slots]  # [B, K, Hkv, D], pool dtype
+    v = v_pool[layer, slots]
+    qg = q.astype(dt).reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("bthgd,bkhd->bhgtk", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
+    s = jnp.where(mask[:, None, None], s * sm_scale, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)  # f32[B, Hkv, G, T, K]
+    # Output [B, Hkv, G, T, D] (batch, rows, columns: the canonical dot layout), transposed
+    # after: XLA:CPU runs a bf16 x bf16 -> f32 dot only in that layout (asked for [B, T, ...]
+    # directly, it swaps the operands and fails with "Unsupported element type for DotThunk").
+    o = jnp.einsum("bhgtk,bkhd->bhgtd", p.astype(dt), v, precision=precision, preferred_element_type=jnp.float32)
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+
+
 # --------------------------------------------------------------------------- Pallas kernel
 #
 # Grid (row blocks, Hkv, B[, kv_splits]); the row-block axis varies fastest, so the programs
@@ -111,6 +153,7 @@ def _attention_kernel(
     head_dim: int,  # D
     d_pad: int,
     sm_scale: float,
+    reload_q: bool,
 ):
     # Every array is flat in its leading axes (row-major, free to reshape outside): one row
     # index per element keeps the pointer math explicit and the interpreted program small.
@@ -124,8 +167,13 @@ def _attention_kernel(
     split = pl.program_id(3) if g.kv_splits > 1 else 0
     rows = program_rows(g, b, h, i)
     d, d_ok = columns(head_dim, d_pad)  # [Dp]
-    q = plgpu.load(q_ref.at[rows.q_row[:, None], d[None, :]], mask=tile_mask(rows.ok, d, d_ok), other=0)  # [bm, Dp]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    q_mask = tile_mask(rows.ok, d, d_ok)
+
+    def load_q():  # [bm, Dp]
+        return plgpu.load(q_ref.at[rows.q_row[:, None], d[None, :]], mask=q_mask, other=0)
+
+    q_held = None if reload_q else load_q()
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     kv_base = layer_ref[0] * g.num_slots  # first pool row of this layer
 
     def attend(carry, pos, load_ok, allowed):
@@ -133,6 +181,7 @@ def _attention_kernel(
         kv_mask = tile_mask(load_ok, d, d_ok)  # [bk, Dp]
         k = plgpu.load(k_ref.at[kv_row[:, None], d[None, :]], mask=kv_mask, other=0)  # [bk, Dp]
         v = plgpu.load(v_ref.at[kv_row[:, None], d[None, :]], mask=kv_mask, other=0)  # [bk, Dp]
+        q = load_q() if reload_q else q_held  # see AttentionBlocks.reload_q
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[bm, bk]
         return online_softmax_step(carry, s, allowed,
                                    lambda p: plgpu.dot(p.astype(v.dtype), v, precision=precision))
@@ -183,7 +232,7 @@ def _attention_call(
     )
     grid = (pl.cdiv(T * G, blocks.block_m), Hkv, B) + ((S,) if S > 1 else ())
     kernel = functools.partial(_attention_kernel, geometry=geometry, kv_heads=Hkv, head_dim=D,
-                               d_pad=max(16, next_pow2(D)), sm_scale=sm_scale)
+                               d_pad=max(16, next_pow2(D)), sm_scale=sm_scale, reload_q=blocks.reload_q)
     # Flat views (free reshapes of contiguous arrays).
     ins = (layer, prefix_lens, page_table.reshape(B * W))
     ins += () if causal else (block_mask.reshape(-1),)
@@ -216,16 +265,17 @@ def paged_attention_pallas(
     interpret: bool,
     blocks: AttentionBlocks | None = None,
 ) -> jax.Array:  # [B, T, Hq, D], q.dtype
-    """Pallas path of :func:`paged_attention` (see the kernel notes above)."""
+    """Pallas path of :func:`paged_attention` (see the kernel notes above). ``blocks=None``:
+    the block table's entry for this GPU kind and shape class, else the heuristics."""
     _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask)
+    if reason := _unsupported(k_pool):
+        raise NotImplementedError(f"paged_attention: {reason}")
     B, T, Hq, D = q.shape
-    L, N, Hkv, _ = k_pool.shape
-    if L * N * Hkv >= 2**31:
-        raise NotImplementedError(f"pool rows L*N*Hkv = {L * N * Hkv} overflow the kernel's int32 row index")
+    Hkv = k_pool.shape[2]
     if blocks is None:
-        blocks = attention_blocks(
-            batch=B, kv_heads=Hkv, rows=T * (Hq // Hkv),
-            block_width=T if block_mask is None else block_mask.shape[2], head_dim=D,
+        blocks = block_table.attention_blocks_for(
+            _shape_class(q, block_mask, page_size), gpu=dispatch.gpu_kind(), batch=B, kv_heads=Hkv,
+            rows=T * (Hq // Hkv), block_width=T if block_mask is None else block_mask.shape[2], head_dim=D,
             max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
         )
     return _attention_call(
@@ -248,13 +298,31 @@ def paged_attention(
     sm_scale: float,
     implementation: str | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Attention of T query rows per request over its paged KV (see the module docstring)."""
-    if dispatch.resolve(implementation) == "pallas":
-        return paged_attention_pallas(
-            q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask,
-            page_size=page_size, sm_scale=sm_scale, interpret=dispatch.interpret_mode(),
-        )
-    return paged_attention_reference(
-        q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask,
-        page_size=page_size, sm_scale=sm_scale,
-    )
+    """Attention of T query rows per request over its paged KV (see the module docstring).
+
+    ``implementation``: "pallas", "xla" (the lean :func:`paged_attention_xla`), None (Pallas
+    on a GPU where the kernel takes the shape, else XLA) or a mapping op name -> those
+    (``jaxspec.pallas.dispatch``).
+    """
+    _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask)
+    impl = dispatch.choose("paged_attention", implementation, shape_class=_shape_class(q, block_mask, page_size),
+                           unsupported=_unsupported(k_pool))
+    fn = paged_attention_xla
+    if impl == "pallas":
+        fn = functools.partial(paged_attention_pallas, interpret=dispatch.interpret_mode())
+    return fn(q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask, page_size=page_size, sm_scale=sm_scale)
+
+
+def _shape_class(q, block_mask, page_size: int) -> str:
+    T = q.shape[1]
+    phase = block_table.attention_phase(rows=T, block_width=T if block_mask is None else block_mask.shape[2],
+                                        causal=block_mask is None)
+    return block_table.attention_class("paged_attention", phase=phase, head_dim=q.shape[3], page_size=page_size)
+
+
+def _unsupported(k_pool) -> str | None:
+    """Why the kernel cannot take this pool, or None."""
+    L, N, Hkv, _ = k_pool.shape
+    if L * N * Hkv >= 2**31:
+        return f"pool rows L*N*Hkv = {L * N * Hkv} overflow the kernel's int32 row index"
+    return None
