@@ -1,8 +1,9 @@
 """Realistic shapes at which every Pallas kernel is compiled for an H100 (table-driven).
 
 Each :class:`CompileCase` builds a function that calls one kernel natively (``interpret=False``)
-and the abstract arguments for it (``jax.ShapeDtypeStruct``: nothing is allocated), with the
-block sizes the GPU would use (the H100 entry of the block table). The CPU test
+and the abstract arguments for it (``jax.ShapeDtypeStruct``: nothing is allocated). Compiled
+under ``triton_compile.as_if_h100`` the kernels take the block sizes an H100 would use (its
+entries in the block table, else the heuristics). The CPU test
 ``tests/pallas/test_triton_compile.py`` and ``scripts/triton_report.py`` run the same table
 through :mod:`jaxspec.pallas.triton_compile`. A new kernel or model family is one more row.
 
@@ -27,12 +28,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxspec.pallas import block_table
 from jaxspec.pallas.gather_extras import gather_spec_extras_pallas
 from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
 from jaxspec.pallas.paged_attention import paged_attention_pallas
 
-GPU = "h100"  # block-table entry the cases compile with
 _BF16 = jnp.bfloat16
 _I32 = jnp.int32
 
@@ -147,6 +148,15 @@ class CompileCase:
     reads_kv: bool = True
     must_pass: bool = True
     shape: AttentionShape | None = None
+
+    def shape_class(self) -> str:
+        """The block-table class of this launch (what dispatch and the table key on)."""
+        s = self.shape
+        if s is None:
+            return self.op
+        phase = block_table.attention_phase(rows=s.rows, block_width=s.block, causal=not s.mask)
+        return block_table.attention_class(self.op, phase=phase, head_dim=s.latent or s.head_dim,
+                                           page_size=s.page_size)
 
 
 def _attn(id_, s: AttentionShape, **kw) -> CompileCase:

@@ -98,14 +98,17 @@ class KernelReport:
 
 @contextlib.contextmanager
 def as_if_h100():
-    """Pallas-Triton lowering targets an H100 while inside (JAX's own description of it)."""
+    """Pallas-Triton lowering targets an H100 while inside (JAX's own description of it), and
+    the kernels take their block sizes from the H100 entries of the block table."""
     from jax._src.pallas.triton import gpu_info
+
+    from jaxspec.pallas import dispatch
 
     saved = gpu_info.get_gpu_info
     gpu_info.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)
     try:
-        with warnings.catch_warnings():  # JAX >= 0.11 flags the Triton backend as deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with warnings.catch_warnings(), dispatch.assume_gpu("h100"):
+            warnings.simplefilter("ignore", DeprecationWarning)  # JAX >= 0.11: the Triton backend is deprecated
             yield
     finally:
         gpu_info.get_gpu_info = saved
