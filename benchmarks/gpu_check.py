@@ -174,12 +174,8 @@ class SweepShape:
         return self.shape.kv_heads if self.op == "paged_attention" else 1
 
     def shape_class(self, args) -> str:
-        mask = args[6]
-        T = self.shape.nodes
-        phase = block_table.attention_phase(rows=T, block_width=T if mask is None else mask.shape[2],
-                                            causal=mask is None)
-        return block_table.attention_class(self.op, phase=phase, head_dim=self.head_dim,
-                                           page_size=self.shape.page_size)
+        return block_table.attention_class_of(self.op, rows=self.shape.nodes, block_mask=args[6],
+                                              head_dim=self.head_dim, page_size=self.shape.page_size)
 
     def run(self, blocks, interpret):
         fn = paged_attention_pallas if self.op == "paged_attention" else mla_attention_pallas

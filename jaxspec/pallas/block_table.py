@@ -52,6 +52,14 @@ def attention_class(op: str, *, phase: str, head_dim: int, page_size: int) -> st
     return f"{op}/{phase}/d{head_dim}/p{page_size}"
 
 
+def attention_class_of(op: str, *, rows: int, block_mask, head_dim: int, page_size: int) -> str:
+    """The class of an attention call with ``rows`` query rows and a block mask [B, T, Wb] (or
+    None: causal)."""
+    width = rows if block_mask is None else block_mask.shape[2]
+    phase = attention_phase(rows=rows, block_width=width, causal=block_mask is None)
+    return attention_class(op, phase=phase, head_dim=head_dim, page_size=page_size)
+
+
 @functools.cache
 def load_table(path: str | None = None) -> dict[str, Any]:
     with open(path or TABLE_PATH) as f:

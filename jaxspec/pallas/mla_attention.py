@@ -30,10 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import block_table, dispatch
 from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2
-from jaxspec.pallas.paged_attention import visible_mask
+from jaxspec.pallas.paged_attention import table_slots, visible_mask
 from jaxspec.pallas.triton_common import (
     AttentionGeometry, MASK_VALUE, columns, init_carry, kv_slots, merge_splits, online_softmax_step, program_rows,
     split_out_shapes, stream_kv, store_attention, tile_mask, whole,
@@ -57,8 +56,7 @@ def mla_attention_reference(
     """Pure-jnp MLA: gathers every position the page table covers, masks, softmax in f32."""
     B, T, Hq, C = q_latent.shape
     kv_len = page_table.shape[1] * page_size
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     kv = kv_pool[layer, slots].astype(jnp.float32)  # [B, K, C + R]
     c, k_rope = kv[..., :C], kv[..., C:]
     s = jnp.einsum("bthc,bkc->bhtk", q_latent.astype(jnp.float32), c, precision=_HIGHEST)
@@ -96,8 +94,7 @@ def mla_attention_xla(
     kv_len = page_table.shape[1] * page_size
     dt = kv_pool.dtype
     precision = _HIGHEST if dt == jnp.float32 else None
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     kv = kv_pool[layer, slots]  # [B, K, C + R], pool dtype
     q = jnp.concatenate([q_latent.astype(dt), q_rope.astype(dt)], axis=-1)  # [B, T, Hq, C + R]
     s = jnp.einsum("bthc,bkc->bhtk", q, kv, precision=precision, preferred_element_type=jnp.float32)
@@ -313,10 +310,8 @@ def mla_attention(
 
 
 def _shape_class(q_latent, block_mask, page_size: int) -> str:
-    T = q_latent.shape[1]
-    phase = block_table.attention_phase(rows=T, block_width=T if block_mask is None else block_mask.shape[2],
-                                        causal=block_mask is None)
-    return block_table.attention_class("mla_attention", phase=phase, head_dim=q_latent.shape[3], page_size=page_size)
+    return block_table.attention_class_of("mla_attention", rows=q_latent.shape[1], block_mask=block_mask,
+                                          head_dim=q_latent.shape[3], page_size=page_size)
 
 
 def _unsupported(kv_pool) -> str | None:

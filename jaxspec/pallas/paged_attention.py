@@ -54,6 +54,13 @@ def visible_mask(
     return (pos < prefix) | in_block
 
 
+def table_slots(page_table: jax.Array, page_size: int) -> jax.Array:  # i32[B, W] -> i32[B, W * P]
+    """Pool slot of every position the page table covers, per request (the XLA paths' gather)."""
+    B, W = page_table.shape
+    pos = jnp.broadcast_to(jnp.arange(W * page_size, dtype=jnp.int32), (B, W * page_size))
+    return positions_to_slots(page_table, pos, page_size)
+
+
 def paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, D]
     k_pool: jax.Array,  # [L, N, Hkv, D]
@@ -71,8 +78,7 @@ def paged_attention_reference(
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     kv_len = page_table.shape[1] * page_size
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     k = k_pool[layer, slots].astype(jnp.float32)  # [B, K, Hkv, D]
     v = v_pool[layer, slots].astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
@@ -110,8 +116,7 @@ def paged_attention_xla(
     kv_len = page_table.shape[1] * page_size
     dt = k_pool.dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     k = k_pool[layer, slots]  # [B, K, Hkv, D], pool dtype
     v = v_pool[layer, slots]
     qg = q.astype(dt).reshape(B, T, Hkv, G, D)
@@ -314,10 +319,8 @@ def paged_attention(
 
 
 def _shape_class(q, block_mask, page_size: int) -> str:
-    T = q.shape[1]
-    phase = block_table.attention_phase(rows=T, block_width=T if block_mask is None else block_mask.shape[2],
-                                        causal=block_mask is None)
-    return block_table.attention_class("paged_attention", phase=phase, head_dim=q.shape[3], page_size=page_size)
+    return block_table.attention_class_of("paged_attention", rows=q.shape[1], block_mask=block_mask,
+                                          head_dim=q.shape[3], page_size=page_size)
 
 
 def _unsupported(k_pool) -> str | None:
