@@ -20,7 +20,7 @@ Stages (each one's exceptions are caught and recorded; the run goes on):
   entry with the reason, so ``implementation=None`` runs XLA there.
 * ``steps``: per-step time at Llama-3-8B shapes (plain, chain S=5, tree S=5 / topk=4 / n=8;
   batch 1 and 16) against the roofline ``weight bytes / HBM bandwidth``
-  (``benchmarks/step_timing.py``).
+  (``benchmarks/step_timing.py``, in a subprocess).
 
 Every invocation merges its results into ``OUT/gpu_check.json`` and rewrites
 ``OUT/gpu_check.md``. ``--deadline-minutes`` (default 9.5) stops starting new work in time
@@ -48,12 +48,11 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels as kbench  # noqa: E402  (benchmarks/kernels.py)
 from jaxspec.pallas import block_table, dispatch  # noqa: E402
-from jaxspec.pallas.block_sizes import AttentionBlocks, split_kv  # noqa: E402
+from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2, split_kv  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention_pallas, mla_attention_reference  # noqa: E402
 from jaxspec.pallas.paged_attention import paged_attention_pallas, paged_attention_reference  # noqa: E402
 
@@ -215,9 +214,10 @@ def sweep_shapes(dry_run: bool) -> list[SweepShape]:
     ]
 
 
-def candidates(s: SweepShape, max_kv_len: int, dry_run: bool) -> list[AttentionBlocks]:
+def candidates(s: SweepShape, max_kv_len: int, block_width: int, dry_run: bool) -> list[AttentionBlocks]:
     """Tiles around the heuristic (block_m x block_k x warps at 2 stages; more stages for the
-    best of those are tried separately), each with the KV splits its launch size implies."""
+    best of those are tried separately), each with the KV splits its launch size implies and
+    block_w as the heuristic sets it (the block's width, 16 to block_k)."""
     wide = s.head_dim > 128
     block_ms = [16, 32] if wide else [16, 32, 64, 128]
     block_ks = [16, 32] if wide else [32, 64]
@@ -233,7 +233,8 @@ def candidates(s: SweepShape, max_kv_len: int, dry_run: bool) -> list[AttentionB
             for w in warps:
                 splits = split_kv(programs=s.shape.batch * s.kv_heads * -(-rows // bm), max_kv_len=max_kv_len,
                                   block_k=bk, interpret=dry_run)
-                out.append(AttentionBlocks(block_m=bm, block_k=bk, block_w=min(16, bk), kv_splits=splits,
+                block_w = min(bk, max(16, next_pow2(block_width)))
+                out.append(AttentionBlocks(block_m=bm, block_k=bk, block_w=block_w, kv_splits=splits,
                                            num_warps=w, num_stages=2, reload_q=wide))
     return out
 
@@ -271,7 +272,8 @@ def stage_sweep(args, deadline) -> dict:
                     return None
 
             best, best_t = None, None
-            for blocks in candidates(s, max_kv_len, args.dry_run):
+            width = s.shape.nodes if a[6] is None else a[6].shape[2]
+            for blocks in candidates(s, max_kv_len, width, args.dry_run):
                 if deadline.passed(reserve_s=60):
                     break
                 t = attempt(blocks)
@@ -312,36 +314,34 @@ def stage_sweep(args, deadline) -> dict:
 
 
 def stage_steps(args, deadline) -> dict:
-    import jaxspec as js
-    import step_timing  # benchmarks/step_timing.py (imports the engine: reported if it breaks)
-
-    tiny = args.dry_run
-    cfg = step_timing.TINY if tiny else step_timing.LLAMA3_8B
-    dtype = jnp.float32 if tiny else jnp.bfloat16
-    target, draft = step_timing.build_pair(cfg, dtype)
-    kind, bw = step_timing.device_bandwidth()
-    wbytes = step_timing.param_bytes(target.params)
-    specs = [("plain", None), ("chain S=5", js.SpecConfig.chain(5)),
-             ("tree S=5 topk=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8))]
-    batches = (1,) if tiny else (1, 16)
-    context, steps, repeats = (16, 2, 1) if tiny else (1024, 16, 5)
-    rows = []
-    for batch in batches:
-        plain = None
-        for name, spec in specs:
-            if deadline.passed(reserve_s=120):
-                rows.append(dict(batch=batch, config=name, skipped="deadline"))
-                continue
-            try:
-                sec = step_timing.time_steps(target, draft if spec else None, spec, batch, context, steps, repeats)
-                plain = plain or (sec if spec is None else None)
-                rows.append(dict(batch=batch, config=name, ms_per_step=sec * 1e3,
-                                 ratio_to_plain=None if plain is None else sec / plain,
-                                 roofline_ms=wbytes / bw * 1e3 if bw else None))
-            except Exception as e:  # noqa: BLE001
-                rows.append(dict(batch=batch, config=name, error=f"{type(e).__name__}: {e}"[:500]))
-            print(f"  batch {batch} {name}: {rows[-1]}", flush=True)
-    return dict(device=kind, weight_bytes=wbytes, bandwidth=bw, context=context, steps_per_call=steps, results=rows)
+    """``benchmarks/step_timing.py`` in a subprocess (its own memory; a timeout keeps the rows
+    printed so far): plain, chain S=5 and tree S=5 / topk=4 / n=8 at batch 1 and 16."""
+    out_json = args.out / "step_timing.json"
+    out_json.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "step_timing.py"), "--out", str(out_json)]
+    cmd += (["--tiny", "--batches", "1", "--context", "16", "--steps", "2", "--repeats", "1"] if args.dry_run else
+            ["--batches", "1,16", "--context", "1024", "--steps", "16", "--repeats", "5"])
+    timeout = max(30.0, deadline.left() - 30)
+    try:
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        stdout, returncode = run.stdout, run.returncode
+        stderr = run.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr, returncode = f"timed out after {timeout:.0f} s", None
+    result = dict(command=" ".join(["python"] + cmd[1:]), returncode=returncode)
+    if out_json.exists():
+        result.update(json.loads(out_json.read_text()))
+    else:  # the table rows printed before a timeout or a crash
+        result["rows"] = [dict(zip(("device", "batch", "config", "ms_per_step"), (c.strip() for c in line.strip("|").split("|"))))
+                          for line in stdout.splitlines() if line.startswith("| ") and "ms/step" not in line]
+    if returncode != 0:
+        result["error"] = stderr.strip()[-2000:]
+    for line in stdout.splitlines():
+        print(f"  {line}", flush=True)
+    if returncode != 0:
+        raise RuntimeError(f"step_timing.py failed (rc={returncode}): {result['error'][-800:]}")
+    return result
 
 
 # --------------------------------------------------------------------------- summary
@@ -385,15 +385,12 @@ def markdown(summary: dict) -> str:
                     why = x.get("error") or x.get("skipped") or "no candidate ran"
                     out.append(f"| {x['shape']} | {x.get('class', '')} | {why} | | | |")
         elif name == "steps":
-            out += [f"weights {r.get('weight_bytes', 0) / 1e9:.2f} GB, bandwidth {r.get('bandwidth')}, context "
-                    f"{r.get('context')}", "", "| batch | config | ms/step | vs plain | roofline ms |", "|---|---|---:|---:|---:|"]
-            for x in r.get("results", []):
-                if "ms_per_step" in x:
-                    ratio = "" if x["ratio_to_plain"] is None else f"{x['ratio_to_plain']:.2f}"
-                    roof = "" if x["roofline_ms"] is None else f"{x['roofline_ms']:.3f}"
-                    out.append(f"| {x['batch']} | {x['config']} | {x['ms_per_step']:.3f} | {ratio} | {roof} |")
-                else:
-                    out.append(f"| {x['batch']} | {x['config']} | {x.get('error', x.get('skipped'))} | | |")
+            out += [f"`{r.get('command')}`", "", f"device {r.get('device')}, weights {r.get('weight_bytes', 0) / 1e9:.2f} GB, "
+                    f"bandwidth {r.get('bandwidth')} B/s, context {r.get('context')}", "",
+                    "| batch | config | ms/step | vs plain | roofline ms |", "|---|---|---:|---:|---:|"]
+            for x in r.get("rows", []):
+                out.append(f"| {x.get('batch')} | {x.get('config')} | {x.get('ms_per_step')} | "
+                           f"{x.get('ratio_to_plain', '')} | {x.get('roofline_ms', '')} |")
         out.append("")
     return "\n".join(out)
 

@@ -98,15 +98,6 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     return statistics.median(times)
 
 
-def build_pair(cfg: LlamaConfig, dtype):
-    """A random target of shape ``cfg`` and an EAGLE-3 head for it, built on the device."""
-    params = jax.jit(lambda k: init_llama_params(cfg, k, dtype=dtype))(jax.random.PRNGKey(0))
-    target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
-    ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
-    draft = eagle_draft(ecfg, jax.jit(lambda k: init_eagle_params(ecfg, k, params, dtype=dtype))(jax.random.PRNGKey(1)))
-    return target, draft
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
@@ -121,8 +112,10 @@ def main(argv=None) -> int:
     cfg = TINY if args.tiny else LLAMA3_8B
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target and EAGLE-3 head...", file=sys.stderr)
-    target, draft = build_pair(cfg, dtype)
-    params = target.params
+    params = jax.jit(lambda k: init_llama_params(cfg, k, dtype=dtype))(jax.random.PRNGKey(0))
+    target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
+    ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
+    draft = eagle_draft(ecfg, jax.jit(lambda k: init_eagle_params(ecfg, k, params, dtype=dtype))(jax.random.PRNGKey(1)))
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}

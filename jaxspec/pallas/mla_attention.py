@@ -81,7 +81,7 @@ def mla_attention_xla(
     page_size: int,
     sm_scale: float,
 ) -> jax.Array:  # [B, T, Hq, C], q_latent.dtype
-    """The XLA path users run (CPU default, GPU fallback), lean where the reference is exact.
+    """The XLA path users run (the CPU default and the GPU fallback); the reference is the exact one.
 
     It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
     to the live context's bucket) in the pool's dtype, never copied to f32 nor split: the

@@ -102,7 +102,7 @@ def paged_attention_xla(
     page_size: int,
     sm_scale: float,
 ) -> jax.Array:  # [B, T, Hq, D], q.dtype
-    """The XLA path users run (CPU default, GPU fallback), lean where the reference is exact.
+    """The XLA path users run (the CPU default and the GPU fallback); the reference is the exact one.
 
     It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
     to a power-of-two bucket of the live context), in the pool's dtype: the gathered K/V are
