@@ -240,7 +240,12 @@ def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple
 
 
 def _zeros(shape, dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype, sharding)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
@@ -292,7 +297,12 @@ class _Layout:
 
 
 def _zeros(shape, dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype, sharding)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("how", "dtype", "sharding"))
@@ -301,14 +311,36 @@ def _place(x, scale, how: _Layout, dtype, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("how",), donate_argnums=0)
 def _write(buf, x, scale, index, how: _Layout):  # buf [*lead, *shape]; x one checkpoint tensor; index i32[len(lead)]
-    x = how(x, scale).astype(buf.dtype)
     lead = index.shape[0]
-    if x.shape != buf.shape[lead:]:  # (a trace-time check: a smaller update would write silently)
-        raise ValueError(f"a checkpoint tensor becomes {x.shape}, its place is {buf.shape[lead:]}")
+    shape = jax.eval_shape(how, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           None if scale is None else jax.ShapeDtypeStruct(scale.shape, scale.dtype)).shape
+    if shape != buf.shape[lead:]:  # a smaller update would write silently
+        raise ValueError(f"a checkpoint tensor of shape {x.shape} does not fit its place {buf.shape[lead:]}")
+    if len(buf.sharding.device_set) > 1:
+        # On a mesh the host array goes into one program (every process passes the same tensor
+        # and keeps its own shards of the result).
+        return _convert_update(buf, x, scale, index, how)
+    # Two programs on purpose: XLA:CPU runs a transpose fused into the in-place update several
+    # times slower than the transpose alone followed by the update.
+    return _update(buf, _convert(x, scale, how, buf.dtype), index)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "dtype"))
+def _convert(x, scale, how: _Layout, dtype):
+    return how(x, scale).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf, x, index):
+    lead = index.shape[0]
     start = tuple(index[i] for i in range(lead)) + (0,) * x.ndim
-    return jax.lax.dynamic_update_slice(buf, x.reshape((1,) * lead + x.shape), start)
+    return jax.lax.dynamic_update_slice(buf, x.reshape((1,) * lead + x.shape).astype(buf.dtype), start)
+
+
+@functools.partial(jax.jit, static_argnames=("how",), donate_argnums=0)
+def _convert_update(buf, x, scale, index, how: _Layout):
+    return _update(buf, how(x, scale), index)
 
 
 def export_params(table: Table, params: dict, dtype) -> dict[str, np.ndarray]:
