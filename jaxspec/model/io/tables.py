@@ -321,15 +321,6 @@ class _Layout:
         return x if self.perm is None else jnp.transpose(x, self.perm)
 
 
-def _zeros(shape, dtype, sharding):
-    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
-
-
-@functools.cache
-def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype, sharding)
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
-
-
 def _write(buf, x, scale, start, how: _Layout):  # buf [*lead, *shape]; x a piece of one checkpoint tensor
     """Writes ``how(x)`` into ``buf`` at ``start`` (i32[buf.ndim]: stacked indices, then offsets)."""
     if len(buf.sharding.device_set) > 1:
