@@ -152,11 +152,10 @@ def test_v32_config_fields():
     cfg, _ = v32_model()
     assert cfg.arch == "deepseek_v32" and cfg.has_indexer
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (2, 8, 64)
-    assert cfg.max_dense_positions == 64
     pool = create_mla_pool(cfg, num_pages=3, page_size=4, dtype=jnp.float32)
     assert pool.kv.shape == (2, 12, 20) and pool.index_k.shape == (2, 12, 8)
     v3 = deepseek_config_from_hf({**V32_RAW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
-    assert not v3.has_indexer and v3.max_dense_positions is None
+    assert not v3.has_indexer
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
