@@ -30,9 +30,15 @@ def hwm():  # peak resident set, bytes
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
 
-jnp.ones(8).block_until_ready()  # JAX initialized, a device allocated
-before = hwm()
+import gc
 import jaxspec as js
+jnp.ones(8).block_until_ready()  # JAX initialized, a device allocated
+if sys.argv[3] == "warm":  # load once first: compiled programs and allocator pools are not the loader's data
+    jax.block_until_ready(js.load_model(sys.argv[1], dtype=sys.argv[2], progress=False).params)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+before = hwm()
 t = time.perf_counter()
 model = js.load_model(sys.argv[1], dtype=sys.argv[2], progress=False)
 jax.block_until_ready(model.params)
@@ -42,9 +48,13 @@ print(json.dumps(dict(seconds=seconds, param_bytes=param_bytes, rss_before=befor
 """
 
 
-def measure(path: str, dtype: str, tree: str) -> dict:
+def measure(path: str, dtype: str, tree: str, warm: bool = False) -> dict:
+    """One load in a fresh process. ``warm``: a first load compiles the loader's programs and is
+    thrown away, and the peak is reset before the measured one (for small checkpoints, whose
+    data would otherwise be dwarfed by compiler memory)."""
     env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    out = subprocess.run([sys.executable, "-c", CHILD, path, dtype], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, path, dtype, "warm" if warm else "cold"], env=env,
+                         capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["rise_ratio"] = (r["rss_peak"] - r["rss_before"]) / r["param_bytes"]
     return r

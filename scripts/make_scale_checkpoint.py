@@ -2,10 +2,10 @@
 """Writes a random HF Llama checkpoint of a real model's shape, for measuring load time and memory.
 
     PYTHONPATH=. python scripts/make_scale_checkpoint.py OUT_DIR              # Llama-3.2-1B shape, float16, 3 shards
-    PYTHONPATH=. python scripts/make_scale_checkpoint.py OUT_DIR --shape small --shards 2
+    PYTHONPATH=. python scripts/make_scale_checkpoint.py OUT_DIR --shape medium --shards 2
 
 Shapes: "1b" = Llama-3.2-1B (vocab 128256, hidden 2048, 16 layers, 32 / 8 heads of 64, MLP 8192,
-tied embeddings; about 2.5 GB in float16); "small" = a 70 MB model for tests. The values are
+tied embeddings; about 2.5 GB in float16); "medium" = a 375 MB model for the memory test. The values are
 random (N(0, 0.02)); the files, names and index are those of an HF ``LlamaForCausalLM`` export.
 """
 
@@ -21,8 +21,8 @@ from safetensors.numpy import save_file
 SHAPES = {
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "small": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False),
 }
 
 

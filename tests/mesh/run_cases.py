@@ -53,6 +53,10 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
             draft = js.load_draft(d, target)
     elif draft_kind == "standalone":
         draft = js.standalone_draft(target)
+    elif draft_kind == "perturbed":  # the target with noise: partial acceptance, scattered tree paths
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
+        noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), target.params)
+        draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
     else:  # the target's own MTP layer
         draft = js.load_draft(path, target)
     out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
@@ -120,6 +124,8 @@ CASES = {
     "llama_tp4_tree_eagle3": lambda: lossless("llama3", 4, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5),
                                               16, "eagle3"),
     "qwen2_tp2_chain_standalone": lambda: lossless("qwen2", 2, 1, js.SpecConfig.chain(3), 1, "standalone"),
+    "llama_tp4_tree_perturbed": lambda: lossless("llama3", 4, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5),
+                                                 16, "perturbed"),
     "deepseek_moe_tp2_tree_mtp": lambda: lossless("deepseek_v3_moe", 2, 1,
                                                   js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),

@@ -97,6 +97,11 @@ def test_other_quantizations_are_refused(tmp_path, pair):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="quantization 'awq' .* is not supported; supported: block-scaled fp8"):
         js.load_model(d, dtype="float32", progress=False)
+    # fp8 without a block size (per-tensor scales) is not the DeepSeek format: refused, not misread
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quantization 'fp8' .*weight_block_size None.* is not supported"):
+        js.load_model(d, dtype="float32", progress=False)
     cfg.pop("quantization_config")
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="is float8_e4m3fn but the checkpoint has no quantization_config"):

@@ -176,18 +176,22 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
         return self._entries[name]
 
-    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor ``name`` in its stored dtype, as a read-only memory map of its bytes
-        (nothing is read until used), checked against ``shape``."""
+    def read(self, name: str, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor ``name`` (or its rows ``[start, stop)`` along the first axis) in its stored
+        dtype, as a read-only memory map of just those bytes (nothing is read until used),
+        checked against ``shape``."""
         e = self.entry(name)
         if shape is not None and tuple(e.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}")
         if e.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.dtype}")
         dt = np.dtype(SAFETENSORS_DTYPES[e.dtype])
-        if e.nbytes == 0:
-            return np.zeros(e.shape, dt)
-        return np.memmap(e.file, dtype=dt, mode="r", offset=e.offset, shape=e.shape)
+        start, stop = (0, e.shape[0] if e.shape else 1) if rows is None else rows
+        out_shape = (stop - start,) + tuple(e.shape[1:]) if e.shape else ()
+        if e.nbytes == 0 or (e.shape and stop == start):
+            return np.zeros(out_shape, dt)
+        row_bytes = e.nbytes // e.shape[0] if e.shape else e.nbytes
+        return np.memmap(e.file, dtype=dt, mode="r", offset=e.offset + start * row_bytes, shape=out_shape)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtype=None) -> np.ndarray:
         """The tensor ``name`` as an in-memory array (cast to ``dtype``), checked against ``shape``."""

@@ -50,8 +50,11 @@ class _Stripped:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
         return self.names[name]
 
-    def read(self, name, shape=None):
-        return self.ckpt.read(self._real(name), shape)
+    def entry(self, name):
+        return self.ckpt.entry(self._real(name))
+
+    def read(self, name, shape=None, rows=None):
+        return self.ckpt.read(self._real(name), shape, rows)
 
     def get(self, name, shape=None, dtype=None):
         return self.ckpt.get(self._real(name), shape, dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -202,41 +203,80 @@ def param_shapes(table: Table, dtype) -> dict:
     return out
 
 
+CHUNK_BYTES = 32 << 20  # largest piece of a checkpoint tensor in flight on the host
+
+
 def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple[int, int] | None = None,
                 progress: bool = False, desc: str = "loading") -> dict:
     """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our layout.
 
-    Streaming: each checkpoint tensor goes from its memory map to the device on its own; the
-    cast to ``dtype`` and any transpose run on the device, and a stacked array is filled in place
-    (donated) one layer at a time, so the host holds one tensor at a time. ``sharding_of(path)``
-    gives each array's sharding (None: the default device). A float8 tensor with a
-    ``<name>_scale_inv`` block scale (``fp8_block`` rows x cols per scale) is dequantized on the
-    device, per tensor, into ``dtype``. Raises ``CheckpointError`` naming a missing or misshaped
-    tensor."""
+    Streaming: each checkpoint tensor goes from a memory map of its bytes to the device in
+    pieces of at most ``CHUNK_BYTES`` (rows of its first axis); the cast to ``dtype`` and any
+    transpose run on the device, and every array is filled in place (donated), so the host holds
+    one piece at a time besides what is already placed. ``sharding_of(path)`` gives each array's
+    sharding (None: the default device). A float8 tensor with a ``<name>_scale_inv`` block scale
+    (``fp8_block`` rows x cols per scale) is dequantized on the device into ``dtype``. Raises
+    ``CheckpointError`` naming a missing or misshaped tensor."""
     out: dict = {}
     for e in tqdm(table, desc=desc, disable=not progress, leave=False):
         dt = jnp.dtype(e.dtype) if e.dtype else jnp.dtype(dtype)
         shapes = _shapes(e)
         shards = [None if sharding_of is None else sharding_of(path) for path, _ in shapes]
-        stacked = e.layers is not None or e.experts is not None
-        bufs = [_zeros(shape, dt, sh) if stacked else None for (_, shape), sh in zip(shapes, shards)]
+        bufs = [_zeros(shape, dt, sh) for (_, shape), sh in zip(shapes, shards)]
         for idx, name in _names(e):
-            raw = ckpt.read(name, _hf_shape(e))
-            scale = _fp8_scale(ckpt, name, raw, fp8_block)
-            if isinstance(e, SplitParam):
-                x = np.asarray(raw) if scale is None else _dequantize_host(raw, scale, fp8_block)
-                parts, how, scale = e.from_hf(x), _Layout(), None
-            else:
-                parts, how = (raw,), _Layout(e.perm, e.repeat, e.unit, None if scale is None else fp8_block)
-            for k, part in enumerate(parts):
-                if stacked:
-                    bufs[k] = _write(bufs[k], part, scale, np.asarray(idx, np.int32), how)
+            heads = e.unit if isinstance(e, Param) and e.repeat > 1 else 1  # pieces hold whole repeated heads
+            for rows, x, scale in _pieces(ckpt, name, _hf_shape(e), fp8_block, whole=isinstance(e, SplitParam),
+                                          align=heads):
+                if isinstance(e, SplitParam):
+                    x = np.asarray(x) if scale is None else _dequantize_host(x, scale, fp8_block)
+                    pieces = [(part, None, _Layout(), 0) for part in e.from_hf(x)]
                 else:
-                    bufs[k] = _place(part, scale, how, dt, shards[k])
-            del raw, parts
+                    how = _Layout(e.perm, e.repeat, e.unit, None if scale is None else fp8_block)
+                    pieces = [(x, scale, how, rows[0] * e.repeat)]
+                for k, (part, sc, how, offset) in enumerate(pieces):
+                    # The checkpoint's first axis lands on our axis perm.index(0).
+                    axis = 0 if how.perm is None else how.perm.index(0)
+                    start = np.concatenate([np.asarray(idx, np.int32), np.zeros(len(shapes[k][1]) - len(idx), np.int32)])
+                    start[len(idx) + axis] = offset
+                    bufs[k] = _write(bufs[k], part, sc, start, how)
+                # Wait for this piece before reading the next: asynchronous dispatch would
+                # otherwise queue many converted pieces at once, and host memory with them.
+                jax.block_until_ready(bufs)
+                del x, pieces
         for (path, _), buf in zip(shapes, bufs):
             _set(out, path, buf)
     return out
+
+
+def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, align: int = 1):
+    """(rows, tensor piece, its fp8 block scale or None) over the first axis of ``name``, each at
+    most ``CHUNK_BYTES`` (whole heads / scale blocks per piece; ``whole``: one piece)."""
+    e = ckpt.entry(name)
+    if tuple(e.shape) != tuple(hf_shape):
+        raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(hf_shape)}")
+    n = e.shape[0] if e.shape else 1
+    first = ckpt.read(name, rows=(0, min(n, 1))) if e.shape else ckpt.read(name)
+    fp8 = first.dtype in FP8_DTYPES
+    step = n
+    if not whole and e.shape and e.nbytes > CHUNK_BYTES:
+        if fp8 and fp8_block:
+            align = math.lcm(align, fp8_block[0])
+        step = max(align, (CHUNK_BYTES * n // e.nbytes) // align * align)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        x = ckpt.read(name, rows=(r0, r1)) if e.shape else first
+        scale = None
+        if fp8:
+            scale_name = name + "_scale_inv"
+            if fp8_block is None or scale_name not in ckpt:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {name!r} is {x.dtype} but the checkpoint has no "
+                    f"{'quantization_config weight_block_size' if fp8_block is None else repr(scale_name)} to dequantize it"
+                )
+            want = (-(-e.shape[-2] // fp8_block[0]), -(-e.shape[-1] // fp8_block[1]))
+            ckpt.read(scale_name, e.shape[:-2] + want)  # (checks its shape)
+            scale = ckpt.read(scale_name, rows=(r0 // fp8_block[0], -(-r1 // fp8_block[0])))
+        yield (r0, r1), x, scale
 
 
 def _zeros(shape, dtype, sharding):
@@ -249,21 +289,6 @@ def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype
 
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
-
-
-def _fp8_scale(ckpt, name: str, raw, block):
-    """The block scale of a float8 tensor (``<name>_scale_inv``), None for other dtypes."""
-    if raw.dtype not in FP8_DTYPES:
-        return None
-    scale_name = name + "_scale_inv"
-    if block is None or scale_name not in ckpt:
-        raise CheckpointError(
-            f"{ckpt.path}: tensor {name!r} is {raw.dtype} but the checkpoint has no "
-            f"{'quantization_config weight_block_size' if block is None else repr(scale_name)} to dequantize it"
-        )
-    rows, cols = raw.shape[-2:]
-    want = (-(-rows // block[0]), -(-cols // block[1]))
-    return ckpt.read(scale_name, raw.shape[:-2] + want)
 
 
 def _expand_blocks(scale, shape, block, xp):
@@ -305,25 +330,15 @@ def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("how", "dtype", "sharding"))
-def _place(x, scale, how: _Layout, dtype, sharding):
-    x = how(x, scale).astype(dtype)
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _write(buf, x, scale, index, how: _Layout):  # buf [*lead, *shape]; x one checkpoint tensor; index i32[len(lead)]
-    lead = index.shape[0]
-    shape = jax.eval_shape(how, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           None if scale is None else jax.ShapeDtypeStruct(scale.shape, scale.dtype)).shape
-    if shape != buf.shape[lead:]:  # a smaller update would write silently
-        raise ValueError(f"a checkpoint tensor of shape {x.shape} does not fit its place {buf.shape[lead:]}")
+def _write(buf, x, scale, start, how: _Layout):  # buf [*lead, *shape]; x a piece of one checkpoint tensor
+    """Writes ``how(x)`` into ``buf`` at ``start`` (i32[buf.ndim]: stacked indices, then offsets)."""
     if len(buf.sharding.device_set) > 1:
         # On a mesh the host array goes into one program (every process passes the same tensor
         # and keeps its own shards of the result).
-        return _convert_update(buf, x, scale, index, how)
+        return _convert_update(buf, x, scale, start, how)
     # Two programs on purpose: XLA:CPU runs a transpose fused into the in-place update several
     # times slower than the transpose alone followed by the update.
-    return _update(buf, _convert(x, scale, how, buf.dtype), index)
+    return _update(buf, _convert(x, scale, how, buf.dtype), start)
 
 
 @functools.partial(jax.jit, static_argnames=("how", "dtype"))
@@ -332,15 +347,15 @@ def _convert(x, scale, how: _Layout, dtype):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _update(buf, x, index):
-    lead = index.shape[0]
-    start = tuple(index[i] for i in range(lead)) + (0,) * x.ndim
-    return jax.lax.dynamic_update_slice(buf, x.reshape((1,) * lead + x.shape).astype(buf.dtype), start)
+def _update(buf, x, start):
+    lead = buf.ndim - x.ndim
+    x = x.reshape((1,) * lead + x.shape).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice(buf, x, tuple(start[i] for i in range(buf.ndim)))
 
 
 @functools.partial(jax.jit, static_argnames=("how",), donate_argnums=0)
-def _convert_update(buf, x, scale, index, how: _Layout):
-    return _update(buf, how(x, scale), index)
+def _convert_update(buf, x, scale, start, how: _Layout):
+    return _update(buf, how(x, scale), start)
 
 
 def export_params(table: Table, params: dict, dtype) -> dict[str, np.ndarray]:
