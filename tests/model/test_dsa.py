@@ -43,3 +43,43 @@ def test_sparse_equals_dense_within_topk_and_differs_beyond():
     # Rows seeing more attend to topk of them: the output changes.
     diff = np.abs(sparse[:, topk:] - dense[:, topk:]).max(axis=-1)  # [2, T - topk]
     assert diff.min() > 1e-3, diff
+
+
+PREFIX = 10
+PARENT = [-1, 0, 0, 1, 2]  # tree block after the prefix: 0 root; 1, 2 its children; 3 under 1; 4 under 2
+DEPTH = [0, 1, 1, 2, 2]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def prefix_then_block(cfg, lp, h_prefix, h_block, block_pos, block_mask):
+    """Layer 0's attention over a causal prefix, then over a block after it (rows at ``block_pos``,
+    visibility ``block_mask`` or causal when None); returns the block's output [1, Tb, H]."""
+    table = jnp.arange(1, W + 1, dtype=jnp.int32)[None, ::-1]  # [1, W], 16 positions
+    pool = create_mla_pool(cfg, num_pages=W + 1, page_size=PAGE, dtype=jnp.float32)
+    pos = jnp.arange(PREFIX, dtype=jnp.int32)[None]
+    _, pool = mla_attention_block(lp, cfg, h_prefix, pos, pool, jnp.int32(0),
+                                  AttentionInputs.build(table, jnp.zeros(1, jnp.int32), pos, PAGE), implementation=None)
+    Tb = h_block.shape[1]
+    write = PREFIX + jnp.arange(Tb, dtype=jnp.int32)[None]  # block rows take the slots after the prefix
+    attn = AttentionInputs.build(table, jnp.full((1,), PREFIX, jnp.int32), write, PAGE, block_mask=block_mask)
+    return mla_attention_block(lp, cfg, h_block, block_pos, pool, jnp.int32(0), attn, implementation=None)[0]
+
+
+def test_tree_rows_select_among_prefix_and_own_ancestors():
+    """A tree block attended sparsely (index_topk 5 < the 10 prefix positions) gives each node the
+    output of the causal chain prefix + its own root path: siblings are never selected."""
+    cfg, params = v32_model()
+    cfg = dataclasses.replace(cfg, index_topk=5)
+    lp = {k: v[0] for k, v in params["dense"].items()}
+    rng = np.random.default_rng(9)
+    h_prefix = jnp.asarray(rng.standard_normal((1, PREFIX, cfg.hidden_size)), jnp.float32)
+    h_tree = jnp.asarray(rng.standard_normal((1, len(PARENT), cfg.hidden_size)), jnp.float32)
+    mask = np.eye(len(PARENT), dtype=bool)
+    for i, p in enumerate(PARENT):
+        while p >= 0:
+            mask[i, p], p = True, PARENT[p]
+    tree_pos = jnp.asarray(PREFIX + np.array(DEPTH, np.int32))[None]
+    tree = np.asarray(prefix_then_block(cfg, lp, h_prefix, h_tree, tree_pos, jnp.asarray(mask)[None]))
+    for path in ([0, 1, 3], [0, 2, 4]):
+        chain = np.asarray(prefix_then_block(cfg, lp, h_prefix, h_tree[:, path], tree_pos[:, path], None))
+        np.testing.assert_allclose(tree[0, path], chain[0], atol=2e-5, rtol=2e-5)

@@ -25,7 +25,7 @@ from jaxspec.model.targets import forward_sequence
 from tests.conftest import engine
 from tests.model.golden import arrays, case_dir, cases
 
-DEEPSEEK = [c for c in cases("target") if c["model_type"].startswith("deepseek")]
+DEEPSEEK = [c for c in cases("target") if c["model_type"] == "deepseek_v3"]  # V3.2: test_golden_dsa.py
 IDS = [c["name"] for c in DEEPSEEK]
 
 
