@@ -65,9 +65,14 @@ def test_greedy_tokens_match_hf(name, page_size):
 
 @pytest.mark.parametrize("name", IDS)
 def test_mtp_head_matches_hf(name):
-    case, model, ref = load(name)
+    check_mtp_head(*load(name))
+
+
+def check_mtp_head(case, model, ref):
+    """The checkpoint's MTP layer over the golden sequence equals HF's block (hidden and logits)."""
     ckpt = SafetensorsCheckpoint(case_dir(case))
     params, cfg = load_mtp_params(ckpt, model.config, np.float32, target_params=model.params)
+    assert cfg.indexer == case["mtp"].get("indexer", False)
     assert cfg.layer_index == case["mtp"]["layer_index"]
     assert cfg.moe == (case["mtp"]["block"] == "moe")
     T = case["mtp"]["T"]
