@@ -52,7 +52,7 @@ from scripts.make_golden import (  # noqa: E402
 PROMPT_LENS = (14, 27, 40)
 NEW_TOKENS = 24  # the longest prompt reaches 64 positions
 INDEX_TOPK = 8
-MIN_INDEX_MARGIN = 1e-4
+MIN_INDEX_MARGIN = 1e-5  # >= 10x the float32 error of an O(1) index score
 MAX_SEED_TRIES = 400
 
 torch.set_grad_enabled(False)
@@ -152,14 +152,14 @@ DS32_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER
                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
                    routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                   index_n_heads=4, index_head_dim=16, index_topk=INDEX_TOPK)
+                   index_n_heads=16, index_head_dim=16, index_topk=INDEX_TOPK)
 
 NOTES_COMMON = [
     "DeepSeek-V3.2 = DeepSeek-V3 MLA + MoE (see the deepseek_v3_* notes) with a lightning indexer per layer "
-    "(HF DeepseekV32Indexer): q_idx = wq_b(q_resid) [index_n_heads 4 x index_head_dim 16] with q_resid = "
+    "(HF DeepseekV32Indexer): q_idx = wq_b(q_resid) [index_n_heads 16 x index_head_dim 16] with q_resid = "
     "q_a_layernorm(q_a_proj(x)); k_idx = LayerNorm(wk(x)) (weight and bias, eps 1e-6), one key per token; both "
     "with rotate-half (NeoX) RoPE on their FIRST qk_rope_head_dim (8) dims, unlike MLA's interleaved RoPE on its "
-    "last 8; score[t, j] = sum_h weights_proj(x)[t, h] * 4^-0.5 * relu(q_idx[t, h] . k_idx[j] * 16^-0.5), -inf "
+    "last 8; score[t, j] = sum_h weights_proj(x)[t, h] * 16^-0.5 * relu(q_idx[t, h] . k_idx[j] * 16^-0.5), -inf "
     "where t may not see j (causal); each row attends to its index_topk = 8 best visible positions (attention mask "
     "= causal AND selected). Rows seeing <= 8 positions attend densely.",
     f"Prompts of {PROMPT_LENS} tokens + {NEW_TOKENS} greedy tokens: up to 64 positions, 8 attended per row.",
@@ -176,7 +176,7 @@ NOTES_COMMON = [
 
 CASES = {
     "deepseek_v32_dense": dict(
-        seed=11000, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
+        seed=11002, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
         config=lambda: DeepseekV32Config(**DS32_COMMON, first_k_dense_replace=3, max_position_embeddings=512,
                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         notes=["All three layers and the MTP layer have dense MLPs. Default RoPE, transformers-5 config form."],
@@ -255,6 +255,8 @@ def make_case(out: Path, name: str, spec: dict) -> dict:
         model, block, block_cfg, mtp_w = build(spec, seed)
         prompts = make_prompts(seed)
         arrays, margin, routing_margin, index_margin, sparse_rows, greedies = goldens(model, block, mtp_w, prompts)
+        print(f"  {name} seed {seed}: greedy margin {margin:.3g}, routing {routing_margin:.3g}, "
+              f"index {index_margin:.3g}", flush=True)
         if margin >= MIN_MARGIN and routing_margin >= MIN_ROUTING_MARGIN and index_margin >= MIN_INDEX_MARGIN:
             break
     else:
@@ -312,7 +314,7 @@ def reload_check(case_dir: Path, arrays: dict, prompts, block_cfg, mtp_w) -> Non
         assert np.array_equal(f32(cap["logits"]), arrays[f"logits_{i}"]), f"reloaded logits_{i} differ"
         toks, _, steps = greedy_with_logits(m, p, NEW_TOKENS)
         assert toks == arrays[f"greedy_{i}"].tolist(), f"reloaded greedy_{i} differs"
-        assert float(np.abs(f32(steps) - arrays[f"decode_logits_{i}"]).max()) <= 1e-5
+        assert float(np.abs(f32(steps) - arrays[f"decode_logits_{i}"]).max()) <= 1e-4  # cached decode: f32 noise
     n = m.config.num_hidden_layers
     pfx = f"model.layers.{n}."
     sd = {k[len(pfx):]: v for k, v in load_file(case_dir / "model.safetensors").items() if k.startswith(pfx)}
