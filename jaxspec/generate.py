@@ -183,7 +183,6 @@ def generate(
     if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
         plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
     window = getattr(target.config, "sliding_window", None)
-    dense_limit = getattr(target.config, "max_dense_positions", None)  # DSA: dense == sparse up to index_topk
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
         if total > engine.max_seq_len:
@@ -193,11 +192,6 @@ def generate(
             )
         if window is not None and total > window:
             raise ValueError(f"prompt {i} needs {total} positions; the model's sliding window is {window}")
-        if dense_limit is not None and total + plan.lookahead > dense_limit:
-            raise ValueError(
-                f"prompt {i} needs {total + plan.lookahead} positions; this DSA model runs dense attention, "
-                f"which equals its sparse attention only up to index_topk = {dense_limit} positions"
-            )
     stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
     keys = _request_keys(seed, sampling)
     requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]

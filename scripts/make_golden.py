@@ -148,7 +148,7 @@ class RoutingProbe:
         self.min_margin = float("inf")
         self.handles = []
         for mod in modules:
-            if type(mod).__name__ == "DeepseekV3TopkRouter":
+            if type(mod).__name__ in ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter"):
                 self.handles.append(mod.register_forward_pre_hook(self._hook))
 
     def _hook(self, mod, args):
@@ -1035,6 +1035,11 @@ def main() -> None:
     cases.append(make_eagle3_case(out, "eagle3_layers0", target_dir, layout="layers.0", seed=8100))
     cases.append(make_eagle1_case(out, "eagle1", target_dir, seed=9000))
 
+    # Cases written by sibling scripts (scripts/make_golden_dsa.py) stay in the manifest.
+    path = out / "manifest.json"
+    own = {c["name"] for c in cases}
+    if path.exists():
+        cases += [c for c in json.loads(path.read_text())["cases"] if c["name"] not in own]
     manifest = {
         "generator": "scripts/make_golden.py",
         "transformers_version": transformers.__version__,

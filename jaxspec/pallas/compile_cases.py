@@ -13,6 +13,8 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   scratch with ancestor masks), page sizes 16 and 64.
 * DeepSeek-V3 MLA: 128 heads, latent 512 + rope 64, 61 layers; decode and verify n=8 at
   batch 1 and 32.
+* DeepSeek-V3.2 sparse MLA: the same heads over 2048 slots selected per query row (the
+  indexer's top-k), decode at batch 1 and 32, verify n=8 at batch 32.
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
   512 (full layers, 32 / 4 heads). They need not meet the spill criterion, but then the
@@ -32,6 +34,7 @@ from jaxspec.pallas import block_table
 from jaxspec.pallas.gather_extras import gather_spec_extras_pallas
 from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
+from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention_pallas
 from jaxspec.pallas.paged_attention import paged_attention_pallas
 
 _BF16 = jnp.bfloat16
@@ -100,6 +103,21 @@ def mla_attention_case(s: AttentionShape):
                                     sm_scale=(128 + 64) ** -0.5, interpret=False)
 
     return fn, (q_latent, q_rope, pool, _sds((), _I32), table, prefix, mask)
+
+
+def mla_sparse_attention_case(batch: int, rows: int, selected: int = 2048, context: int = 8192):
+    """DeepSeek-V3.2 DSA: every query row attends over ``selected`` slots of a pool holding
+    ``context`` positions per request."""
+    m = DSV3
+    q_latent = _sds((batch, rows, m["q_heads"], m["latent"]), _BF16)
+    q_rope = _sds((batch, rows, m["q_heads"], m["rope"]), _BF16)
+    pool = _sds((m["layers"], batch * context + 64, m["latent"] + m["rope"]), _BF16)
+    slots = _sds((batch, rows, selected), _I32)
+
+    def fn(ql, qr, kv, layer, slots):
+        return mla_sparse_attention_pallas(ql, qr, kv, layer, slots, sm_scale=(128 + 64) ** -0.5, interpret=False)
+
+    return fn, (q_latent, q_rope, pool, _sds((), _I32), slots)
 
 
 def kv_move_case(layers: int, slots: int, rows: tuple[tuple[int, ...], ...], batch: int, steps: int):
@@ -207,6 +225,13 @@ CASES: list[CompileCase] = [
     _mla("deepseek-v3 mla decode B=32 p16", _decode(32, **DSV3)),
     _mla("deepseek-v3 mla verify n=8 B=1 p16", _verify(1, **DSV3)),
     _mla("deepseek-v3 mla verify n=8 B=32 p64", _verify(32, page=64, **DSV3)),
+    # DeepSeek-V3.2 sparse MLA over the indexer's 2048 picks per row
+    CompileCase("deepseek-v3.2 sparse mla decode B=1", "mla_sparse_attention",
+                functools.partial(mla_sparse_attention_case, 1, 1)),
+    CompileCase("deepseek-v3.2 sparse mla decode B=32", "mla_sparse_attention",
+                functools.partial(mla_sparse_attention_case, 32, 1)),
+    CompileCase("deepseek-v3.2 sparse mla verify n=8 B=32", "mla_sparse_attention",
+                functools.partial(mla_sparse_attention_case, 32, 8)),
     # KV move (tree compaction, S = 5 accepted at most) and the fused gather
     CompileCase("kv_move llama3-8b k+v B=32 S=6", "kv_move",
                 functools.partial(kv_move_case, 32, 32 * CTX + 16, ((8, 128), (8, 128)), 32, 6)),

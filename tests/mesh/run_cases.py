@@ -128,6 +128,8 @@ CASES = {
                                                  16, "perturbed"),
     "deepseek_moe_tp2_tree_mtp": lambda: lossless("deepseek_v3_moe", 2, 1,
                                                   js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
+    "deepseek_v32_tp2_tree_mtp": lambda: lossless("deepseek_v32_moe", 2, 1,
+                                                   js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),

@@ -44,6 +44,8 @@ def case(results, name) -> dict:
     ("llama_tp4_tree_perturbed", "standalone"),  # the same with a partly accepted draft: compaction moves KV
     ("qwen2_tp2_chain_standalone", "standalone"),  # Qwen2 q/k/v bias, TP=2, chain, page 1
     ("deepseek_moe_tp2_tree_mtp", "mtp"),  # MLA + MoE (experts split) + its MTP layer, TP=2, tree, page 16
+    # DSA: index_topk 8 over contexts to 64, the indexer replicated on both shards, MTP with its own indexer
+    ("deepseek_v32_tp2_tree_mtp", "mtp"),
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):

@@ -25,7 +25,7 @@ from jaxspec.model.targets import forward_sequence
 from tests.conftest import engine
 from tests.model.golden import arrays, case_dir, cases
 
-DEEPSEEK = [c for c in cases("target") if c["model_type"].startswith("deepseek")]
+DEEPSEEK = [c for c in cases("target") if c["model_type"] == "deepseek_v3"]  # V3.2: test_golden_dsa.py
 IDS = [c["name"] for c in DEEPSEEK]
 
 
@@ -65,9 +65,14 @@ def test_greedy_tokens_match_hf(name, page_size):
 
 @pytest.mark.parametrize("name", IDS)
 def test_mtp_head_matches_hf(name):
-    case, model, ref = load(name)
+    check_mtp_head(*load(name))
+
+
+def check_mtp_head(case, model, ref):
+    """The checkpoint's MTP layer over the golden sequence equals HF's block (hidden and logits)."""
     ckpt = SafetensorsCheckpoint(case_dir(case))
     params, cfg = load_mtp_params(ckpt, model.config, np.float32, target_params=model.params)
+    assert cfg.indexer == case["mtp"].get("indexer", False)
     assert cfg.layer_index == case["mtp"]["layer_index"]
     assert cfg.moe == (case["mtp"]["block"] == "moe")
     T = case["mtp"]["T"]
@@ -152,11 +157,10 @@ def test_v32_config_fields():
     cfg, _ = v32_model()
     assert cfg.arch == "deepseek_v32" and cfg.has_indexer
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (2, 8, 64)
-    assert cfg.max_dense_positions == 64
     pool = create_mla_pool(cfg, num_pages=3, page_size=4, dtype=jnp.float32)
     assert pool.kv.shape == (2, 12, 20) and pool.index_k.shape == (2, 12, 8)
     v3 = deepseek_config_from_hf({**V32_RAW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
-    assert not v3.has_indexer and v3.max_dense_positions is None
+    assert not v3.has_indexer
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

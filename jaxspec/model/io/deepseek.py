@@ -68,10 +68,14 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
             _kv_b(cfg),
             Param("wo", a + "o_proj.weight", (Hq * Dv, H), perm=LINEAR, tp=0)]
     if cfg.has_indexer if indexer is None else indexer:
-        Di = cfg.index_head_dim
-        out += [Param("idx_wk", a + "indexer.wk.weight", (H, Di), perm=LINEAR),
+        Di, Hi = cfg.index_head_dim, cfg.index_n_heads
+        # Replicated under tensor parallelism: every model shard selects the same positions.
+        out += [Param("idx_wq_b", a + "indexer.wq_b.weight", (cfg.q_lora_rank, Hi * Di), perm=LINEAR),
+                Param("idx_wk", a + "indexer.wk.weight", (H, Di), perm=LINEAR),
                 Param("idx_norm_w", a + "indexer.k_norm.weight", (Di,), init="ones"),
-                Param("idx_norm_b", a + "indexer.k_norm.bias", (Di,), init="zeros")]
+                Param("idx_norm_b", a + "indexer.k_norm.bias", (Di,), init="zeros"),
+                # HF keeps weights_proj in float32 (_keep_in_fp32_modules).
+                Param("idx_w_proj", a + "indexer.weights_proj.weight", (H, Hi), perm=LINEAR, dtype="float32")]
     out.append(Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="ones"))
     if not moe:
         I = cfg.intermediate_size

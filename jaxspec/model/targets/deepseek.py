@@ -15,17 +15,25 @@ with ``e_score_correction_bias`` for selection only, group-limited top-k, routed
 shared experts). The dense prefix and the MoE layers run as two ``lax.scan`` s (two compiled
 layer bodies, whatever the depth).
 
-DeepSeek-V3.2 (DSA) adds a lightning indexer per layer. Its per-token key
-``k_idx = RoPE_half(LayerNorm(h @ wk))`` (rotate-half RoPE on the first R dims) is written to
-``MLAPool.index_k`` with the latent. Attention stays dense: sparse top-k selection only changes
-anything for queries that see more than ``index_topk`` positions (see ``DeepseekConfig``).
+DeepSeek-V3.2 (DSA) adds a lightning indexer per layer (HF ``DeepseekV32Indexer``):
+
+    k_idx  = RoPE_half(LayerNorm(h @ wk))                 # [B, T, Di], written to MLAPool.index_k
+    q_idx  = RoPE_half((q_a_layernorm(q_a_proj(h))) @ wq_b)   # [B, T, Hi, Di]
+    w      = (h @ weights_proj) * Hi^-0.5 * Di^-0.5        # f32[B, T, Hi]
+    score[t, j] = sum_h w[t, h] relu(q_idx[t, h] . k_idx[j]) over the positions t may see
+
+(rotate-half RoPE on the FIRST R dims, unlike MLA's interleaved RoPE on its last R). Each row
+attends to its ``index_topk`` best positions only (``jaxspec.pallas.dsa_indexer``,
+``jaxspec.pallas.mla_sparse_attention``). A forward whose page table covers at most
+``index_topk`` positions attends densely: every visible position would be selected anyway.
 
 Params (linear weights ``[in, out]``; ``[Ls]`` = stacked over the layers of a scan):
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
     dense/, moe/ (each present when it has layers):
       attn_norm [Ls, H]; wq [Ls, H, Hq*Dqk]  or  wq_a [Ls, H, Rq], q_a_norm [Ls, Rq], wq_b [Ls, Rq, Hq*Dqk]
       wkv_a [Ls, H, C+R]; kv_a_norm [Ls, C]; w_uk [Ls, Hq, Dn, C]; w_uv [Ls, Hq, C, Dv]; wo [Ls, Hq*Dv, H]
-      idx_wk [Ls, H, Di], idx_norm_w, idx_norm_b [Ls, Di]              (V3.2 indexer)
+      idx_wq_b [Ls, Rq, Hi*Di], idx_wk [Ls, H, Di], idx_norm_w, idx_norm_b [Ls, Di],
+      idx_w_proj f32[Ls, H, Hi]                                         (V3.2 indexer)
       mlp_norm [Ls, H]
       dense: w_gate, w_up [Ls, H, I]; w_down [Ls, I, H]
       moe:   router [Ls, H, E]; router_bias f32[Ls, E]; experts_gate, experts_up [Ls, E, H, Im];
@@ -47,7 +55,9 @@ from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.layers import apply_rope, embed_lookup, rms_norm, swiglu
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
+from jaxspec.pallas.dsa_indexer import indexer_top_k
 from jaxspec.pallas.mla_attention import mla_attention
+from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention
 
 # ------------------------------------------------------------------------------------ pool
 
@@ -94,6 +104,27 @@ def indexer_key(
     return jnp.concatenate([k_rope, k[..., R:]], axis=-1)
 
 
+def indexer_query(
+    lp: dict, cfg: DeepseekConfig, h: jax.Array, q_resid: jax.Array, positions: jax.Array, inv_freq: np.ndarray
+) -> tuple[jax.Array, jax.Array]:  # [B, T, Hi, Di], f32[B, T, Hi]
+    """V3.2 indexer queries (from the q-LoRA residual ``q_resid``, rotate-half RoPE on the
+    first R dims of each head) and head weights carrying both of HF's scales
+    (``weights_proj(h) * Hi^-0.5 * Di^-0.5``; the second moves through the score's ReLU)."""
+    B, T, _ = h.shape
+    Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q = (q_resid @ lp["idx_wq_b"]).reshape(B, T, Hi, Di)
+    q = jnp.concatenate([_rope(q[..., :R], positions, cfg.rope, inv_freq, interleave=False), q[..., R:]], axis=-1)
+    w = jnp.dot(h.astype(jnp.float32), lp["idx_w_proj"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return q, w * (Hi ** -0.5 * Di ** -0.5)
+
+
+def uses_sparse_attention(cfg: DeepseekConfig, lp: dict, attn: AttentionInputs, page_size: int) -> bool:
+    """Static: this forward selects positions with the indexer. It does when the layer has
+    one and its page table covers more than ``index_topk`` positions; otherwise every row
+    sees at most ``index_topk`` positions, all of which the indexer would select (dense)."""
+    return "idx_wq_b" in lp and attn.page_table.shape[1] * page_size > cfg.index_topk
+
+
 def mla_attention_block(
     lp: dict,
     cfg: DeepseekConfig,
@@ -110,10 +141,12 @@ def mla_attention_block(
     B, T, _ = h.shape
     Hq, Dn, R, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     inv_freq = cfg.rope.inv_freq(R)
+    q_resid = None
     if cfg.q_lora_rank is None:
         q = h @ lp["wq"]
     else:
-        q = rms_norm(h @ lp["wq_a"], lp["q_a_norm"], cfg.rms_norm_eps) @ lp["wq_b"]
+        q_resid = rms_norm(h @ lp["wq_a"], lp["q_a_norm"], cfg.rms_norm_eps)  # [B, T, Rq]
+        q = q_resid @ lp["wq_b"]
     q = q.reshape(B, T, Hq, Dn + R)
     q_nope, q_rope = q[..., :Dn], q[..., Dn:]
     q_rope = _rope(q_rope, positions, cfg.rope, inv_freq, cfg.rope.interleave)  # [B, T, Hq, R]
@@ -125,16 +158,30 @@ def mla_attention_block(
     slots = attn.write_slots.reshape(B * T)
     pool = pool.write(layer, slots, row.reshape(B * T, -1), None if index_k is None else index_k.reshape(B * T, -1))
     q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
-
-    def attend(q_latent, q_rope, kv, layer, attn):  # per model shard: its heads, the whole latent
-        return mla_attention(
-            q_latent, q_rope, kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-            page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
-        )
-
     heads = P(None, None, MODEL, None)
-    o = per_model_shard(attend, in_specs=(heads, heads, P(), P(), jax.tree.map(lambda _: P(), attn)),
-                        out_specs=heads, shards=cfg.tensor_parallel)(q_latent, q_rope, pool.kv, layer, attn)  # [B, T, Hq, C]
+
+    if uses_sparse_attention(cfg, lp, attn, pool.page_size):
+        # Every model shard selects the same positions (replicated indexer), then attends
+        # with its own heads over them.
+        index_q, index_w = indexer_query(lp, cfg, h, q_resid, positions, inv_freq)
+        slots = indexer_top_k(index_q, index_w, pool.index_k, layer, attn.page_table, attn.prefix_lens,
+                              attn.block_mask, page_size=pool.page_size, topk=cfg.index_topk)  # i32[B, T, topk]
+
+        def attend_selected(q_latent, q_rope, kv, layer, slots):
+            return mla_sparse_attention(q_latent, q_rope, kv, layer, slots, sm_scale=cfg.sm_scale,
+                                        implementation=implementation)
+
+        o = per_model_shard(attend_selected, in_specs=(heads, heads, P(), P(), P()), out_specs=heads,
+                            shards=cfg.tensor_parallel)(q_latent, q_rope, pool.kv, layer, slots)  # [B, T, Hq, C]
+    else:
+        def attend(q_latent, q_rope, kv, layer, attn):  # per model shard: its heads, the whole latent
+            return mla_attention(
+                q_latent, q_rope, kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+                page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
+            )
+
+        o = per_model_shard(attend, in_specs=(heads, heads, P(), P(), jax.tree.map(lambda _: P(), attn)),
+                            out_specs=heads, shards=cfg.tensor_parallel)(q_latent, q_rope, pool.kv, layer, attn)
     o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, Hq * cfg.v_head_dim)
     return o @ lp["wo"], pool
 

@@ -113,10 +113,9 @@ class DeepseekConfig:
       kv_lora_rank: C, the latent width stored per token.
       qk_nope_head_dim / qk_rope_head_dim / v_head_dim: Dn, R, Dv per head.
       num_dense_layers: leading layers with a dense SwiGLU MLP (all of them when ``moe`` is None).
-      index_n_heads / index_head_dim / index_topk: the V3.2 indexer (0 = none). Attention is
-        computed densely, which equals DSA exactly while every query sees at most
-        ``index_topk`` KV positions; an engine must refuse sequences longer than that
-        (``max_dense_positions``).
+      index_n_heads / index_head_dim / index_topk: the V3.2 lightning indexer (0 = none):
+        each query row attends to the ``index_topk`` visible positions it scores best (DSA);
+        a forward whose context fits in ``index_topk`` positions attends densely (the same).
       num_nextn_predict_layers: MTP layers stored after the main layers (not run here).
       tensor_parallel: shards of the mesh's model axis the attention heads, dense MLPs, routed
         experts and vocabulary are split over (the latent KV stays whole on every shard).
@@ -152,10 +151,15 @@ class DeepseekConfig:
             raise ConfigError(f"num_dense_layers={self.num_dense_layers} outside [0, {self.num_layers}]")
         if self.moe is None and self.num_dense_layers != self.num_layers:
             raise ConfigError("a config without MoE fields must have only dense layers")
-        if self.has_indexer and not self.qk_rope_head_dim <= self.index_head_dim:
-            raise ConfigError(
-                f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"
-            )
+        if self.has_indexer:
+            if not self.qk_rope_head_dim <= self.index_head_dim:
+                raise ConfigError(
+                    f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"
+                )
+            if self.q_lora_rank is None:
+                raise ConfigError("the V3.2 indexer needs q_lora_rank (its queries come from the q LoRA)")
+            if self.index_n_heads < 1 or self.index_topk < 1:
+                raise ConfigError(f"index_n_heads={self.index_n_heads} and index_topk={self.index_topk} must be >= 1")
 
     @property
     def qk_head_dim(self) -> int:
@@ -173,11 +177,6 @@ class DeepseekConfig:
     @property
     def has_indexer(self) -> bool:
         return self.index_head_dim > 0
-
-    @property
-    def max_dense_positions(self) -> int | None:
-        """Longest sequence for which dense attention equals DSA (None: no limit)."""
-        return self.index_topk if self.has_indexer else None
 
     @property
     def sm_scale(self) -> float:

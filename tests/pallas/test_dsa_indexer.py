@@ -1,0 +1,113 @@
+"""DSA lightning indexer: index scores (jnp reference and the XLA path) against a float64 numpy
+oracle, and the top-k selection over the positions each row may see (causal prefill rows, tree
+rows that see the prefix and their own ancestors, never siblings), on fresh random problems."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas import dsa_indexer
+
+# Jitted: one compile each instead of op-by-op dispatch (keeps the test short).
+index_scores_reference = jax.jit(dsa_indexer.index_scores_reference, static_argnames="page_size")
+index_scores_xla = jax.jit(dsa_indexer.index_scores_xla, static_argnames="page_size")
+indexer_top_k = jax.jit(dsa_indexer.indexer_top_k, static_argnames=("page_size", "topk"))
+
+B, Hi, Di, L, P = 2, 3, 8, 2, 4
+# Tree of 5 rows: 0 root; 1, 2 children of 0; 3 child of 1; 4 child of 2 (ancestor-or-self mask).
+PARENT = [-1, 0, 0, 1, 2]
+
+
+def tree_mask() -> np.ndarray:  # bool[5, 5]
+    m = np.eye(5, dtype=bool)
+    for i, p in enumerate(PARENT):
+        while p >= 0:
+            m[i, p] = True
+            p = PARENT[p]
+    return m
+
+
+def problem(seed: int, T: int, prefix: list[int], W: int):
+    rng = np.random.default_rng(seed)
+    N = (B * W + 1) * P
+    table = (1 + rng.permutation(B * W)).reshape(B, W).astype(np.int32)
+    q = rng.standard_normal((B, T, Hi, Di)).astype(np.float32)
+    w = rng.standard_normal((B, T, Hi)).astype(np.float32)  # signed, like weights_proj
+    k = rng.standard_normal((L, N, Di)).astype(np.float32)
+    return q, w, k, table, np.asarray(prefix, np.int32)
+
+
+def oracle_scores(q, w, k, layer, table, prefix, visible_rows):
+    """float64 numpy: score[b, t, pos] = sum_h w relu(q.k), -inf where row t may not see pos."""
+    T = q.shape[1]
+    K = table.shape[1] * P
+    pos = np.arange(K)
+    slots = table[:, pos // P] * P + pos % P  # [B, K]
+    kk = k[layer][slots].astype(np.float64)  # [B, K, Di]
+    s = np.maximum(np.einsum("bthd,bkd->bthk", q.astype(np.float64), kk), 0)
+    score = np.einsum("bthk,bth->btk", s, w.astype(np.float64))
+    vis = np.zeros((B, T, K), bool)
+    for b in range(B):
+        for t in range(T):
+            vis[b, t, : prefix[b]] = True
+            for j in visible_rows(t):
+                vis[b, t, prefix[b] + j] = True
+    return np.where(vis, score, -np.inf), slots
+
+
+def check_selection(picked, score, slots, topk):
+    """Each row picks distinct visible slots whose scores are the row's top-k scores (ties at the
+    boundary may pick either slot); rows seeing fewer than topk positions pick all of them, -1 after."""
+    picked = np.asarray(picked)
+    for b in range(picked.shape[0]):
+        slot_score = dict(zip(slots[b].tolist(), score[b].T.tolist()))  # slot -> [T] scores
+        for t in range(picked.shape[1]):
+            row = score[b, t]
+            n_vis = int(np.isfinite(row).sum())
+            real = [s for s in picked[b, t].tolist() if s >= 0]
+            assert len(real) == len(set(real)) == min(topk, n_vis), (b, t, picked[b, t])
+            assert all(s == -1 for s in picked[b, t, len(real):])
+            got = np.sort([slot_score[s][t] for s in real])[::-1]
+            want = np.sort(row[np.isfinite(row)])[::-1][: len(real)]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["causal", "tree"])
+def test_index_scores_and_top_k_over_visible_positions(kind):
+    if kind == "causal":  # a prefill chunk after ragged prefixes (one empty)
+        T, prefix, block = 6, [0, 5], None
+        rows = lambda t: range(t + 1)  # noqa: E731
+    else:  # tree verify: prefix + own ancestors
+        T, prefix = 5, [9, 3]
+        block = np.broadcast_to(tree_mask(), (B, T, T))
+        rows = lambda t: np.nonzero(tree_mask()[t])[0]  # noqa: E731
+    W = 4
+    q, w, k, table, pre = problem(7 if kind == "causal" else 8, T, prefix, W)
+    args = (jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), jnp.int32(1), jnp.asarray(table), jnp.asarray(pre),
+            None if block is None else jnp.asarray(block))
+    score, slots = oracle_scores(q, w, k, 1, table, pre, rows)
+    for fn in (index_scores_reference, index_scores_xla):
+        got = np.asarray(fn(*args, page_size=P))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(score), fn.__name__)
+        np.testing.assert_allclose(got[np.isfinite(got)], score[np.isfinite(score)], rtol=1e-5, atol=1e-5)
+    for topk in (4, 16):  # some rows see more than topk positions, some fewer
+        picked = indexer_top_k(*args, page_size=P, topk=topk)
+        assert picked.shape == (B, T, topk) and picked.dtype == jnp.int32
+        check_selection(picked, score, slots, topk)
+    if kind == "tree":  # a sibling is never selected, even when it would score best
+        picked = np.asarray(picked)
+        for b in range(B):
+            sibling_slot = table[b, (pre[b] + 2) // P] * P + (pre[b] + 2) % P
+            assert sibling_slot not in picked[b, 1] and sibling_slot not in picked[b, 3]
+
+
+def test_bad_inputs_are_clear_errors():
+    q, w, k, table, pre = problem(0, 2, [1, 1], 2)
+    args = [jnp.asarray(a) for a in (q, w, k)] + [jnp.int32(0), jnp.asarray(table), jnp.asarray(pre), None]
+    with pytest.raises(ValueError, match="topk"):
+        dsa_indexer.indexer_top_k(*args, page_size=P, topk=2 * P + 1)
+    with pytest.raises(ValueError, match="weights"):
+        dsa_indexer.indexer_top_k(args[0], args[1][:, :, :1], *args[2:], page_size=P, topk=2)
