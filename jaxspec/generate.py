@@ -129,8 +129,8 @@ def generate(
     Args:
       target: from ``load_model``.
       prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
-      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone); None for plain decoding
-        through the same engine.
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone), an ``NgramDraft``
+        (model-free) or a ``HybridDraft``; None for plain decoding through the same engine.
       spec: the speculative step shape; required with a draft.
       sampling: one SamplingParams for every prompt or one per prompt.
       engine: page size, batch and length limits, kernels.
@@ -155,8 +155,12 @@ def generate(
         raise ValueError("spec was given without a draft model")
     if draft is not None:
         if not isinstance(draft, DraftModel):
-            raise ValueError(f"draft must come from jaxspec.load_draft, got {type(draft).__name__}")
+            raise ValueError(
+                f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
+                f"got {type(draft).__name__}"
+            )
         draft.config.check_fits(target.config)
+        draft.config.check_spec(spec)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
     adaptive = None

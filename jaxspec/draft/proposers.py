@@ -1,8 +1,11 @@
 """Draft loops, one per way of proposing, chosen by the draft's declared ``proposer``.
 
 A proposer has four static methods, called by ``jaxspec.draft.step`` and the engine's prefill:
-``propose`` (-> verify tree, sampling q, draft pool), ``feature`` (what it takes from the
-target's verify forward), ``extend`` (-> next bonus token and draft seed) and ``prefill``.
+``propose`` (-> verify tree, sampling q, which rows drafted, draft pool), ``feature`` (what it
+takes from the target's verify forward), ``extend`` (-> next bonus token and draft seed) and
+``prefill``. ``propose`` returns ``drafted`` as bool[B] when a row may have nothing to propose
+(the step then verifies the root alone when no active row drafted), or None when it always
+drafts (no such branch is compiled).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class NoDraft:
 
     @staticmethod
     def propose(plan: Plan, dparams, rows: StepRows, dpool, ctx: DraftContext):
-        return Root.build(rows.bonus, None, plan), None, dpool
+        return Root.build(rows.bonus, None, plan), None, None, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

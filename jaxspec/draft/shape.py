@@ -157,4 +157,4 @@ def shape_for(plan: Plan):
     """The one place that decides root / chain / tree."""
     if plan.spec is None:
         return Root
-    return Chain if plan.spec.topk == 1 else Tree
+    return Chain if plan.spec.is_chain else Tree  # a chain with a grafted n-gram branch is a tree
