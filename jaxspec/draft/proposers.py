@@ -10,6 +10,8 @@ drafts (no such branch is compiled).
 
 from __future__ import annotations
 
+from jaxspec.draft.hybrid import Hybrid
+from jaxspec.draft.lookup import Lookup
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.draft.shape import Root
@@ -36,7 +38,7 @@ class NoDraft:
         return seed, dpool
 
 
-PROPOSERS = {"recurrent": Recurrent}
+PROPOSERS = {"recurrent": Recurrent, "lookup": Lookup, "hybrid": Hybrid}
 
 
 def proposer_for(plan: Plan):
