@@ -34,9 +34,10 @@ class SpecConfig:
         depth has its own compiled program). Empty: fixed depth.
       ngram_tokens: G, hybrid drafting only (``jaxspec.HybridDraft``): tokens of an n-gram
         continuation grafted onto the model draft's tree as an extra branch from the root,
-        counted in ``num_draft_tokens`` (the model draft proposes the other n - 1 - G). At most
-        ``num_steps`` (the deepest a step accepts). A chain with grafted tokens is verified as
-        a tree, so ``topk=1`` then needs ``num_draft_tokens == num_steps + 1 + ngram_tokens``.
+        counted in ``num_draft_tokens`` (the model draft proposes the other n - 1 - G with its
+        usual depth ``num_steps``; the branch may be deeper). A chain with grafted tokens is
+        verified as a tree, so ``topk=1`` then needs ``num_draft_tokens == num_steps + 1 +
+        ngram_tokens``.
     """
 
     num_steps: int = 5
@@ -58,11 +59,8 @@ class SpecConfig:
                 f"got {self.num_draft_tokens}"
             )
         G = self.ngram_tokens
-        if not isinstance(G, int) or isinstance(G, bool) or not 0 <= G <= self.num_steps:
-            raise ValueError(
-                f"SpecConfig.ngram_tokens must be an int in [0, num_steps={self.num_steps}] (a grafted "
-                f"n-gram branch is at most as deep as a step accepts), got {G!r}"
-            )
+        if not isinstance(G, int) or isinstance(G, bool) or G < 0:
+            raise ValueError(f"SpecConfig.ngram_tokens must be an int >= 0, got {G!r}")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1 + G:
             what, got = ("num_steps + 1 + ngram_tokens", f", ngram_tokens={G}") if G else ("num_steps + 1", "")
             raise ValueError(
@@ -123,9 +121,14 @@ class SpecConfig:
         return dataclasses.replace(self, num_draft_tokens=self.num_draft_tokens - self.ngram_tokens, ngram_tokens=0)
 
     @property
+    def depth(self) -> int:
+        """The deepest verify node: S, or a deeper grafted n-gram branch."""
+        return max(self.num_steps, self.ngram_tokens)
+
+    @property
     def max_accept(self) -> int:
-        """Most tokens one step can emit: S accepted drafts + 1 bonus token."""
-        return self.num_steps + 1
+        """Most tokens one step can emit: ``depth`` accepted drafts + 1 bonus token."""
+        return self.depth + 1
 
     @property
     def exact_sampling(self) -> bool:

@@ -5,11 +5,11 @@ target forward verifies both.
 
 Grafting keeps siblings distinct (tree sampling needs it): where the continuation's first
 tokens already form a path of the model's tree, its remaining tokens hang below that path, and
-the slots of the shared prefix are detached. Branch token i sits at depth i + 1 either way, so
-G <= num_steps keeps it within what a step accepts.
+the slots of the shared prefix are detached. Branch token i sits at depth i + 1 either way; the
+step accepts down to max(num_steps, G), so the branch may reach deeper than the model's tree.
 
 Glossary: B rows, n num_draft_tokens, G ngram_tokens, nb = n - G model-tree nodes (root
-included), S num_steps, A = S + 1.
+included), S num_steps, A = max(S, G) + 1.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def graft(
     tree: tree_lib.Tree,  # the model draft's tree, nb nodes
     branch: jax.Array,  # i32[B, G] n-gram continuation
     found: jax.Array,  # bool[B] the row has one
-    max_depth: int,  # S >= G
+    max_depth: int,  # the deepest node: max(S, G)
 ) -> tree_lib.Tree:  # n = nb + G nodes
     """Appends the branch as nodes nb .. nb + G - 1 below the deepest node of ``tree`` on the
     path its first tokens spell (the root when its first token is no child of the root)."""
@@ -49,7 +49,7 @@ def graft(
         on_path = on_path & jnp.any(child, axis=1)
         at = jnp.where(on_path, jnp.argmax(child, axis=1).astype(jnp.int32), at)
         shared = shared + on_path
-    # ``at`` is ``shared`` levels deep, so branch token i lands at depth i + 1 <= G <= S.
+    # ``at`` is ``shared`` levels deep, so branch token i lands at depth i + 1 <= G.
     i = jnp.arange(G, dtype=jnp.int32)[None, :]
     parent = jnp.where(i == shared[:, None], at[:, None], nb + i - 1)  # [B, G]
     parent = jnp.where(found[:, None] & (i >= shared[:, None]), parent, tree_lib.DETACHED)
@@ -84,7 +84,7 @@ class Hybrid:
         tree, _, _, dpool = _model_proposer(plan).propose(inner, dparams, _model_rows(rows), dpool, ctx)
         G = plan.spec.ngram_tokens
         (branch,), found = ngram_paths(plan.draft.ngram.model, rows.seed.ngram.history, rows.seq_lens + 1, (G,))
-        return graft(tree, branch, found[:, 0], plan.spec.num_steps), None, None, dpool
+        return graft(tree, branch, found[:, 0], plan.spec.depth), None, None, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

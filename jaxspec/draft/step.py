@@ -13,7 +13,8 @@ A draft loop that may have nothing to propose (n-gram lookup) says which rows dr
 active row did, a ``lax.cond`` verifies the root alone (one token, as plain decoding does) and
 pads its outputs to the full step's shapes. Loops that always draft compile no cond.
 
-Glossary: B rows, S num_steps, n num_draft_tokens, A = S + 1, V vocabulary.
+Glossary: B rows, S num_steps, n num_draft_tokens, A = S + 1 (more when a grafted n-gram branch
+is deeper: ``SpecConfig.max_accept``), V vocabulary.
 """
 
 from __future__ import annotations

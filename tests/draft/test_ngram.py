@@ -171,8 +171,11 @@ def test_spec_validation_for_n_gram_trees_and_hybrids(tiny_target):
         js.HybridDraft(ngram)
     with pytest.raises(ValueError, match=r"verifies exactly num_steps \+ 1 \+ ngram_tokens"):
         js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, ngram_tokens=2)
-    with pytest.raises(ValueError, match=r"ngram_tokens must be an int in \[0, num_steps=3\]"):
-        js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, ngram_tokens=4)
+    with pytest.raises(ValueError, match=r"ngram_tokens must be an int >= 0"):
+        js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, ngram_tokens=-1)
+    with pytest.raises(ValueError, match="leaves no node for the model draft"):
+        js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5, ngram_tokens=4)
+    assert js.SpecConfig(num_steps=2, topk=1, num_draft_tokens=8, ngram_tokens=5).max_accept == 6  # a deep branch
 
 
 # ----------------------------------------------------------------------------- the no-match step
@@ -292,7 +295,7 @@ CASES = [  # (draft, spec, page, prompts)
     ("ngram", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "repeats4"),
     ("ngram", js.SpecConfig.chain(3), 16, "plain1"),
     ("ngram", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "plain1"),
-    ("eagle3", js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=7, ngram_tokens=3), 16, "repeats4"),
+    ("eagle3", js.SpecConfig(num_steps=2, topk=1, num_draft_tokens=8, ngram_tokens=5), 16, "repeats4"),  # deeper
     ("perturbed", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, ngram_tokens=3), 1, "plain4"),
 ]
 
@@ -309,8 +312,10 @@ def test_n_gram_and_hybrid_greedy_equal_plain_greedy(tiny_target, draft, spec, p
     assert out.token_ids == plain(target, ps, page)
     assert out.kv_pages_free == out.kv_pages_total
     lens = np.concatenate([s.accept_lens for s in out.stats])
-    assert lens.min() >= 1 and lens.max() <= spec.num_steps + 1
-    assert (lens >= 3).sum() >= 2 and (lens < spec.num_steps + 1).any(), lens  # drafts partly accepted
+    assert lens.min() >= 1 and lens.max() <= spec.max_accept
+    assert (lens >= 3).sum() >= 2 and (lens < spec.max_accept).any(), lens  # drafts partly accepted
+    if spec.ngram_tokens > spec.num_steps:
+        assert lens.max() > spec.num_steps + 1, lens  # accepted deeper than the model's chain: on the branch
     if len(ps) == 1:  # the run had steps with a match and steps without (verified by the root alone)
         matched = matched_steps(ps[0], out.token_ids[0], out.stats[0].accept_lens, NGRAM.config.model)
         assert any(matched) and not all(matched), matched
