@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import tree as tree_lib
-from jaxspec.draft.lookup import append_emitted, ngram_paths, prompt_history
+from jaxspec.draft.lookup import append_emitted, ngram_paths, prefix_for, prompt_history
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.model.drafts.base import DraftContext
@@ -79,12 +79,15 @@ class Hybrid:
 
     @staticmethod
     def propose(plan: Plan, dparams, rows: StepRows, dpool, ctx: DraftContext):
-        """-> (tree of n nodes, None, None: it always drafts, dpool)."""
-        inner = model_plan(plan)
+        """-> (tree of n nodes, None, VerifyPrefix (the model's tree and as much of the branch as
+        its match length asks for; None when not adaptive: all n), dpool)."""
+        inner, cfg = model_plan(plan), plan.draft.ngram.model
         tree, _, _, dpool = _model_proposer(plan).propose(inner, dparams, _model_rows(rows), dpool, ctx)
         G = plan.spec.ngram_tokens
-        (branch,), found = ngram_paths(plan.draft.ngram.model, rows.seed.ngram.history, rows.seq_lens + 1, (G,))
-        return graft(tree, branch, found[:, 0], plan.spec.depth), None, None, dpool
+        (branch,), match = ngram_paths(cfg, rows.seed.ngram.history, rows.seq_lens + 1, (G,))
+        nb = tree.tokens.shape[1]
+        prefix = prefix_for(cfg, match[:, 0], nb, G) if cfg.adaptive else None
+        return graft(tree, branch, match[:, 0] > 0, plan.spec.depth), None, prefix, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

@@ -10,7 +10,9 @@ on device, with static shapes (``NgramDraft``).
 A continuation that runs into the present repeats with its period (the match at q predicts
 position L + i from q + 1 + i, which for i >= L - q - 1 is itself a drafted position), so a
 recent match still proposes num_steps tokens. A row with no match drafts nothing; a step in
-which no active row drafted verifies the root alone (``jaxspec.draft.step``).
+which no active row drafted verifies the root alone (``jaxspec.draft.step``). With
+``NgramConfig.adaptive`` a chain after a match of k tokens asks for min(num_steps, 2**k) of its
+tokens to be verified: short matches predict short runs, and verifying costs per token.
 
 Glossary: B rows, M history width, L valid history length (= seq_len + 1, the root included),
 K paths (topk), S num_steps, n num_draft_tokens, V vocabulary.
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft import tree as tree_lib
-from jaxspec.draft.plan import Plan, StepRows
+from jaxspec.draft.plan import Plan, StepRows, VerifyPrefix
 from jaxspec.model.drafts.base import DraftContext
 from jaxspec.model.drafts.ngram import NgramConfig, NgramSeed
 
@@ -56,7 +58,7 @@ def pick_matches(
     history: jax.Array,  # i32[B, M]
     best: jax.Array,  # i32[B, M] from match_lengths
     num: int,
-) -> tuple[jax.Array, jax.Array]:  # start i32[B, num], found bool[B, num]
+) -> tuple[jax.Array, jax.Array]:  # start i32[B, num], match length i32[B, num] (0: none)
     """Up to ``num`` matches, longest first and most recent among equals, whose next tokens
     differ (so the paths they start are distinct siblings). ``start``: where each continuation
     begins (the position after the match)."""
@@ -64,14 +66,15 @@ def pick_matches(
     q = jnp.arange(M, dtype=jnp.int32)[None, :]
     score = jnp.where(best > 0, best * M + q, -1)  # [B, M]
     after = jnp.pad(history[:, 1:], ((0, 0), (0, 1)))  # [B, M]: the token following each end position
-    starts, found = [], []
+    starts, lengths = [], []
     for _ in range(num):
         end = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
-        found.append(jnp.take_along_axis(score, end[:, None], axis=1)[:, 0] >= 0)
+        top = jnp.take_along_axis(score, end[:, None], axis=1)[:, 0]
+        lengths.append(jnp.where(top >= 0, top // M, 0))
         starts.append(end + 1)
         first = jnp.take_along_axis(after, end[:, None], axis=1)  # [B, 1]
         score = jnp.where(after == first, -1, score)  # one path per first token
-    return jnp.stack(starts, axis=1), jnp.stack(found, axis=1)
+    return jnp.stack(starts, axis=1), jnp.stack(lengths, axis=1)
 
 
 def continuation(
@@ -91,12 +94,27 @@ def ngram_paths(
     history: jax.Array,  # i32[B, M]
     length: jax.Array,  # i32[B] L
     path_lengths: tuple[int, ...],
-) -> tuple[list[jax.Array], jax.Array]:  # tokens [B, path_lengths[j]] per path, found bool[B, K]
-    """The continuations of the best ``len(path_lengths)`` matches (``pick_matches``)."""
+) -> tuple[list[jax.Array], jax.Array]:  # tokens [B, path_lengths[j]] per path, match length i32[B, K]
+    """The continuations of the best ``len(path_lengths)`` matches (``pick_matches``) and the
+    length of each match (0: no path)."""
     best = match_lengths(history, length, cfg.max_ngram, cfg.min_ngram)
-    start, found = pick_matches(history, best, len(path_lengths))
+    start, match = pick_matches(history, best, len(path_lengths))
     paths = [continuation(history, length, start[:, j], n) for j, n in enumerate(path_lengths)]
-    return paths, found
+    return paths, match
+
+
+def prefix_for(
+    cfg: NgramConfig,
+    match: jax.Array,  # i32[B] length of the match a branch continues (0: none)
+    base: int,  # nodes verified in any case (the root; a hybrid's model tree)
+    limit: int,  # the branch's static length
+) -> VerifyPrefix:
+    """How much of a chain-like branch to verify: ``base + cfg.draft_len(k, limit)`` nodes after a
+    match of k tokens, among the static sizes those lengths give."""
+    lens = [cfg.draft_len(k, limit) for k in range(cfg.max_ngram + 1)]  # index: match length (0: none)
+    lens = [n if k == 0 or k >= cfg.min_ngram else 0 for k, n in enumerate(lens)]
+    wanted = base + jnp.asarray(lens, jnp.int32)[match]
+    return VerifyPrefix(wanted=wanted, sizes=tuple(sorted({base + n for n in lens})))
 
 
 def path_lengths(num_nodes: int, num_paths: int, max_len: int) -> tuple[int, ...]:
@@ -163,15 +181,23 @@ class Lookup:
 
     @staticmethod
     def propose(plan: Plan, dparams, rows: StepRows, dpool, ctx: DraftContext):
-        """-> (tree, one-hot q f32[B, S, V] for chain sampling else None, drafted bool[B], dpool)."""
-        spec = plan.spec
-        lengths = path_lengths(spec.num_draft_tokens - 1, spec.topk, spec.num_steps)
-        paths, found = ngram_paths(plan.draft.model, rows.seed.history, rows.seq_lens + 1, lengths)
-        tree = paths_tree(rows.bonus, paths, found, spec.num_steps)
+        """-> (tree, one-hot q f32[B, S, V] for chain sampling else None, VerifyPrefix, dpool).
+
+        A chain is verified as far as its match length asks (``NgramConfig.draft_len``), a tree
+        whole; either only the root when no row matched."""
+        spec, cfg = plan.spec, plan.draft.model
+        n = spec.num_draft_tokens
+        lengths = path_lengths(n - 1, spec.topk, spec.num_steps)
+        paths, match = ngram_paths(cfg, rows.seed.history, rows.seq_lens + 1, lengths)
+        tree = paths_tree(rows.bonus, paths, match > 0, spec.num_steps)
+        if spec.topk == 1:
+            prefix = prefix_for(cfg, match[:, 0], 1, spec.num_steps)
+        else:
+            prefix = VerifyPrefix(wanted=jnp.where(match[:, 0] > 0, n, 1), sizes=(1, n))
         # A deterministic proposal is a one-hot q: rejection sampling accepts x with p(x) and
         # resamples from p without x, exactly the target's distribution.
         q_all = jax.nn.one_hot(tree.tokens[:, 1:], plan.target.vocab_size) if plan.draft_samples else None
-        return tree, q_all, jnp.any(found, axis=1), dpool
+        return tree, q_all, prefix, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

@@ -1,11 +1,12 @@
 """Draft loops, one per way of proposing, chosen by the draft's declared ``proposer``.
 
 A proposer has four static methods, called by ``jaxspec.draft.step`` and the engine's prefill:
-``propose`` (-> verify tree, sampling q, which rows drafted, draft pool), ``feature`` (what it
-takes from the target's verify forward), ``extend`` (-> next bonus token and draft seed) and
-``prefill``. ``propose`` returns ``drafted`` as bool[B] when a row may have nothing to propose
-(the step then verifies the root alone when no active row drafted), or None when it always
-drafts (no such branch is compiled).
+``propose`` (-> verify tree, sampling q, how much of the tree to verify, draft pool), ``feature``
+(what it takes from the target's verify forward), ``extend`` (-> next bonus token and draft
+seed) and ``prefill``. ``propose`` returns a ``VerifyPrefix`` when its proposals vary in length
+(the step then verifies the shortest precompiled prefix of the tree that every active row needs:
+the root alone when none drafted), or None when the whole tree is always verified (no branch is
+compiled).
 """
 
 from __future__ import annotations

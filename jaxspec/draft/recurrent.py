@@ -67,8 +67,8 @@ class Recurrent:
 
     @staticmethod
     def propose(plan: Plan, dparams: dict, rows: StepRows, dpool, ctx: DraftContext):
-        """S levels of candidates -> (tree, q_all f32[B, S, V] for chain sampling else None, None (it
-        always drafts), dpool)."""
+        """S levels of candidates -> (tree, q_all f32[B, S, V] for chain sampling else None, None (the
+        whole tree is verified), dpool)."""
         draft, shape, spec = plan.draft, shape_for(plan), plan.spec
         K, S = spec.topk, spec.num_steps
         B = rows.bonus.shape[0]

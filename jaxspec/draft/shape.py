@@ -88,7 +88,8 @@ class Chain:
         coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))  # [B, n]
         coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))  # [B]
         if plan.draft_samples:
-            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, : plan.spec.num_steps], coin_final)
+            drafted = tree.tokens.shape[1] - 1  # num_steps, or fewer when a prefix is verified
+            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, :drafted], coin_final)
         return _target_only(plan, tree, p, coins, coin_final)
 
     @staticmethod

@@ -9,9 +9,11 @@
 Which draft loop (``proposers``) and which tree shape (``shape``) is decided once per plan;
 nothing here asks which draft kind is running. The engine commits the returned tokens.
 
-A draft loop that may have nothing to propose (n-gram lookup) says which rows drafted; when no
-active row did, a ``lax.cond`` verifies the root alone (one token, as plain decoding does) and
-pads its outputs to the full step's shapes. Loops that always draft compile no cond.
+A draft loop whose proposals vary in length (n-gram lookup) says how many leading nodes of its
+tree each row wants verified (``VerifyPrefix``); a ``lax.switch`` verifies the shortest of a few
+precompiled prefixes that covers every active row, padded to the full step's output shapes. When
+no active row drafted, that is the root alone: one token, as plain decoding does. Loops that always
+draft the whole tree compile no switch.
 
 Glossary: B rows, S num_steps, n num_draft_tokens, A = S + 1 (more when a grafted n-gram branch
 is deeper: ``SpecConfig.max_accept``), V vocabulary.
@@ -25,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.proposers import proposer_for
 from jaxspec.draft.shape import Root, shape_for
@@ -72,7 +75,7 @@ def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, t
     return accept_lens, predict, feature, tpool
 
 
-def _pad_rows(x: jax.Array | None, rows: int) -> jax.Array | None:  # [B, 1, ...] -> [B, rows, ...]
+def _pad_rows(x: jax.Array | None, rows: int) -> jax.Array | None:  # [B, a, ...] -> [B, rows, ...]
     return None if x is None else jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
@@ -80,22 +83,30 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
     """propose -> verify -> accept -> compact -> extend for every row; returns
     (StepOutput, target pool, draft pool)."""
     proposer, shape = proposer_for(plan), shape_for(plan)
-    tree, q_all, drafted, dpool = proposer.propose(plan, dparams, rows, dpool,
-                                                   DraftContext(page_table, rows.seq_lens, tpool))
+    tree, q_all, prefix, dpool = proposer.propose(plan, dparams, rows, dpool,
+                                                  DraftContext(page_table, rows.seq_lens, tpool))
     feature_of = functools.partial(proposer.feature, plan)
 
-    def full(tpool):
-        return verify_and_accept(plan, shape, tparams, rows, tree, q_all, tpool, page_table, feature_of)
-
-    def root_only(tpool):  # what plain decoding does, padded to the full step's output shapes
-        accept_lens, predict, feature, tpool = verify_and_accept(
-            plan, Root, tparams, rows, Root.build(rows.bonus, None, plan), None, tpool, page_table, feature_of)
+    def verify_first(m: int, tpool):
+        """verify -> accept -> compact over the tree's first m nodes (m = 1: the root alone, as
+        plain decoding), outputs padded to the full step's shapes."""
+        if m == 1:
+            sub_shape, sub_tree, sub_q = Root, Root.build(rows.bonus, None, plan), None
+        else:
+            sub_shape, sub_tree = shape, tree_lib.truncate(tree, m)
+            sub_q = None if q_all is None else q_all[:, : m - 1]
+        accept_lens, predict, feature, tpool = verify_and_accept(plan, sub_shape, tparams, rows, sub_tree, sub_q,
+                                                                 tpool, page_table, feature_of)
         return accept_lens, _pad_rows(predict, plan.max_accept), _pad_rows(feature, plan.max_accept), tpool
 
-    if drafted is None:
-        accept_lens, predict, feature, tpool = full(tpool)
+    if prefix is None:
+        accept_lens, predict, feature, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all, tpool,
+                                                                 page_table, feature_of)
     else:
-        accept_lens, predict, feature, tpool = jax.lax.cond(jnp.any(drafted & rows.active), full, root_only, tpool)
+        need = jnp.max(jnp.where(rows.active, prefix.wanted, 1))
+        branch = jnp.sum(jnp.asarray(prefix.sizes[:-1], jnp.int32) < need)  # the smallest size >= need
+        branches = [functools.partial(verify_first, m) for m in prefix.sizes]
+        accept_lens, predict, feature, tpool = jax.lax.switch(branch, branches, tpool)
     bonus, seed, dpool = proposer.extend(plan, dparams, rows, predict, feature, accept_lens, dpool,
                                          DraftContext(page_table, rows.seq_lens, tpool))
     return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed), tpool, dpool

@@ -184,6 +184,16 @@ def link_tree(
     return Tree(tokens=tokens, depth=depth, parent=parent, mask=mask, **_links(parent))
 
 
+def truncate(tree: Tree, m: int) -> Tree:
+    """The first ``m`` nodes of ``tree`` (a tree: every builder here numbers parents before
+    children)."""
+    if m == tree.tokens.shape[1]:
+        return tree
+    parent = tree.parent[:, :m]
+    return Tree(tokens=tree.tokens[:, :m], depth=tree.depth[:, :m], parent=parent, mask=tree.mask[:, :m, :m],
+                **_links(parent))
+
+
 def chain_tree(bonus: jax.Array, draft_tokens: jax.Array) -> Tree:
     """The topk=1 tree, built statically: node i has parent i-1 and depth i."""
     B, m = draft_tokens.shape

@@ -40,7 +40,7 @@ from tests.draft.test_lossless import drafts
 
 
 def reference_paths(history, length, max_ngram, min_ngram, path_lengths):
-    """Plain Python: [(found, tokens)] per path."""
+    """Plain Python: [(match length (0: none), tokens)] per path."""
     h = [int(t) for t in history[:length]]
     matches = []  # (k, end position q): the k tokens ending at q equal the last k (q <= L - 2)
     for q in range(length - 1):
@@ -49,19 +49,20 @@ def reference_paths(history, length, max_ngram, min_ngram, path_lengths):
             matches.append((max(ks), q))
     matches.sort(reverse=True)  # longest, then most recent
     picked, firsts = [], set()
-    for _, q in matches:
+    for k, q in matches:
         if h[q + 1] not in firsts:
             firsts.add(h[q + 1])
-            picked.append(q + 1)
+            picked.append((k, q + 1))
     out = []
     for j, count in enumerate(path_lengths):
         if j >= len(picked):
-            out.append((False, None))
+            out.append((0, None))
             continue
+        k, start = picked[j]
         ext = list(h)  # what the match predicts is read on as it is drafted
         for i in range(count):
-            ext.append(ext[picked[j] + i])
-        out.append((True, ext[length:]))
+            ext.append(ext[start + i])
+        out.append((k, ext[length:]))
     return out
 
 
@@ -74,14 +75,15 @@ def test_lookup_follows_its_rule(max_ngram, min_ngram, path_lengths):
     length[:3] = [1, 2, M]
     history[3, :8], length[3] = [0, 1, 2, 3, 0, 1, 2, 3], 8  # a period-4 repeat: continuation wraps
     cfg = js.NgramDraft(max_ngram=max_ngram, min_ngram=min_ngram).config.model
-    paths, found = jax.jit(lookup.ngram_paths, static_argnums=(0, 3))(cfg, history, length, path_lengths)
-    paths, found = [np.asarray(p) for p in paths], np.asarray(found)
+    paths, match = jax.jit(lookup.ngram_paths, static_argnums=(0, 3))(cfg, history, length, path_lengths)
+    paths, match = [np.asarray(p) for p in paths], np.asarray(match)
     for b in range(B):
-        for j, (ref_found, ref_tokens) in enumerate(reference_paths(history[b], length[b], max_ngram, min_ngram,
+        for j, (ref_match, ref_tokens) in enumerate(reference_paths(history[b], length[b], max_ngram, min_ngram,
                                                                     path_lengths)):
-            assert found[b, j] == ref_found, (b, j)
-            if ref_found:
+            assert match[b, j] == ref_match, (b, j)
+            if ref_match:
                 assert paths[j][b].tolist() == ref_tokens, (b, j, history[b, :length[b]])
+    found = match > 0
     assert found[:, -1].any() and (~found[:, 0]).any()  # every path is found somewhere, and missed
     if min_ngram == 1:
         assert paths[0][3].tolist() == [0, 1, 2, 3, 0]  # "0 1 2 3 0 1 2 3" goes on "0 1 2 3 0"
@@ -182,8 +184,8 @@ def test_spec_validation_for_n_gram_trees_and_hybrids(tiny_target):
 
 
 def _one_step(tiny_target, ngram, prompts, page_size=4):
-    """Prefill ``prompts`` (batch 2) and run one n-gram chain step. Returns (the KV written at
-    positions seq_len + 1 .. seq_len + S per row (bool[B]), accept_lens)."""
+    """Prefill ``prompts`` (batch 2) and run one n-gram chain step (S = 3). Returns (how many of
+    the positions seq_len + 1 .. seq_len + S got KV, per row; accept_lens)."""
     spec = js.SpecConfig.chain(3)
     plan = Plan(target=tiny_target.config, draft=ngram.config, spec=spec, page_size=page_size, steps_per_call=1)
     B, W, T = 2, 32, 128
@@ -208,7 +210,7 @@ def _one_step(tiny_target, ngram, prompts, page_size=4):
     ahead = seq_lens[:, None] + 1 + np.arange(spec.num_steps)[None, :]  # [B, S] past the root
     slots = np.asarray(positions_to_slots(table, jnp.asarray(ahead), page_size))
     k = np.asarray(tpool.k)
-    written = np.asarray([np.abs(k[:, slots[b]]).sum() > 0 for b in range(B)])
+    written = np.asarray([int((np.abs(k[:, slots[b]]).sum(axis=(0, 2, 3)) > 0).sum()) for b in range(B)])
     root = np.asarray(positions_to_slots(table, jnp.asarray(seq_lens[:, None]), page_size))[:, 0]
     assert all(np.abs(k[:, root[b]]).sum() > 0 for b in range(B))  # the root's KV is written either way
     return written, np.asarray(state.out_lens) - 1
@@ -216,30 +218,42 @@ def _one_step(tiny_target, ngram, prompts, page_size=4):
 
 def test_a_step_where_nothing_matches_verifies_only_the_root(tiny_target):
     """No repeated bigram in either row's history: the step writes the root's KV and nothing past
-    it. When one row matches (its prompt holds every token, so its first token recurs), the step
-    verifies the full chain for every active row."""
+    it. When one row matches (its prompt holds every token once, so its first token recurs: a
+    match of one token, which asks for 2 drafts), the step verifies root + 2 nodes for every
+    active row; without ``adaptive`` it verifies the whole chain (root + 3)."""
     bigrams = js.NgramDraft(max_ngram=3, min_ngram=2)
     written, emitted = _one_step(tiny_target, bigrams, [list(range(1, 13)), [60, 3, 14]])
-    assert not written.any() and (emitted == 1).all()
+    assert written.tolist() == [0, 0] and emitted.tolist() == [1, 1]
     unigrams = js.NgramDraft(max_ngram=3, min_ngram=1)
-    written, emitted = _one_step(tiny_target, unigrams, [list(range(96)), [60, 3, 14]])
-    assert written.all()
+    written, _ = _one_step(tiny_target, unigrams, [list(range(96)), [60, 3, 14]])
+    assert written.tolist() == [2, 2]
+    written, _ = _one_step(tiny_target, js.NgramDraft(max_ngram=3, min_ngram=1, adaptive=False),
+                           [list(range(96)), [60, 3, 14]])
+    assert written.tolist() == [3, 3]
 
 
-def _conds(jaxpr) -> int:
-    n = 0
+def _switches(jaxpr) -> list[int]:
+    """Branch counts of every cond / switch in ``jaxpr``, nested ones included."""
+    out = []
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "cond"
-        n += sum(_conds(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
-    return n
+        if eqn.primitive.name == "cond":
+            out.append(len(eqn.params["branches"]))
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            out += _switches(sub)
+    return out
 
 
-def test_only_a_draft_loop_that_may_not_draft_compiles_a_cond(tiny_target):
+def test_only_draft_loops_with_varying_proposals_compile_a_switch(tiny_target):
+    """An n-gram chain switches among the root alone and the lengths its match lengths ask for
+    (S = 3: 1, 1 + 2, 1 + 3 nodes), a hybrid among its model tree plus 0 or 2 grafted tokens; a
+    model draft alone, or a hybrid that always verifies everything, compiles none."""
     eagle = drafts(tiny_target)["eagle3"]
     chain = js.SpecConfig.chain(3)
-    for draft, spec, conds in [(js.NgramDraft(), chain, 1), (eagle, chain, 0),
-                               (js.HybridDraft(eagle), js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6,
-                                                                     ngram_tokens=2), 0)]:
+    hybrid_spec = js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6, ngram_tokens=2)
+    for draft, spec, switches in [
+        (js.NgramDraft(), chain, [3]), (js.NgramDraft(adaptive=False), chain, [2]), (eagle, chain, []),
+        (js.HybridDraft(eagle), hybrid_spec, [2]), (js.HybridDraft(eagle, js.NgramDraft(adaptive=False)), hybrid_spec, []),
+    ]:
         plan = Plan(target=tiny_target.config, draft=draft.config, spec=spec, page_size=4)
         tpool = create_target_pool(tiny_target.config, num_pages=9, page_size=4, dtype=jnp.float32)
         dpool = draft.config.create_pool(num_pages=9, page_size=4, dtype=jnp.float32)
@@ -247,7 +261,7 @@ def test_only_a_draft_loop_that_may_not_draft_compiles_a_cond(tiny_target):
                                   seed=draft.config.empty_seed(2, dtype=jnp.float32, max_len=16))
         jaxpr = jax.make_jaxpr(functools.partial(decode_step, plan))(tiny_target.params, draft.params, state, tpool,
                                                                      dpool, jnp.ones((2, 4), jnp.int32))
-        assert _conds(jaxpr.jaxpr) == conds, draft
+        assert _switches(jaxpr.jaxpr) == switches, draft
 
 
 # ----------------------------------------------------------------------------- lossless end to end
@@ -285,7 +299,7 @@ def matched_steps(prompt, tokens, accept_lens, cfg) -> list[bool]:
     out, emitted = [], 1  # the first token comes from the prefill
     for n in accept_lens:
         history = list(prompt) + tokens[:emitted]
-        out.append(reference_paths(history, len(history), cfg.max_ngram, cfg.min_ngram, (1,))[0][0])
+        out.append(reference_paths(history, len(history), cfg.max_ngram, cfg.min_ngram, (1,))[0][0] > 0)
         emitted += n
     return out
 

@@ -41,10 +41,19 @@ class NgramSeed:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NgramConfig:
-    """max_ngram, min_ngram: the longest and shortest suffix of the history looked up."""
+    """max_ngram, min_ngram: the longest and shortest suffix of the history looked up.
+    adaptive: a match of k tokens drafts ``min(limit, 2**k)`` tokens (``draft_len``), else always
+    ``limit`` (a chain's num_steps, a hybrid's ngram_tokens)."""
 
     max_ngram: int = 4
     min_ngram: int = 1
+    adaptive: bool = True
+
+    def draft_len(self, match_len: int, limit: int) -> int:
+        """Tokens drafted for a match of ``match_len`` tokens (0: none)."""
+        if match_len == 0:
+            return 0
+        return min(limit, 2**match_len) if self.adaptive else limit
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram"):
@@ -53,6 +62,8 @@ class NgramConfig:
                 raise ValueError(f"NgramDraft.{name} must be a positive int, got {value!r}")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"NgramDraft: min_ngram={self.min_ngram} > max_ngram={self.max_ngram}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"NgramDraft.adaptive must be a bool, got {self.adaptive!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,16 +130,24 @@ class NgramDraft(DraftModel):
     recent longest match, a tree (``topk`` > 1) up to ``topk`` such continuations with distinct
     first tokens. A step with no match in any row verifies the root alone.
 
+    Args:
+      max_ngram, min_ngram: the longest and shortest suffix looked up.
+      adaptive: chains (and a hybrid's n-gram branch) verify ``min(num_steps, 2**k)`` drafted
+        tokens after a match of k tokens, since a short match predicts a short run: each step
+        verifies the longest any active row asks for, among a few precompiled lengths. False:
+        every match is verified to ``num_steps``.
+
     Raises:
       ValueError: ``max_ngram`` or ``min_ngram`` not a positive int, or ``min_ngram > max_ngram``.
     """
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
-        super().__init__(config=NgramLookup(NgramConfig(max_ngram=max_ngram, min_ngram=min_ngram)), params={})
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, adaptive: bool = True):
+        cfg = NgramConfig(max_ngram=max_ngram, min_ngram=min_ngram, adaptive=adaptive)
+        super().__init__(config=NgramLookup(cfg), params={})
 
     def __repr__(self) -> str:
         cfg = self.config.model
-        return f"NgramDraft(max_ngram={cfg.max_ngram}, min_ngram={cfg.min_ngram})"
+        return f"NgramDraft(max_ngram={cfg.max_ngram}, min_ngram={cfg.min_ngram}, adaptive={cfg.adaptive})"
 
 
 @jax.tree_util.register_dataclass
