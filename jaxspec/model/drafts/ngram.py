@@ -162,7 +162,8 @@ class HybridSeed:
 @dataclasses.dataclass(frozen=True)
 class Hybrid(Draft):
     """A model draft (``model``, itself a ``Draft``) whose tree gets an n-gram branch
-    (``ngram``). Everything but proposing is the model draft's."""
+    (``ngram``). The hybrid proposer drives ``model`` directly; what the step and the engine ask
+    of a draft (its feature, pool, fit) is the model draft's, and the seed holds both."""
 
     model: Draft
     ngram: NgramLookup
@@ -184,22 +185,6 @@ class Hybrid(Draft):
     def aux_layers(self) -> tuple[int, ...]:
         return self.model.aux_layers
 
-    @property
-    def hidden_size(self) -> int:
-        return self.model.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.num_layers
-
-    @property
-    def target_hidden_size(self) -> int | None:
-        return self.model.target_hidden_size
-
     def empty_seed(self, batch: int, *, dtype, max_len: int) -> HybridSeed:
         return HybridSeed(base=self.model.empty_seed(batch, dtype=dtype, max_len=max_len),
                           ngram=self.ngram.empty_seed(batch, dtype=dtype, max_len=max_len))
@@ -210,23 +195,8 @@ class Hybrid(Draft):
     def forward(self, *args, **kwargs):
         return self.model.forward(*args, **kwargs)
 
-    def target_feature(self, out):
-        return self.model.target_feature(out)
-
-    def extend(self, *args, **kwargs):
-        return self.model.extend(*args, **kwargs)
-
-    def root(self, *args, **kwargs):
-        return self.model.root(*args, **kwargs)
-
     def logits(self, params, logit_in):
         return self.model.logits(params, logit_in)
-
-    def to_target_ids(self, params, index):
-        return self.model.to_target_ids(params, index)
-
-    def target_vocab_logits(self, params, logits):
-        return self.model.target_vocab_logits(params, logits)
 
     def check_fits(self, target_cfg) -> None:
         self.model.check_fits(target_cfg)
@@ -238,7 +208,7 @@ class Hybrid(Draft):
             raise ValueError(
                 "a HybridDraft grafts SpecConfig.ngram_tokens n-gram tokens onto the model draft's tree; "
                 "set ngram_tokens >= 1 (counted in num_draft_tokens), e.g. "
-                "SpecConfig(num_steps=5, topk=1, num_draft_tokens=10, ngram_tokens=4)"
+                "SpecConfig(num_steps=3, topk=1, num_draft_tokens=12, ngram_tokens=8)"
             )
         self.model.check_spec(spec.model_spec)
 
