@@ -28,9 +28,9 @@ def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):
 def test_generate_with_the_ngram_draft(capsys):
     """``--draft ngram``: model-free drafting on the demo target (its code completions repeat)."""
     assert main(["generate", "--draft", "ngram", "--max-new-tokens", "32", "--repeats", "1", "--ignore-eos",
-                 "--steps", "4"]) == 0
+                 "--steps", "4", "--no-compare"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    m = re.search(r"tokens: 32 .* mean accept length: ([\d.]+) .* speedup: ([\d.]+)x", summary)
+    m = re.search(r"tokens: 32 .* mean accept length: ([\d.]+)", summary)
     assert m and float(m[1]) > 1.0, summary
 
 

@@ -52,7 +52,6 @@ def drafts():
         "eagle3": eagle,
         # One-hot proposals from the request's history (every token of V recurs in it).
         "ngram": js.NgramDraft(max_ngram=2, min_ngram=1),
-        "hybrid": js.HybridDraft(eagle, js.NgramDraft(max_ngram=2, min_ngram=1)),
     }
 
 
@@ -112,10 +111,6 @@ CASES = [
     pytest.param("perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6), FILTERED,
                  id="tree_k3_n6_target_only_topk_topp"),
     pytest.param("ngram", js.SpecConfig.chain(3), HOT, id="ngram_chain_S3_one_hot_rejection"),
-    pytest.param("ngram", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), FILTERED,
-                 id="ngram_tree_k2_n4_target_only_topk_topp"),
-    pytest.param("hybrid", js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6, ngram_tokens=2), HOT,
-                 id="hybrid_chain_S3_g2_target_only"),
 ]
 
 
