@@ -171,7 +171,8 @@ def generate(
     plans = {}  # depth -> Plan, for adaptive chains
     mesh = target.mesh
     data_shards = axis_size(mesh, DATA)
-    if draft is not None and getattr(draft, "mesh", None) is not mesh:
+    # A draft without parameters (NgramDraft) serves any mesh; its per-row state follows the rows.
+    if draft is not None and jax.tree_util.tree_leaves(draft.params) and getattr(draft, "mesh", None) is not mesh:
         raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
     plan = Plan(
         target=target.config,

@@ -236,7 +236,8 @@ class HybridDraft(DraftModel):
         ngram = NgramDraft() if ngram is None else ngram
         if not isinstance(ngram, NgramDraft):
             raise ValueError(f"HybridDraft's ngram must be a jaxspec.NgramDraft, got {type(ngram).__name__}")
-        super().__init__(config=Hybrid(draft.config, ngram.config), params=draft.params, path=draft.path)
+        super().__init__(config=Hybrid(draft.config, ngram.config), params=draft.params, path=draft.path,
+                         mesh=draft.mesh)
         self.base = draft
         self.ngram = ngram
 
