@@ -1,4 +1,4 @@
-"""jaxspec: lossless speculative decoding (EAGLE, EAGLE-3, MTP) in JAX with Pallas kernels."""
+"""jaxspec: lossless speculative decoding (EAGLE, EAGLE-3, MTP, n-gram lookup) in JAX with Pallas kernels."""
 
 from jaxspec.config import EngineConfig as EngineConfig
 from jaxspec.config import SamplingParams as SamplingParams
@@ -8,6 +8,8 @@ from jaxspec.generate import GenerateOutput as GenerateOutput
 from jaxspec.generate import generate as generate
 from jaxspec.mesh import make_mesh as make_mesh
 from jaxspec.model.drafts import DraftModel as DraftModel
+from jaxspec.model.drafts import HybridDraft as HybridDraft
+from jaxspec.model.drafts import NgramDraft as NgramDraft
 from jaxspec.model.drafts import standalone_draft as standalone_draft
 from jaxspec.model.io.drafts import load_draft as load_draft
 from jaxspec.model.io.loader import load_model as load_model

@@ -12,7 +12,12 @@ line per batch size).
 
 Configuration names: ``plain``; ``chain<S>`` (topk 1, S draft steps); ``tree<K>x<n>`` (topk K,
 n verified tokens, S = ``--tree-steps`` raised to the smallest valid depth when needed);
-``tree<K>x<n>s<S>`` (explicit S).
+``tree<K>x<n>s<S>`` (explicit S). Model-free n-gram drafting (``NgramDraft``, ``--ngram-max``,
+``--ngram-min``): ``ngram<S>`` (a chain) and ``ngram<K>x<n>[s<S>]`` (a tree of K paths). A hybrid
+grafts G n-gram tokens onto the model draft's chain or tree: ``chain<S>+ng<G>`` (n = S + 1 + G),
+``tree<K>x<n>[s<S>]+ng<G>`` (n counts the G grafted tokens).
+
+    jaxspec bench --batches 1 --configs plain,chain3,ngram5,ngram2x11,chain3+ng4,tree4x16+ng5
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class BenchConfig:
     num_steps: int = 0  # 0: plain decoding
     topk: int = 1
     num_draft_tokens: int = 1
+    ngram_tokens: int = 0  # hybrid: n-gram tokens grafted onto the model draft's tree
+    drafter: str = "model"  # "model" (the loaded draft), "ngram" (model-free) or "hybrid"
 
     @property
     def is_plain(self) -> bool:
@@ -46,31 +53,62 @@ class BenchConfig:
         from jaxspec.config import SpecConfig
 
         return None if self.is_plain else SpecConfig(
-            num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+            num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
+            ngram_tokens=self.ngram_tokens)
+
+    def draft(self, model_draft, ngram):
+        """The draft this configuration runs: None (plain), ``ngram``, ``model_draft`` or their hybrid."""
+        import jaxspec as js
+
+        if self.is_plain:
+            return None
+        if self.drafter == "ngram":
+            return ngram
+        if model_draft is None:
+            raise ValueError(f"bench configuration {self.name!r} needs a model draft (--draft)")
+        return js.HybridDraft(model_draft, ngram) if self.drafter == "hybrid" else model_draft
 
 
 def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
-    """``plain`` | ``chain<S>`` | ``tree<K>x<n>`` | ``tree<K>x<n>s<S>`` -> BenchConfig (validated)."""
+    """``plain`` | ``chain<S>`` | ``tree<K>x<n>[s<S>]`` | ``ngram<S>`` | ``ngram<K>x<n>[s<S>]`` |
+    ``chain<S>+ng<G>`` | ``tree<K>x<n>[s<S>]+ng<G>`` -> BenchConfig (validated)."""
     from jaxspec.config import SpecConfig
 
     name = name.strip()
     if name == "plain":
         return BenchConfig("plain")
-    if m := re.fullmatch(r"chain(\d+)", name):
-        s = int(m.group(1))
-        SpecConfig.chain(s)
-        return BenchConfig(name, s, 1, s + 1)
-    if m := re.fullmatch(r"tree(\d+)x(\d+)(?:s(\d+))?", name):
-        k, n = int(m.group(1)), int(m.group(2))
-        if m.group(3):
-            s = int(m.group(3))
-        else:  # smallest S >= tree_steps with n - 1 <= k + (S - 1) k^2
-            s = tree_steps
-            while n - 1 > k + (s - 1) * k * k:
+    base, _, graft = name.partition("+")
+    G = 0
+    if graft:
+        if not (m := re.fullmatch(r"ng(\d+)", graft)) or base.startswith("ngram"):
+            raise ValueError(f"unknown bench configuration {name!r}: a hybrid is chain<S>+ng<G> or tree<K>x<n>+ng<G>")
+        G = int(m.group(1))
+    drafter = "hybrid" if G else "model"
+    if m := re.fullmatch(r"(chain|ngram)(\d+)", base):
+        s = int(m.group(2))
+        drafter = "ngram" if m.group(1) == "ngram" else drafter
+        cfg = BenchConfig(name, s, 1, s + 1 + G, G, drafter)
+    elif m := re.fullmatch(r"(tree|ngram)(\d+)x(\d+)(?:s(\d+))?", base):
+        k, n = int(m.group(2)), int(m.group(3))
+        if m.group(1) == "ngram":
+            drafter = "ngram"
+            s = int(m.group(4)) if m.group(4) else max(tree_steps, -(-(n - 1) // k))  # K paths of <= S tokens
+        elif m.group(4):
+            s = int(m.group(4))
+        else:  # smallest S >= tree_steps (and >= G) with n - 1 - G <= k + (S - 1) k^2
+            s = max(tree_steps, G)
+            while n - 1 - G > k + (s - 1) * k * k:
                 s += 1
-        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
-        return BenchConfig(name, s, k, n)
-    raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>])")
+        cfg = BenchConfig(name, s, k, n, G, drafter)
+    else:
+        raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>], ngram<S>, "
+                         f"ngram<K>x<n>[s<S>], chain<S>+ng<G>, tree<K>x<n>[s<S>]+ng<G>)")
+    spec = cfg.spec()  # validates
+    if drafter == "ngram":
+        from jaxspec.model.drafts.ngram import NgramConfig, NgramLookup
+
+        NgramLookup(NgramConfig()).check_spec(spec)
+    return cfg
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
@@ -92,8 +130,10 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repeats, temperature=0.0,
-              page_size=16) -> list[dict]:
-    """Measures every (batch, configuration); returns one row per measurement.
+              page_size=16, ngram=None) -> list[dict]:
+    """Measures every (batch, configuration); returns one row per measurement. ``draft``: the
+    model draft of chain / tree / hybrid configurations; ``ngram``: the ``NgramDraft`` of n-gram
+    and hybrid configurations (default ``NgramDraft()``).
 
     Per batch size: every configuration is warmed up (compiled) first, then the timed runs go
     round-robin over the configurations ``repeats`` times, so a change in machine load hits
@@ -103,6 +143,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
     from tqdm.auto import tqdm
 
     rows = []
+    ngram = js.NgramDraft() if ngram is None else ngram
     longest = max(len(p) for p in prompts)
     sampling = js.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=())
     bar = tqdm(total=len(batches) * len(configs) * (repeats + 1), desc="bench", unit="run", dynamic_ncols=True)
@@ -112,7 +153,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         runnable, results = [], {}
         for cfg in configs:
             bar.set_postfix(batch=batch, config=cfg.name, phase="warm-up")
-            kw = dict(draft=None if cfg.is_plain else draft, spec=cfg.spec(), sampling=sampling, engine=engine,
+            kw = dict(draft=cfg.draft(draft, ngram), spec=cfg.spec(), sampling=sampling, engine=engine,
                       progress=False)
             try:
                 js.generate(target, batch_prompts, **kw)  # warm-up: compiles
@@ -130,7 +171,8 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         plain_tps = None
         for cfg in configs:
             row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
-                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature)
+                       num_draft_tokens=cfg.num_draft_tokens, ngram_tokens=cfg.ngram_tokens, drafter=cfg.drafter,
+                       temperature=temperature)
             res = results[cfg.name]
             if isinstance(res, Exception):
                 rows.append(dict(row, error=str(res)))
@@ -149,15 +191,15 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'config':<12}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+    head = f"{'config':<16}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
+            lines.append(f"{r['config']:<16}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
                          f"{r['batch']:>6}  unsupported: {r['error']}")
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
+        lines.append(f"{r['config']:<16}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
                      f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}")
     return "\n".join(lines)
 
@@ -214,16 +256,17 @@ def cmd_bench(args) -> int:
     if not configs[0].is_plain:
         configs.insert(0, parse_config("plain"))  # speedups need the baseline first
     target = js.load_model(target_path, dtype=args.dtype, progress=False)
-    if any(not c.is_plain for c in configs) and not draft_path:
-        raise ValueError("speculative configurations need --draft")
+    if any(c.drafter != "ngram" and not c.is_plain for c in configs) and not draft_path:
+        raise ValueError("chain, tree and hybrid configurations need --draft")
     draft = js.load_draft(draft_path, target) if draft_path else None
+    ngram = js.NgramDraft(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
     prompts = load_prompts(args, target.tokenizer)
     print(f"target {target_path}\ndraft  {draft_path}\ndevice {device_name()}\n"
           f"{len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, batches {args.batches}, {args.repeats} repeats", file=sys.stderr)
     t = time.perf_counter()
     rows = run_sweep(target, draft, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
-                     repeats=args.repeats, temperature=args.temperature, page_size=args.page_size)
+                     repeats=args.repeats, temperature=args.temperature, page_size=args.page_size, ngram=ngram)
     table = format_table(rows)
     print(table)
     result = dict(
@@ -261,6 +304,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated (default: the full sweep)")
     p.add_argument("--batches", type=_ints, default=[1, 4, 16], help="comma-separated batch sizes (default 1,4,16)")
     p.add_argument("--tree-steps", type=int, default=5, help="default draft depth S of tree configurations")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram drafts look up (default 4)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram drafts look up (default 1)")
     p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out files) or files/directories, comma-separated")
     p.add_argument("--ext", default=".py", help="suffixes taken from prompt directories")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -11,19 +11,53 @@ import time
 from jaxspec.demo import DEMO_DRAFT, DEMO_PROMPT, DEMO_TARGET
 
 
+NGRAM = "ngram"  # --draft ngram: model-free n-gram drafting (a directory of that name is given as ./ngram)
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="draft depth S (default 5)")
     p.add_argument("--topk", type=int, default=1, help="branching factor (1 = chain, default)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="n verified per step (default S+1 for chains)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="n verified per step, grafted n-gram tokens included (default: S+1 for chains, plus "
+                        "--ngram-tokens; topk*S+1 for n-gram trees)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix an n-gram draft looks up (default 4)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix an n-gram draft looks up (default 1)")
+    p.add_argument("--ngram-tokens", type=int, default=0,
+                   help="graft this many n-gram tokens onto the model draft's tree (a hybrid draft; default 0)")
 
 
-def _spec_from(args):
+def _spec_from(args, ngram_only: bool = False):
     from jaxspec.config import SpecConfig
 
-    n = args.num_draft_tokens if args.num_draft_tokens is not None else (
-        args.steps + 1 if args.topk == 1 else min(2 * args.steps * args.topk, args.topk + (args.steps - 1) * args.topk**2) + 1
-    )
-    return SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=n)
+    S, K, G = args.steps, args.topk, args.ngram_tokens
+    if args.num_draft_tokens is not None:
+        n = args.num_draft_tokens
+    elif K == 1:
+        n = S + 1 + G
+    elif ngram_only:
+        n = K * S + 1
+    else:
+        n = min(2 * S * K, K + (S - 1) * K**2) + 1 + G
+    return SpecConfig(num_steps=S, topk=K, num_draft_tokens=n, ngram_tokens=G)
+
+
+def _draft_from(args, target, draft_path):
+    """``--draft``: a checkpoint directory, ``ngram`` (model-free) or ``none``; ``--ngram-tokens``
+    grafts n-gram tokens onto a checkpoint's tree (``HybridDraft``)."""
+    import jaxspec as js
+
+    ngram = js.NgramDraft(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
+    if draft_path == NGRAM:
+        if args.ngram_tokens:
+            raise ValueError("--ngram-tokens grafts n-gram tokens onto a model draft's tree; --draft ngram drafts "
+                             "with n-grams alone (give a checkpoint as --draft for a hybrid)")
+        return ngram
+    if not draft_path or draft_path == "none":
+        if args.ngram_tokens:
+            raise ValueError("--ngram-tokens needs a model draft (--draft DIR) to graft onto")
+        return None
+    draft = js.load_draft(draft_path, target)
+    return js.HybridDraft(draft, ngram) if args.ngram_tokens else draft
 
 
 def cmd_generate(args) -> int:
@@ -35,8 +69,8 @@ def cmd_generate(args) -> int:
         print(f"error: target checkpoint not found: {target_path}", file=sys.stderr)
         return 2
     target = js.load_model(target_path, dtype=args.dtype)
-    draft = js.load_draft(draft_path, target) if draft_path and draft_path != "none" else None
-    spec = _spec_from(args) if draft is not None else None
+    draft = _draft_from(args, target, draft_path)
+    spec = _spec_from(args, ngram_only=draft_path == NGRAM) if draft is not None else None
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     sampling = js.SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -49,7 +83,8 @@ def cmd_generate(args) -> int:
         return js.generate(target, prompts, draft=d, spec=s, sampling=sampling, engine=engine, seed=args.seed,
                            progress=False)
 
-    print(f"target: {target_path}\ndraft:  {draft_path or 'none'}  {spec or ''}", file=sys.stderr)
+    shown = draft_path if draft is None or type(draft) is js.DraftModel else repr(draft)
+    print(f"target: {target_path}\ndraft:  {shown or 'none'}  {spec or ''}", file=sys.stderr)
     compare = draft is not None and not args.no_compare
     t = time.perf_counter()
     out = run(draft, spec)  # warm-up: compiles
@@ -87,7 +122,9 @@ def main(argv=None) -> int:
 
     g = sub.add_parser("generate", help="generate text, speculatively (defaults to the shipped demo pair)")
     g.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
-    g.add_argument("--draft", default=None, help="draft checkpoint directory, or 'none' (default: the demo EAGLE-3 head)")
+    g.add_argument("--draft", default=None,
+                   help="draft checkpoint directory, 'ngram' (model-free n-gram lookup; a directory named ngram is "
+                        "./ngram) or 'none' (default: the demo EAGLE-3 head)")
     g.add_argument("--prompt", default=None, help="prompt text (token ids separated by spaces if there is no tokenizer)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)

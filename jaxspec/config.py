@@ -56,6 +56,12 @@ class SpecConfig:
       adaptive_steps: chains only: candidate depths to switch among between executable
         calls, following the observed accept length (``num_steps`` is where it starts; each
         depth has its own compiled program). Empty: fixed depth.
+      ngram_tokens: G, hybrid drafting only (``jaxspec.HybridDraft``): tokens of an n-gram
+        continuation grafted onto the model draft's tree as an extra branch from the root,
+        counted in ``num_draft_tokens`` (the model draft proposes the other n - 1 - G with its
+        usual depth ``num_steps``; the branch may be deeper). A chain with grafted tokens is
+        verified as a tree, so ``topk=1`` then needs ``num_draft_tokens == num_steps + 1 +
+        ngram_tokens``.
     """
 
     num_steps: int = 5
@@ -64,6 +70,7 @@ class SpecConfig:
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
     adaptive_steps: tuple[int, ...] = ()
+    ngram_tokens: int = 0
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -75,11 +82,14 @@ class SpecConfig:
                 f"SpecConfig.num_draft_tokens must be >= 2 (root + at least one draft token), "
                 f"got {self.num_draft_tokens}"
             )
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+        G = self.ngram_tokens
+        if not isinstance(G, int) or isinstance(G, bool) or G < 0:
+            raise ValueError(f"SpecConfig.ngram_tokens must be an int >= 0, got {G!r}")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1 + G:
+            what, got = ("num_steps + 1 + ngram_tokens", f", ngram_tokens={G}") if G else ("num_steps + 1", "")
             raise ValueError(
-                f"SpecConfig: a chain (topk=1) verifies exactly num_steps + 1 tokens; got "
-                f"num_steps={self.num_steps}, num_draft_tokens={self.num_draft_tokens} "
-                f"(use num_draft_tokens={self.num_steps + 1})"
+                f"SpecConfig: a chain (topk=1) verifies exactly {what} tokens; got num_steps={self.num_steps}"
+                f"{got}, num_draft_tokens={self.num_draft_tokens} (use num_draft_tokens={self.num_steps + 1 + G})"
             )
         for name in ("accept_threshold_single", "accept_threshold_acc"):
             value = getattr(self, name)
@@ -89,16 +99,22 @@ class SpecConfig:
             steps = tuple(self.adaptive_steps)
             if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in steps):
                 raise ValueError(f"SpecConfig.adaptive_steps must be positive ints, got {steps!r}")
-            if self.topk != 1:
-                raise ValueError("SpecConfig.adaptive_steps is for chains (topk=1) only")
+            if self.topk != 1 or G:
+                raise ValueError("SpecConfig.adaptive_steps is for chains (topk=1, no ngram_tokens) only")
             if self.num_steps not in steps:
                 raise ValueError(f"SpecConfig.num_steps={self.num_steps} must be one of adaptive_steps {steps}")
             object.__setattr__(self, "adaptive_steps", tuple(sorted(set(steps))))
-        if self.num_draft_tokens - 1 > self.num_candidates:
+        if self.num_draft_tokens - 1 - G > self.num_candidates:
+            minus = " - ngram_tokens" if G else ""
             raise ValueError(
-                f"SpecConfig: num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the "
+                f"SpecConfig: num_draft_tokens - 1{minus} = {self.num_draft_tokens - 1 - G} exceeds the "
                 f"{self.num_candidates} candidates drafted by topk={self.topk}, "
                 f"num_steps={self.num_steps} (topk + (num_steps - 1) * topk**2)"
+            )
+        if G and self.num_draft_tokens - 1 - G < 1:
+            raise ValueError(
+                f"SpecConfig: num_draft_tokens={self.num_draft_tokens} leaves no node for the model draft "
+                f"next to ngram_tokens={G} (need num_draft_tokens >= ngram_tokens + 2)"
             )
 
     @classmethod
@@ -120,12 +136,23 @@ class SpecConfig:
 
     @property
     def is_chain(self) -> bool:
-        return self.topk == 1
+        """Verified as a chain: topk 1 and nothing grafted (a chain with grafts is a tree)."""
+        return self.topk == 1 and self.ngram_tokens == 0
+
+    @property
+    def model_spec(self) -> "SpecConfig":
+        """The part a hybrid's model draft proposes: this config without the grafted tokens."""
+        return dataclasses.replace(self, num_draft_tokens=self.num_draft_tokens - self.ngram_tokens, ngram_tokens=0)
+
+    @property
+    def depth(self) -> int:
+        """The deepest verify node: S, or a deeper grafted n-gram branch."""
+        return max(self.num_steps, self.ngram_tokens)
 
     @property
     def max_accept(self) -> int:
-        """Most tokens one step can emit: S accepted drafts + 1 bonus token."""
-        return self.num_steps + 1
+        """Most tokens one step can emit: ``depth`` accepted drafts + 1 bonus token."""
+        return self.depth + 1
 
     @property
     def exact_sampling(self) -> bool:
@@ -136,7 +163,7 @@ class SpecConfig:
     def uses_rejection_sampling(self) -> bool:
         """Chains at exact thresholds verify with the draft's probabilities (rejection
         sampling); everything else uses target-only tree sampling."""
-        return self.topk == 1 and self.exact_sampling
+        return self.is_chain and self.exact_sampling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

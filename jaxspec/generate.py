@@ -131,8 +131,8 @@ def generate(
     Args:
       target: from ``load_model``.
       prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
-      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone); None for plain decoding
-        through the same engine.
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone), an ``NgramDraft``
+        (model-free) or a ``HybridDraft``; None for plain decoding through the same engine.
       spec: the speculative step shape; required with a draft.
       sampling: one SamplingParams for every prompt or one per prompt.
       engine: page size, batch and length limits, kernels.
@@ -157,8 +157,12 @@ def generate(
         raise ValueError("spec was given without a draft model")
     if draft is not None:
         if not isinstance(draft, DraftModel):
-            raise ValueError(f"draft must come from jaxspec.load_draft, got {type(draft).__name__}")
+            raise ValueError(
+                f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
+                f"got {type(draft).__name__}"
+            )
         draft.config.check_fits(target.config)
+        draft.config.check_spec(spec)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
     adaptive = None
@@ -167,7 +171,8 @@ def generate(
     plans = {}  # depth -> Plan, for adaptive chains
     mesh = target.mesh
     data_shards = axis_size(mesh, DATA)
-    if draft is not None and getattr(draft, "mesh", None) is not mesh:
+    # A draft without parameters (NgramDraft) serves any mesh; its per-row state follows the rows.
+    if draft is not None and jax.tree_util.tree_leaves(draft.params) and getattr(draft, "mesh", None) is not mesh:
         raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
     plan = Plan(
         target=target.config,

@@ -27,6 +27,19 @@ def test_parse_config():
         parse_config("beam4")
     with pytest.raises(ValueError, match="exceeds"):
         parse_config("tree2x32s3")
+    c = parse_config("ngram8")
+    assert (c.drafter, c.num_steps, c.topk, c.num_draft_tokens) == ("ngram", 8, 1, 9)
+    c = parse_config("ngram2x13")  # S raised until 2 paths hold 12 tokens
+    assert (c.drafter, c.num_steps, c.topk, c.num_draft_tokens) == ("ngram", 6, 2, 13)
+    c = parse_config("chain3+ng8")  # the grafted tokens count in n
+    assert (c.drafter, c.num_steps, c.num_draft_tokens, c.ngram_tokens) == ("hybrid", 3, 12, 8)
+    assert c.spec().max_accept == 9
+    c = parse_config("tree4x16+ng5")
+    assert (c.drafter, c.num_steps, c.topk, c.num_draft_tokens, c.ngram_tokens) == ("hybrid", 5, 4, 16, 5)
+    with pytest.raises(ValueError, match="n-gram tree is topk paths"):
+        parse_config("ngram2x13s4")
+    with pytest.raises(ValueError, match="a hybrid is chain<S>"):
+        parse_config("ngram3+ng2")
 
 
 def test_tiny_sweep_writes_json_and_png(tmp_path, capsys):
@@ -38,13 +51,14 @@ def test_tiny_sweep_writes_json_and_png(tmp_path, capsys):
     export_eagle3(str(tmp_path / "head"), init_params(eagle_table(ecfg), 1), ecfg, target_num_layers=7)
     out = tmp_path / "bench.json"
     argv = ["bench", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts", str(corpus),
-            "--configs", "chain2", "--batches", "1", "--prompt-tokens", "8", "--max-new-tokens", "8",
+            "--configs", "chain2,ngram2", "--batches", "1", "--prompt-tokens", "8", "--max-new-tokens", "8",
             "--repeats", "1", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [r["config"] for r in rows] == ["plain", "chain2"]  # the baseline is added first
+    assert [r["config"] for r in rows] == ["plain", "chain2", "ngram2"]  # the baseline is added first
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0 and 1 <= rows[1]["mean_accept_len"] <= 3
+    assert [r["drafter"] for r in rows[1:]] == ["model", "ngram"] and all(r["speedup"] > 0 for r in rows)
     assert all(r["tokens"] == 8 for r in rows)
     assert (tmp_path / "bench.png").stat().st_size > 1000
     table = capsys.readouterr().out

@@ -23,3 +23,22 @@ def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):
     assert main(["generate", "--prompt", prompt, "--max-new-tokens", "8", "--repeats", "1", "--no-compare",
                  "--ignore-eos"]) == 0
     assert "tokens: 8 " in capsys.readouterr().out
+
+
+def test_generate_with_the_ngram_draft(capsys):
+    """``--draft ngram``: model-free drafting on the demo target (its code completions repeat)."""
+    assert main(["generate", "--draft", "ngram", "--max-new-tokens", "32", "--repeats", "1", "--ignore-eos",
+                 "--steps", "4", "--no-compare"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.search(r"tokens: 32 .* mean accept length: ([\d.]+)", summary)
+    assert m and float(m[1]) > 1.0, summary
+
+
+def test_generate_ngram_options_are_checked(capsys):
+    base = ["generate", "--max-new-tokens", "4", "--repeats", "1", "--no-compare"]
+    assert main(base + ["--draft", "./ngram"]) == 2  # a directory named ngram: there is none
+    assert main(base + ["--draft", "ngram", "--ngram-tokens", "2"]) == 2
+    assert main(base + ["--draft", "none", "--ngram-tokens", "2"]) == 2
+    assert main(base + ["--draft", "ngram", "--ngram-min", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--ngram-tokens grafts n-gram tokens onto a model draft" in err and "min_ngram=5 > max_ngram=4" in err

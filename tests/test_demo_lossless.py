@@ -45,3 +45,4 @@ def test_demo_pair_is_lossless(spec, page_size):
                       engine=js.EngineConfig(page_size=page_size, max_batch=4, max_seq_len=128), progress=False)
     assert out.token_ids == plain()
     assert out.mean_accept_len > 1.5  # the head was trained for this target: it drafts well
+

@@ -101,6 +101,22 @@ class StepRows:
         return self.temperature, self.top_k, self.top_p
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyPrefix:
+    """How much of its tree a proposal needs verified, for draft loops whose proposals vary in
+    length (n-gram lookup): the step verifies the first ``m`` nodes, ``m`` the smallest of
+    ``sizes`` covering ``wanted`` of every active row (tree nodes are numbered so that parents
+    come before children, so a prefix is a tree).
+
+    wanted: i32[B] leading nodes each row wants verified (1: the root alone, it drafted nothing).
+    sizes: static, ascending, at most n, the largest covering every ``wanted``; each size is its
+      own compiled branch.
+    """
+
+    wanted: jax.Array
+    sizes: tuple[int, ...]
+
+
 # Sub-streams of a step's key, one per use, so draws never share randomness.
 KEY_COINS, KEY_FINAL, KEY_SEED, KEY_DRAFT_STEP = 1, 2, 3, 16
 

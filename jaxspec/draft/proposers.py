@@ -1,12 +1,18 @@
 """Draft loops, one per way of proposing, chosen by the draft's declared ``proposer``.
 
 A proposer has four static methods, called by ``jaxspec.draft.step`` and the engine's prefill:
-``propose`` (-> verify tree, sampling q, draft pool), ``feature`` (what it takes from the
-target's verify forward), ``extend`` (-> next bonus token and draft seed) and ``prefill``.
+``propose`` (-> verify tree, sampling q, how much of the tree to verify, draft pool), ``feature``
+(what it takes from the target's verify forward), ``extend`` (-> next bonus token and draft
+seed) and ``prefill``. ``propose`` returns a ``VerifyPrefix`` when its proposals vary in length
+(the step then verifies the shortest precompiled prefix of the tree that every active row needs:
+the root alone when none drafted), or None when the whole tree is always verified (no branch is
+compiled).
 """
 
 from __future__ import annotations
 
+from jaxspec.draft.hybrid import Hybrid
+from jaxspec.draft.lookup import Lookup
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.draft.shape import Root
@@ -18,7 +24,7 @@ class NoDraft:
 
     @staticmethod
     def propose(plan: Plan, dparams, rows: StepRows, dpool, ctx: DraftContext):
-        return Root.build(rows.bonus, None, plan), None, dpool
+        return Root.build(rows.bonus, None, plan), None, None, dpool
 
     @staticmethod
     def feature(plan: Plan, out):
@@ -33,7 +39,7 @@ class NoDraft:
         return seed, dpool
 
 
-PROPOSERS = {"recurrent": Recurrent}
+PROPOSERS = {"recurrent": Recurrent, "lookup": Lookup, "hybrid": Hybrid}
 
 
 def proposer_for(plan: Plan):

@@ -67,7 +67,8 @@ class Recurrent:
 
     @staticmethod
     def propose(plan: Plan, dparams: dict, rows: StepRows, dpool, ctx: DraftContext):
-        """S levels of candidates -> (tree, q_all f32[B, S, V] for chain sampling else None, dpool)."""
+        """S levels of candidates -> (tree, q_all f32[B, S, V] for chain sampling else None, None (the
+        whole tree is verified), dpool)."""
         draft, shape, spec = plan.draft, shape_for(plan), plan.spec
         K, S = spec.topk, spec.num_steps
         B = rows.bonus.shape[0]
@@ -101,7 +102,7 @@ class Recurrent:
             topk_p, topk_index, q = _candidates(plan, dparams, logit_in, rows, KEY_DRAFT_STEP + i)  # [B, K, K]
             q_levels.append(q)
         q_all = jnp.stack(q_levels, axis=1) if plan.draft_samples else None  # [B, S, V]
-        return shape.build(rows.bonus, levels, plan), q_all, dpool
+        return shape.build(rows.bonus, levels, plan), q_all, None, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

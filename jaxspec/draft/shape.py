@@ -1,11 +1,13 @@
 """The shape of a step's verify tree, decided once per plan: a root alone (plain decoding), a
-chain (topk = 1, the static specialization of seed 000) or a tree (topk > 1).
+chain (topk = 1 with nothing grafted, the static specialization of seed 000) or a tree (topk > 1,
+or a hybrid's grafted n-gram branch).
 
 Everything that differs between them lives here, so the step and the draft loops never test
 ``topk``: the draft attention mask, organizing drafted candidates, building the verify tree,
 its verify mask, acceptance (greedy and sampled) and compaction of the accepted path.
 
-Glossary: B rows, K topk, S num_steps, n num_draft_tokens, A = S + 1, V vocabulary.
+Glossary: B rows, K topk, S num_steps, n num_draft_tokens, A = S + 1 (``SpecConfig.max_accept``:
+more when a grafted n-gram branch is deeper), V vocabulary.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class Chain:
         coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))  # [B, n]
         coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))  # [B]
         if plan.draft_samples:
-            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, : plan.spec.num_steps], coin_final)
+            drafted = tree.tokens.shape[1] - 1  # num_steps, or fewer when a prefix is verified
+            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, :drafted], coin_final)
         return _target_only(plan, tree, p, coins, coin_final)
 
     @staticmethod
@@ -119,7 +122,7 @@ class Tree:
     @staticmethod
     def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
         if plan.greedy_only:
-            return verify_tree_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), plan.spec.num_steps)
+            return verify_tree_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), plan.spec.depth)
         coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))
         coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))
         return _target_only(plan, tree, _target_p(plan, rows, logits), coins, coin_final)
@@ -136,7 +139,7 @@ class Tree:
 
 def _target_only(plan: Plan, tree, p, coins, coin_final):
     spec = plan.spec
-    return verify_tree_target_only(tree, p, coins, coin_final, spec.num_steps, spec.accept_threshold_single,
+    return verify_tree_target_only(tree, p, coins, coin_final, spec.depth, spec.accept_threshold_single,
                                    spec.accept_threshold_acc)
 
 
@@ -158,4 +161,4 @@ def shape_for(plan: Plan):
     """The one place that decides root / chain / tree."""
     if plan.spec is None:
         return Root
-    return Chain if plan.spec.topk == 1 else Tree
+    return Chain if plan.spec.is_chain else Tree  # a chain with a grafted n-gram branch is a tree

@@ -9,19 +9,28 @@
 Which draft loop (``proposers``) and which tree shape (``shape``) is decided once per plan;
 nothing here asks which draft kind is running. The engine commits the returned tokens.
 
-Glossary: B rows, S num_steps, n num_draft_tokens, A = S + 1, V vocabulary.
+A draft loop whose proposals vary in length (n-gram lookup) says how many leading nodes of its
+tree each row wants verified (``VerifyPrefix``); a ``lax.switch`` verifies the shortest of a few
+precompiled prefixes that covers every active row, padded to the full step's output shapes. When
+no active row drafted, that is the root alone: one token, as plain decoding does. Loops that always
+draft the whole tree compile no switch.
+
+Glossary: B rows, S num_steps, n num_draft_tokens, A = S + 1 (more when a grafted n-gram branch
+is deeper: ``SpecConfig.max_accept``), V vocabulary.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.proposers import proposer_for
-from jaxspec.draft.shape import shape_for
+from jaxspec.draft.shape import Root, shape_for
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.targets import target_forward, target_logits
@@ -40,29 +49,64 @@ class StepOutput:
     seed: DraftSeed
 
 
-def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_table: jax.Array):
-    """One target forward over the tree; KV written at seq_len + i, RoPE at seq_len + depth.
+def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_table: jax.Array, *, shape=None):
+    """One target forward over the tree's n nodes; KV written at seq_len + i, RoPE at
+    seq_len + depth, attention masked as ``shape`` (default: the plan's) verifies.
     Returns (logits f32[B, n, V], the ``ForwardOutput``, the target pool)."""
-    n = plan.num_verify
+    n = tree.tokens.shape[1]
     node = jnp.arange(n, dtype=jnp.int32)[None, :]
     write = jnp.where(rows.active[:, None], rows.seq_lens[:, None] + node, -1)
-    attn = AttentionInputs.build(page_table, rows.seq_lens, write, plan.page_size,
-                                 block_mask=shape_for(plan).verify_mask(tree))
+    shape = shape_for(plan) if shape is None else shape
+    attn = AttentionInputs.build(page_table, rows.seq_lens, write, plan.page_size, block_mask=shape.verify_mask(tree))
     positions = rows.seq_lens[:, None] + tree.depth
     out = target_forward(plan.target, tparams, tree.tokens, positions, tpool, attn,
                          aux_layers=plan.aux_layers, implementation=plan.implementation)
     return target_logits(plan.target, tparams, out.hidden), out, out.pool
 
 
+def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of):
+    """verify -> accept -> compact under ``shape``. Returns (accept_lens i32[B], predict i32[B, a]
+    emitted tokens front-compacted, the draft's feature [B, a, F] or None, tpool); a = 1 for
+    the root alone, else S + 1."""
+    logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table, shape=shape)
+    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, logits, q_all)
+    tpool, predict, feature = shape.compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict,
+                                            feature_of(out))
+    return accept_lens, predict, feature, tpool
+
+
+def _pad_rows(x: jax.Array | None, rows: int) -> jax.Array | None:  # [B, a, ...] -> [B, rows, ...]
+    return None if x is None else jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
 def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_table: jax.Array):
     """propose -> verify -> accept -> compact -> extend for every row; returns
     (StepOutput, target pool, draft pool)."""
     proposer, shape = proposer_for(plan), shape_for(plan)
-    tree, q_all, dpool = proposer.propose(plan, dparams, rows, dpool, DraftContext(page_table, rows.seq_lens, tpool))
-    logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table)
-    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, logits, q_all)
-    tpool, predict, feature = shape.compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict,
-                                            proposer.feature(plan, out))
+    tree, q_all, prefix, dpool = proposer.propose(plan, dparams, rows, dpool,
+                                                  DraftContext(page_table, rows.seq_lens, tpool))
+    feature_of = functools.partial(proposer.feature, plan)
+
+    def verify_first(m: int, tpool):
+        """verify -> accept -> compact over the tree's first m nodes (m = 1: the root alone, as
+        plain decoding), outputs padded to the full step's shapes."""
+        if m == 1:
+            sub_shape, sub_tree, sub_q = Root, Root.build(rows.bonus, None, plan), None
+        else:
+            sub_shape, sub_tree = shape, tree_lib.truncate(tree, m)
+            sub_q = None if q_all is None else q_all[:, : m - 1]
+        accept_lens, predict, feature, tpool = verify_and_accept(plan, sub_shape, tparams, rows, sub_tree, sub_q,
+                                                                 tpool, page_table, feature_of)
+        return accept_lens, _pad_rows(predict, plan.max_accept), _pad_rows(feature, plan.max_accept), tpool
+
+    if prefix is None:
+        accept_lens, predict, feature, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all, tpool,
+                                                                 page_table, feature_of)
+    else:
+        need = jnp.max(jnp.where(rows.active, prefix.wanted, 1))
+        branch = jnp.sum(jnp.asarray(prefix.sizes[:-1], jnp.int32) < need)  # the smallest size >= need
+        branches = [functools.partial(verify_first, m) for m in prefix.sizes]
+        accept_lens, predict, feature, tpool = jax.lax.switch(branch, branches, tpool)
     bonus, seed, dpool = proposer.extend(plan, dparams, rows, predict, feature, accept_lens, dpool,
                                          DraftContext(page_table, rows.seq_lens, tpool))
     return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed), tpool, dpool

@@ -155,18 +155,43 @@ def build_tree(
     hit = top_scores_index[:, None, :] == parent_cand[:, :, None]  # [B, m, m]
     parent_node = jnp.where(top_scores_index // topk == 0, 0, 1 + jnp.argmax(hit, axis=-1))
     parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parent_node.astype(jnp.int32)], axis=1)
-    # Walk up at most S levels: depth and ancestor mask.
+    return link_tree(tokens, parent, num_steps)
+
+
+# A node whose parent is DETACHED is no node's child: the tree walks never reach it (nor its
+# descendants). Fixed-shape trees use it for slots they have nothing to put in.
+DETACHED = -2
+
+
+def link_tree(
+    tokens: jax.Array,  # i32[B, n] root first
+    parent: jax.Array,  # i32[B, n] parent node of each node (-1 for the root, DETACHED for unused slots)
+    max_depth: int,  # deepest node (walks up at most this many levels)
+) -> Tree:
+    """A ``Tree`` from its parent array: depth, ancestor mask (root, ancestors, self) and links.
+    A detached node gets depth 1 and sees only itself (its outputs are never used)."""
+    B, n = tokens.shape
     eye = jnp.eye(n, dtype=bool)
     mask = jnp.broadcast_to(eye, (B, n, n))
     depth = jnp.zeros((B, n), jnp.int32)
     cur = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
-    for _ in range(num_steps):
+    for _ in range(max_depth):
         moving = cur > 0
-        up = jnp.where(moving, jnp.take_along_axis(parent, cur, axis=1), 0)
+        up = jnp.where(moving, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), 0)
         mask = mask | (moving[:, :, None] & (jnp.arange(n)[None, None, :] == up[:, :, None]))
         depth = depth + moving
         cur = up
     return Tree(tokens=tokens, depth=depth, parent=parent, mask=mask, **_links(parent))
+
+
+def truncate(tree: Tree, m: int) -> Tree:
+    """The first ``m`` nodes of ``tree`` (a tree: every builder here numbers parents before
+    children)."""
+    if m == tree.tokens.shape[1]:
+        return tree
+    parent = tree.parent[:, :m]
+    return Tree(tokens=tree.tokens[:, :m], depth=tree.depth[:, :m], parent=parent, mask=tree.mask[:, :m, :m],
+                **_links(parent))
 
 
 def chain_tree(bonus: jax.Array, draft_tokens: jax.Array) -> Tree:
@@ -192,7 +217,7 @@ def _links(parent: jax.Array) -> dict[str, jax.Array]:
     is_child = parent[:, None, :] == idx[None, :, None]  # [B, parent i, child j]
     first_child = jnp.where(jnp.any(is_child, axis=-1), jnp.argmax(is_child, axis=-1), -1)
     same_parent = (parent[:, :, None] == parent[:, None, :]) & (idx[None, None, :] > idx[None, :, None])
-    same_parent = same_parent & (idx[None, :, None] > 0)
+    same_parent = same_parent & (idx[None, :, None] > 0) & (parent[:, :, None] >= 0)  # root, detached: none
     next_sib = jnp.where(jnp.any(same_parent, axis=-1), jnp.argmax(same_parent, axis=-1), -1)
     retrieve = jnp.arange(B, dtype=jnp.int32)[:, None] * n + idx[None, :]
     return dict(

@@ -46,9 +46,12 @@ def drafts():
     keys = iter(jax.random.split(jax.random.PRNGKey(4), 64))
     noisy = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), t.params)
     ecfg = eagle3_config_for(CFG, draft_vocab_size=4)
+    eagle = eagle_draft(ecfg, init_eagle_params(ecfg, jax.random.PRNGKey(5), t.params, scale=0.3))
     return {
         "perturbed": standalone_draft(Model(config=CFG, params=noisy, dtype=t.dtype)),
-        "eagle3": eagle_draft(ecfg, init_eagle_params(ecfg, jax.random.PRNGKey(5), t.params, scale=0.3)),
+        "eagle3": eagle,
+        # One-hot proposals from the request's history (every token of V recurs in it).
+        "ngram": js.NgramDraft(max_ngram=2, min_ngram=1),
     }
 
 
@@ -107,6 +110,7 @@ CASES = [
     pytest.param("eagle3", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), HOT, id="tree_k2_n4_target_only"),
     pytest.param("perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6), FILTERED,
                  id="tree_k3_n6_target_only_topk_topp"),
+    pytest.param("ngram", js.SpecConfig.chain(3), HOT, id="ngram_chain_S3_one_hot_rejection"),
 ]
 
 

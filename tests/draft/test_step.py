@@ -63,7 +63,7 @@ def verify_only(plan, tparams, dparams, state, tpool, dpool, table):
     """Draft -> verify -> accept of one step, without committing: (accept_index, accept_lens,
     the target pool with the verify KV written)."""
     rows = state.step_rows()
-    tree, q_all, _ = proposer_for(plan).propose(plan, dparams, rows, dpool, DraftContext(table, rows.seq_lens, tpool))
+    tree, q_all, _, _ = proposer_for(plan).propose(plan, dparams, rows, dpool, DraftContext(table, rows.seq_lens, tpool))
     logits, _, tpool = step_lib.target_verify(plan, tparams, rows, tree, tpool, table)
     accept_index, accept_lens, _ = shape_for(plan).accept(plan, rows, tree, logits, q_all)
     return accept_index, accept_lens, tpool

@@ -13,7 +13,10 @@ same methods, so it never asks which kind it has:
     logits           draft-vocabulary logits, and ``to_target_ids`` / ``target_vocab_logits`` for
                      drafts whose vocabulary is a subset of the target's (EAGLE-3 ``d2t``)
     check_fits       a clear error when it cannot serve a target
-    proposer         which draft loop drives it: "recurrent" (token by token, chains and trees)
+    check_spec       a clear error when it cannot propose the verify tree a SpecConfig asks for
+    proposer         which draft loop drives it: "recurrent" (token by token, chains and trees),
+                     "lookup" (n-gram matches in the request's own history, no model) or
+                     "hybrid" (a model draft's tree with an n-gram branch grafted on)
 
 Detection and loading from checkpoints live in ``jaxspec.model.io.drafts``.
 
@@ -207,6 +210,15 @@ class Draft(abc.ABC):
             )
         if self.aux_layers and max(self.aux_layers) >= target_cfg.num_layers:
             raise ValueError(f"draft taps target layers {self.aux_layers}; the target has {target_cfg.num_layers}")
+
+    def check_spec(self, spec) -> None:
+        """Raises a clear ValueError when this draft cannot propose what ``spec`` (a valid
+        ``SpecConfig``) asks for. Model drafts build any valid chain or tree, but graft nothing."""
+        if spec.ngram_tokens:
+            raise ValueError(
+                f"SpecConfig.ngram_tokens={spec.ngram_tokens} grafts an n-gram branch onto a model draft's tree: "
+                f"pass draft=jaxspec.HybridDraft(draft, jaxspec.NgramDraft(...)), not a {self.kind!r} draft alone"
+            )
 
 
 @dataclasses.dataclass(eq=False)
