@@ -53,6 +53,8 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
             draft = js.load_draft(d, target)
     elif draft_kind == "standalone":
         draft = js.standalone_draft(target)
+    elif draft_kind == "ngram":  # no parameters: its per-row history is split over data like the rows
+        draft = js.NgramDraft(max_ngram=3)
     elif draft_kind == "perturbed":  # the target with noise: partial acceptance, scattered tree paths
         keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
         noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), target.params)
@@ -131,6 +133,7 @@ CASES = {
     "deepseek_v32_tp2_tree_mtp": lambda: lossless("deepseek_v32_moe", 2, 1,
                                                    js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
+    "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "errors": errors,

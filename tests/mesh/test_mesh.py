@@ -47,6 +47,7 @@ def case(results, name) -> dict:
     # DSA: index_topk 8 over contexts to 64, the indexer replicated on both shards, MTP with its own indexer
     ("deepseek_v32_tp2_tree_mtp", "mtp"),
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
+    ("llama_tp2_dp2_ngram", "ngram"),  # the same mesh with n-gram drafting (no params; history per data shard)
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
@@ -57,6 +58,8 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     assert r["wo_spec"] == "P(None, 'model', None)"  # row-parallel output projection, stacked over layers
     if name == "llama_tp4_tree_perturbed":
         assert 1.3 < r["mean_accept"] < 4.0, r["mean_accept"]  # trees accepted partly: paths get compacted
+    if name == "llama_tp2_dp2_ngram":
+        assert r["mean_accept"] > 1.0, r["mean_accept"]  # some looked-up tokens verified and accepted on the mesh
 
 
 # Collectives of one compiled decode step at TP=2, batch 2 (the layers run in a scan, so each
