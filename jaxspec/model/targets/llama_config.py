@@ -26,7 +26,7 @@ class LlamaConfig:
       head_dim: per-head width D (Qwen3 sets it explicitly; else hidden / heads).
       attention_bias: q/k/v projections carry a bias (Qwen2).
       qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-      sliding_window: Mistral's window; sequences longer than it are refused.
+      sliding_window: Mistral's window W (every layer sees keys p-W+1 .. p); None: full attention.
     """
 
     arch: str = "llama"
@@ -59,6 +59,10 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def kv_source(self, layer: int) -> tuple[str, int]:
+        """Where layer ``layer`` keeps its K/V: ("full" | "window", index in that pool)."""
+        return ("full" if self.sliding_window is None else "window"), layer
 
     def eagle3_aux_layers(self) -> tuple[int, ...]:
         """Layers whose *input* residual stream EAGLE-3 taps: (2, L//2, L-3)."""
