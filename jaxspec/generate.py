@@ -18,9 +18,10 @@ from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
-from jaxspec.kvcache.paging import pages_needed
+from jaxspec.engine.window import WindowPages, ring_pages
+from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.model.drafts.base import DraftModel, zero_pool
-from jaxspec.model.targets import Model, create_target_pool
+from jaxspec.model.targets import Model, create_target_pool, kv_window
 
 
 @dataclasses.dataclass
@@ -44,6 +45,11 @@ class GenerateOutput:
     wall_seconds: float
     kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
     kv_pages_total: int = 0
+    # The sliding-window pool (targets with sliding-window layers): free / total pages after the
+    # call, and pages returned while their request was still running (they fell behind its window).
+    kv_window_pages_free: int = 0
+    kv_window_pages_total: int = 0
+    kv_window_pages_returned: int = 0
     steps_per_call: list[int] = dataclasses.field(default_factory=list)  # adaptive chains: depth of each call
 
     @property
@@ -175,7 +181,13 @@ def generate(
     )
     if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
         plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
-    window = getattr(target.config, "sliding_window", None)
+    # Sliding-window layers (of the target, or of a standalone draft) keep their K/V in a window pool.
+    windows = [w for w in (kv_window(target.config), draft.config.kv_window if draft is not None else None) if w]
+    if windows and spec is not None and max(spec.adaptive_steps or (spec.num_steps,)) >= min(windows):
+        raise ValueError(
+            f"SpecConfig.num_steps={max(spec.adaptive_steps or (spec.num_steps,))} must be smaller than the "
+            f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
+        )
     dense_limit = getattr(target.config, "max_dense_positions", None)  # DSA: dense == sparse up to index_topk
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
@@ -184,8 +196,6 @@ def generate(
                 f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
                 f"max_seq_len {engine.max_seq_len}"
             )
-        if window is not None and total > window:
-            raise ValueError(f"prompt {i} needs {total} positions; the model's sliding window is {window}")
         if dense_limit is not None and total + plan.lookahead > dense_limit:
             raise ValueError(
                 f"prompt {i} needs {total + plan.lookahead} positions; this DSA model runs dense attention, "
@@ -203,14 +213,22 @@ def generate(
     width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
     num_pages = engine.num_pages or batch * width + 1
     step_growth = engine.steps_per_call * plan.max_accept
+    window_pages = None
+    if windows:  # the window pool: each request holds a ring of R pages at most
+        retain = max(windows) + 1  # a frozen-KV assistant reads the last W + 1 committed positions
+        ring = min(width, ring_pages(retain=retain, ahead=step_growth + plan.lookahead, page_size=engine.page_size))
+        window_pages = batch * ring + 1
+        window_paging = WindowPages(batch=batch, ring=ring, num_pages=window_pages, page_size=engine.page_size,
+                                    retain=retain)
     sched = Scheduler(
         requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-        lookahead=plan.lookahead, step_growth=step_growth,
+        lookahead=plan.lookahead, step_growth=step_growth, window=window_paging if windows else None,
     )
     dtype = jnp.dtype(target.dtype)
-    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype,
+                               window_pages=window_pages)
     dpool = zero_pool(engine.page_size, dtype) if draft is None else draft.config.create_pool(
-        num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+        num_pages=num_pages, page_size=engine.page_size, dtype=dtype, window_pages=window_pages)
     dparams = None if draft is None else draft.params
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * engine.page_size)
     state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed, hidden_dtype=dtype)
@@ -233,7 +251,7 @@ def generate(
         call_plan = plans[adaptive.steps] if adaptive else plan
         before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
         live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
-        table = _live_table(sched.page_table, live + sched.step_growth + plan.lookahead, engine)
+        table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine)
         state, tpool, dpool, _ = decode_program(call_plan, target.params, dparams, state, tpool, dpool, table)
         host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
                                    nv=state.num_verify))
@@ -257,6 +275,8 @@ def generate(
     wall = time.perf_counter() - t0
     bar.close()
     sched.allocator.check()
+    if sched.window is not None:
+        sched.window.allocator.check()
 
     done = sorted(sched.done, key=lambda r: r.index)
     stats = []
@@ -273,6 +293,9 @@ def generate(
         token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
         steps_per_call=adaptive.history if adaptive else [],
         kv_pages_free=sched.allocator.num_free, kv_pages_total=sched.allocator.capacity,
+        **({} if sched.window is None else dict(
+            kv_window_pages_free=sched.window.allocator.num_free, kv_window_pages_total=sched.window.allocator.capacity,
+            kv_window_pages_returned=sched.window.returned_early)),
     )
 
 
@@ -282,6 +305,15 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig) ->
     steady-state run compiles one program per bucket."""
     want = max(pages_needed(positions, engine.page_size), pages_needed(engine.min_kv_bucket, engine.page_size))
     return jnp.asarray(page_table[:, : min(page_table.shape[1], next_pow2(want))])
+
+
+def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig):
+    """The live page table, with the window pool's ring table (fixed width) when there is one."""
+    full = _live_table(sched.page_table, positions, engine)
+    if sched.window is None:
+        return full
+    w = sched.window
+    return PageTables(full=full, window=WindowTable(pages=jnp.asarray(w.pages), first=jnp.asarray(w.first)))
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
@@ -308,6 +340,6 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
         req["top_p"][i] = r.sampling.top_p
         req["keys"][i] = r.key
     return prefill_program(
-        plan, target.params, dparams, state, tpool, dpool, _live_table(sched.page_table, T, engine),
+        plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine),
         jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in req.items()},
     )
