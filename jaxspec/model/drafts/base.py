@@ -130,8 +130,14 @@ class Draft(abc.ABC):
 
     # --------------------------------------------------------------------------- pool
 
-    def create_pool(self, *, num_pages: int, page_size: int, dtype):
-        """The draft's own KV pool (MHA by default)."""
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window of the draft's own sliding-window layers (None: it has none)."""
+        return None
+
+    def create_pool(self, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None):
+        """The draft's own KV pool (MHA by default; ``window_pages``: pages of the window part
+        of a pool with sliding-window layers)."""
         m = self.model
         return KVPool.create(num_layers=self.num_layers, num_pages=num_pages, page_size=page_size,
                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=dtype)
