@@ -74,6 +74,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "data" / "golden" / "sliding_window"
 ATOL = 2e-4
 RTOL = 2e-4
+# Gemma 4's sandwich norms renormalize every branch output, which amplifies float32 rounding: an
+# independent float32 implementation lands within ~2e-4 of HF on hidden states of values up to ~7.
+GEMMA_ATOL = GEMMA_RTOL = 5e-4
 DRAFT_STEPS = 4
 MIN_GEMMA_MARGIN = 1e-2  # smallest top-1 minus top-2 logit gap over every recorded greedy step
 S, F = "sliding_attention", "full_attention"
@@ -222,8 +225,10 @@ def search(build, prompts_for, capture, greedy_fn, seed0: int, min_margin: float
 
 def base_case(name, model, seed, prompts, margin, notes, **extra) -> dict:
     tc = model.config.get_text_config()
+    gemma = name.startswith("gemma4")
     return {
-        "name": name, "kind": "target", "dir": name, "dtype": "float32", "atol": ATOL, "rtol": RTOL,
+        "name": name, "kind": "target", "dir": name, "dtype": "float32", "atol": GEMMA_ATOL if gemma else ATOL,
+        "rtol": GEMMA_RTOL if gemma else RTOL,
         "architecture": type(model).__name__, "model_type": model.config.model_type,
         "num_hidden_layers": tc.num_hidden_layers, "sliding_window": tc.sliding_window,
         "layer_types": list(getattr(tc, "layer_types", None) or []),
@@ -449,7 +454,7 @@ def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordere
     ]
     return {
         "name": name, "kind": "gemma4_assistant", "dir": name, "target": "gemma4_text", "dtype": "float32",
-        "atol": ATOL, "rtol": RTOL, "architecture": type(model).__name__, "model_type": model.config.model_type,
+        "atol": GEMMA_ATOL, "rtol": GEMMA_RTOL, "architecture": type(model).__name__, "model_type": model.config.model_type,
         "layer_types": list(tc.layer_types), "use_ordered_embeddings": ordered,
         "num_centroids": model.config.num_centroids if ordered else None,
         "centroid_intermediate_top_k": model.config.centroid_intermediate_top_k if ordered else None,

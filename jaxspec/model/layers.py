@@ -20,15 +20,16 @@ from jaxspec.model.config import RopeConfig
 from jaxspec.pallas.paged_attention import paged_attention
 
 
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, scale_in_f32: bool = False) -> jax.Array:
-    """HF-style RMSNorm: normalize in f32, cast back, then scale (Llama). ``scale_in_f32``
-    multiplies by the weight before the cast back (Gemma); ``weight=None`` is a norm without
-    a scale (Gemma 4's v_norm)."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool = False) -> jax.Array:
+    """HF-style RMSNorm: normalize in f32, cast back, then scale (Llama). ``gemma``: HF Gemma 4's
+    arithmetic instead (``pow(ms + eps, -0.5)``, the weight applied in f32 before the cast back);
+    ``weight=None`` is a norm without a scale (Gemma 4's v_norm)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
+    xf = xf * (jnp.power(ms, -0.5) if gemma else jax.lax.rsqrt(ms))
     if weight is None:
         return xf.astype(x.dtype)
-    if scale_in_f32:
+    if gemma:
         return (xf * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 

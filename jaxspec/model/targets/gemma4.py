@@ -64,7 +64,7 @@ def embed_scale(hidden_size: int, dtype) -> jax.Array:
 
 
 def norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
-    return rms_norm(x, w, eps, scale_in_f32=True)
+    return rms_norm(x, w, eps, gemma=True)
 
 
 def gemma_query(
