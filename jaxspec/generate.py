@@ -18,7 +18,7 @@ from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
-from jaxspec.engine.window import WindowPages, ring_pages
+from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool, kv_window
@@ -213,16 +213,12 @@ def generate(
     width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
     num_pages = engine.num_pages or batch * width + 1
     step_growth = engine.steps_per_call * plan.max_accept
-    window_pages = None
-    if windows:  # the window pool: each request holds a ring of R pages at most
-        retain = max(windows) + 1  # a frozen-KV assistant reads the last W + 1 committed positions
-        ring = min(width, ring_pages(retain=retain, ahead=step_growth + plan.lookahead, page_size=engine.page_size))
-        window_pages = batch * ring + 1
-        window_paging = WindowPages(batch=batch, ring=ring, num_pages=window_pages, page_size=engine.page_size,
-                                    retain=retain)
+    window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
+                              ahead=step_growth + plan.lookahead) if windows else None
+    window_pages = window.allocator.num_pages if window is not None else None
     sched = Scheduler(
         requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-        lookahead=plan.lookahead, step_growth=step_growth, window=window_paging if windows else None,
+        lookahead=plan.lookahead, step_growth=step_growth, window=window,
     )
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype,

@@ -1034,9 +1034,13 @@ def main() -> None:
     cases.append(make_eagle3_case(out, "eagle3_midlayer", target_dir, layout="midlayer", seed=8000))
     cases.append(make_eagle3_case(out, "eagle3_layers0", target_dir, layout="layers.0", seed=8100))
     cases.append(make_eagle1_case(out, "eagle1", target_dir, seed=9000))
+    write_manifest(out, cases, "scripts/make_golden.py")
 
+
+def write_manifest(out: Path, cases: list[dict], generator: str) -> None:
+    """``out/manifest.json``: the generator, the library versions, the cases."""
     manifest = {
-        "generator": "scripts/make_golden.py",
+        "generator": generator,
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "safetensors_version": safetensors.__version__,

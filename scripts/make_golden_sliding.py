@@ -36,9 +36,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import torch
-import transformers
 from transformers import (
     AutoModelForCausalLM,
     Gemma4AssistantConfig,
@@ -68,6 +66,7 @@ from make_golden import (  # noqa: E402  (the shared helpers of the main golden 
     make_prompts,
     reinit_,
     top2_margin,
+    write_manifest,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -502,17 +501,7 @@ def main() -> None:
         c["files"] = list_files(out / c["dir"])
         print(f"{c['name']}: seed {c['seed']}" + (f", min greedy margin {c['min_greedy_margin']:.4f}"
                                                   if "min_greedy_margin" in c else ""))
-    manifest = {
-        "generator": "scripts/make_golden_sliding.py",
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "safetensors_version": safetensors.__version__,
-        "numpy_version": np.__version__,
-        "cases": cases,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wrote {len(cases)} cases to {out} ({total / 1e6:.2f} MB)")
+    write_manifest(out, cases, "scripts/make_golden_sliding.py")
 
 
 if __name__ == "__main__":

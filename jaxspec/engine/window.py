@@ -25,6 +25,16 @@ def ring_pages(*, retain: int, ahead: int, page_size: int) -> int:
     return pages_needed(page_size - 1 + retain + ahead, page_size)
 
 
+def window_pages_for(window: int, *, batch: int, width: int, page_size: int, ahead: int) -> "WindowPages":
+    """The window pool of a decode: ``window`` the largest sliding window read, ``width`` the
+    full page table's width (a request never needs more), ``ahead`` the positions a decode
+    call may touch past the committed length (step growth + lookahead); the pool holds a ring
+    for every batch row."""
+    retain = window + 1  # a frozen-KV assistant reads the last W + 1 committed positions
+    ring = min(width, ring_pages(retain=retain, ahead=ahead, page_size=page_size))
+    return WindowPages(batch=batch, ring=ring, num_pages=batch * ring + 1, page_size=page_size, retain=retain)
+
+
 class WindowPages:
     """The window pool's allocator and its ring table ``pages [batch, R]`` + ``first [batch]``."""
 

@@ -3,8 +3,10 @@
 assistant's logits and returned hidden given the same target KV; config forms and refusals."""
 
 import copy
+import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +21,12 @@ from tests.model.sliding_golden import arrays, assistant, case, case_dir, prefil
 
 TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa"]
 ASSISTANTS = ["gemma4_assistant", "gemma4_assistant_plain"]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def assistant_step(params, cfg, tokens, hidden, ctx, positions):  # one compiled draft step
+    h_out, y = assistant_forward(params, cfg, tokens, hidden, ctx, positions=positions)
+    return h_out, assistant_logits(params, cfg, y)
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -57,8 +65,8 @@ def test_assistant_matches_hf_given_the_target_kv(name):
         for j in range(c["draft_steps"]):
             tok = jnp.asarray([[int(ref[f"tokens_{i}"][j])]], jnp.int32)
             h_in = jnp.asarray(ref[f"hidden_in_{i}"][j])[None, None]
-            h_out, y = assistant_forward(draft.params, cfg, tok, h_in, ctx, positions=jnp.full((1, 1), T, jnp.int32))
-            logits = np.asarray(assistant_logits(draft.params, cfg, y))[0, 0]
+            h_out, logits = assistant_step(draft.params, cfg, tok, h_in, ctx, jnp.full((1, 1), T, jnp.int32))
+            logits = np.asarray(logits)[0, 0]
             hf = ref[f"logits_{i}"][j]
             picked = np.isfinite(logits)
             if c["use_ordered_embeddings"]:

@@ -59,12 +59,13 @@ class DraftSeed:
 class DraftContext:
     """What a draft forward may read besides its own pool (all read-only).
 
-    page_table: i32[B, W] shared by the target and draft pools.
+    page_table: the page tables shared by the target and draft pools (``PageTables``, with the
+      window pool's ring table when a model has sliding-window layers, or a bare i32[B, W]).
     seq_lens: i32[B] committed target positions (the root is not yet in the KV).
     target_pool: the target's KV pool as of the last commit.
     """
 
-    page_table: jax.Array
+    page_table: Any
     seq_lens: jax.Array
     target_pool: Any
 
