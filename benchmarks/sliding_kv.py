@@ -59,10 +59,10 @@ def held_pages(cfg: Gemma4Config, plan: Plan, *, context: int, new_tokens: int, 
         if seq[0] >= context:
             break
         seq[0] = min(context, seq[0] + growth)  # one decode call, every draft accepted
-    held = {"full": len(sched.allocator.pages_of(0)), "window": len(window.allocator.pages_of(0)),
+    held = {"full": len(sched.allocators[0].pages_of(0)), "window": len(window.allocator.pages_of(0)),
             "returned": window.returned_early, "ring": window.ring}
     sched.retire(0, [], [])
-    sched.allocator.check()
+    sched.check()
     window.allocator.check()
     return held
 

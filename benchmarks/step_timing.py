@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
-    specs = [("plain", None), ("chain S=3", js.SpecConfig.chain(3)),
+    specs = [("plain", None), ("chain S=5", js.SpecConfig.chain(5)),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8))]
     print("| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")
     print("|---|---|---|---|---|---|")

@@ -12,7 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxspec.kvcache.paging import positions_to_slots
+from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.pallas.kv_move import kv_move
 
 
@@ -53,18 +56,24 @@ def compaction_moves(
     return _to_slots(src, slots_of), _to_slots(dst, slots_of)
 
 
-def compact_pool(pool, page_table, seq_lens, accept_index, accept_lens, active, *, implementation=None):
+def compact_pool(pool, page_table, seq_lens, accept_index, accept_lens, active, *, implementation=None,
+                 tensor_parallel: int = 1):
     """Moves every buffer of every part of ``pool`` (MHA k/v, MLA latent, indexer keys, the
     full and sliding-window parts of a ``SplitPool``) along the accepted path; ``page_table``
-    is a bare i32[B, W] or ``PageTables``."""
+    is a bare i32[B, W] or ``PageTables``. With ``tensor_parallel`` shards every model shard
+    moves its own part of the pool (its KV heads, or its copy of an MLA latent)."""
     src, dst = compaction_positions(seq_lens, accept_index, accept_lens, active)
+
+    def move_buffers(buffers, src, dst):
+        # Moves are request-major (S per request), so requests can be spread over programs.
+        return kv_move(buffers, src, dst, implementation=implementation, moves_per_request=accept_index.shape[1] - 1)
 
     def move(part, slots_of):
         if part.num_layers == 0:
             return part
-        # Moves are request-major (S per request), so requests can be spread over programs.
-        moved = kv_move(part.buffers, _to_slots(src, slots_of), _to_slots(dst, slots_of),
-                        implementation=implementation, moves_per_request=accept_index.shape[1] - 1)
+        specs = part.specs(None, MODEL).buffers
+        moved = per_model_shard(move_buffers, in_specs=(specs, P(), P()), out_specs=specs, shards=tensor_parallel)(
+            part.buffers, _to_slots(src, slots_of), _to_slots(dst, slots_of))
         return part.with_buffers(moved)
 
     return pool.map_parts(page_table, move)

@@ -39,51 +39,85 @@ class Request:
 
 
 class Scheduler:
-    """Maps requests onto ``batch`` rows and owns the page table ``[batch, width]``."""
+    """Maps requests onto ``batch`` rows and owns the page table ``[batch, width]``.
+
+    With ``data_shards`` > 1 the rows and the KV pool are split evenly over the data axis of a
+    mesh: rows ``[d * B/D, (d + 1) * B/D)`` run on shard ``d`` and hold pages of that shard's own
+    range, granted by its own allocator; the page table stores shard-local page ids (page 0 of
+    every shard is its scratch page). ``window``: the sliding-window pool's allocator and ring
+    table (one data shard only)."""
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
-                 lookahead: int, step_growth: int, window: WindowPages | None = None):
+                 lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None):
+        if batch % data_shards or num_pages % data_shards:
+            raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
+        if window is not None and data_shards > 1:
+            raise ValueError(f"a sliding-window KV pool runs on one data shard, not {data_shards}")
         self.page_size = page_size
         self.lookahead = lookahead
         self.step_growth = step_growth  # positions a decode call may advance a request
-        self.allocator = PageAllocator(num_pages)
+        self.data_shards = data_shards
+        self.rows_per_shard = batch // data_shards
+        self.allocators = [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
         self.page_table = np.zeros((batch, width), np.int32)
         self.window = window
         self.waiting: deque[Request] = deque(requests)
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
-        self.reserved = 0
+        self.reserved = [0] * data_shards
         self.reserved_window = 0
+        capacity = self.allocators[0].capacity
         for r in requests:
             total = len(r.prompt) + r.sampling.max_new_tokens + lookahead
             r.worst_pages = pages_needed(total, page_size)
             r.worst_window_pages = window.worst_pages(total) if window is not None else 0
             if r.worst_pages > width:
                 raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
-            if r.worst_pages > self.allocator.capacity:
+            if r.worst_pages > capacity:
                 raise KVCacheExhausted(
                     f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
-                    f"{page_size} slots but the pool has {self.allocator.capacity} "
-                    f"(raise EngineConfig.num_pages)"
+                    f"{page_size} slots but the pool has {capacity}"
+                    + (f" per data shard" if data_shards > 1 else "") + " (raise EngineConfig.num_pages)"
                 )
 
     @property
     def finished(self) -> bool:
         return not self.waiting and all(r is None for r in self.rows)
 
+    def shard_of(self, row: int) -> int:
+        return row // self.rows_per_shard
+
+    def allocator_of(self, row: int) -> PageAllocator:
+        return self.allocators[self.shard_of(row)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.allocators)
+
+    @property
+    def capacity(self) -> int:
+        return sum(a.capacity for a in self.allocators)
+
+    def check(self) -> None:
+        for a in self.allocators:
+            a.check()
+        if self.window is not None:
+            self.window.allocator.check()
+
     def admit(self) -> list[Request]:
-        """Moves waiting requests into free rows while their worst case fits in the pool."""
+        """Moves waiting requests into free rows while their worst case fits in the row's shard."""
         admitted = []
         for row, occupant in enumerate(self.rows):
             if occupant is not None or not self.waiting:
                 continue
+            d = self.shard_of(row)
             req = self.waiting[0]
-            if self.reserved + req.worst_pages > self.allocator.capacity:
-                break
+            if self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
+                continue
             if self.window is not None and self.reserved_window + req.worst_window_pages > self.window.allocator.capacity:
                 break
             self.waiting.popleft()
-            self.reserved += req.worst_pages
+            self.reserved[d] += req.worst_pages
             self.reserved_window += req.worst_window_pages
             req.row = row
             req.t_admit = time.perf_counter()
@@ -102,8 +136,9 @@ class Scheduler:
     def _grant(self, req: Request, committed: int, growth: int) -> None:
         reach = committed + growth + self.lookahead
         target = min(req.worst_pages, pages_needed(reach, self.page_size))
-        have = len(self.allocator.pages_of(req.index))
-        new = self.allocator.grow(req.index, target)
+        alloc = self.allocator_of(req.row)
+        have = len(alloc.pages_of(req.index))
+        new = alloc.grow(req.index, target)
         self.page_table[req.row, have:have + len(new)] = new
         if self.window is not None:
             total = len(req.prompt) + req.sampling.max_new_tokens + self.lookahead  # as reserved
@@ -114,8 +149,8 @@ class Scheduler:
         req.tokens = tokens
         req.accept_lens = accept_lens
         req.t_done = time.perf_counter()
-        self.allocator.release(req.index)
-        self.reserved -= req.worst_pages
+        self.allocator_of(row).release(req.index)
+        self.reserved[self.shard_of(row)] -= req.worst_pages
         if self.window is not None:
             self.window.release(row, req.index)
             self.reserved_window -= req.worst_window_pages

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.kvcache.paging import full_table, positions_to_slots, window_table
 
@@ -55,6 +56,13 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
+
+    def specs(self, data_axis: str | None, model_axis: str | None):
+        """Partition specs of the buffers on a mesh: slots split over ``data_axis`` (each data
+        shard owns its pages), KV heads over ``model_axis`` (None: not split). A zero-layer
+        pool holds nothing and is never split."""
+        spec = PartitionSpec() if self.num_layers == 0 else PartitionSpec(None, data_axis, model_axis, None)
+        return dataclasses.replace(self, k=spec, v=spec)
 
     def write(self, layer, slots, k, v) -> "KVPool":
         """Writes ``k, v: [R, Hkv, D]`` at ``slots: i32[R]`` of ``layer``."""
@@ -114,6 +122,12 @@ class MLAPool:
         """``fn(self, slots_of)``: one part, addressed by the shared page table."""
         return _whole(self, tables, fn)
 
+    def specs(self, data_axis: str | None, model_axis: str | None = None):
+        """Partition specs of the buffers on a mesh: slots split over ``data_axis``; the latent
+        (and indexer keys) are whole on every model shard (every head reads all of it)."""
+        spec = PartitionSpec() if self.num_layers == 0 else PartitionSpec(None, data_axis, None)
+        return dataclasses.replace(self, kv=spec, index_k=None if self.index_k is None else spec)
+
     def write(self, layer, slots, kv, index_k=None) -> "MLAPool":
         """Writes ``kv: [R, C]`` (and ``index_k: [R, Di]``) at ``slots: i32[R]`` of ``layer``."""
         new = dataclasses.replace(self, kv=self.kv.at[layer, slots].set(kv.astype(self.kv.dtype)))
@@ -165,6 +179,11 @@ class SplitPool:
     @property
     def num_layers(self) -> int:
         return self.full.num_layers + self.window.num_layers
+
+    def specs(self, data_axis: str | None, model_axis: str | None = None):
+        """Partition specs of both parts (``KVPool.specs``)."""
+        return dataclasses.replace(self, full=self.full.specs(data_axis, model_axis),
+                                   window=self.window.specs(data_axis, model_axis))
 
     def part(self, name: str) -> KVPool:
         """``"full"`` or ``"window"``."""

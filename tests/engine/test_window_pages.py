@@ -87,11 +87,10 @@ def test_scheduler_reserves_and_returns_both_pools():
             seq[row] += 3  # a decode call
             if seq[row] >= len(r.prompt) + r.sampling.max_new_tokens:
                 sched.retire(row, [], [])
-        sched.allocator.check()
-        window.allocator.check()
-    assert sched.reserved == sched.reserved_window == 0
+        sched.check()
+    assert sched.reserved == [0] and sched.reserved_window == 0
     assert window.allocator.num_free == window.allocator.capacity and window.returned_early > 0
-    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.num_free == sched.capacity
 
 
 def test_a_window_pool_too_small_is_refused_without_side_effects():

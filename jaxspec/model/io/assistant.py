@@ -25,7 +25,8 @@ from jaxspec.model.drafts.assistant import (AssistantConfig, assistant_config_fo
 from jaxspec.model.io.checkpoint import CheckpointError, write_json
 from jaxspec.model.io.gemma4 import typed_layers
 from jaxspec.model.io.llama import attention_entries, mlp_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, host_rng, init_params, load_params, stacked
+from jaxspec.model.io.tables import (LINEAR, Param, Table, export_params, host_rng, init_params, load_params,
+                                    shardings_for, stacked)
 from jaxspec.model.targets.gemma4_config import SLIDING, Gemma4Config, attention_shapes, layer_types_of
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -76,11 +77,12 @@ def _projections(H: int, Hb: int) -> list[Param]:
             Param("post_proj", "post_projection.weight", (H, Hb), perm=LINEAR)]
 
 
-def load_assistant_params(ckpt, cfg: AssistantConfig, target_params: dict, dtype) -> dict:
+def load_assistant_params(ckpt, cfg: AssistantConfig, target_params: dict, dtype, mesh=None) -> dict:
     tied = "lm_head.weight" not in ckpt
     if tied and cfg.hidden_size != cfg.backbone_hidden_size:
         raise CheckpointError(f"{ckpt.path}: no lm_head.weight and hidden_size != backbone_hidden_size")
-    params = load_params(assistant_table(cfg, lm_head=not tied), ckpt, dtype)
+    table = assistant_table(cfg, lm_head=not tied)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=False))
     params["embed"] = target_params["embed"]
     return params
 

@@ -61,6 +61,7 @@ class Model:
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     path: str | None = None
+    mesh: Any = None  # the jax.sharding.Mesh its params are placed on (None: one device)
 
     @property
     def vocab_size(self) -> int:

@@ -231,3 +231,11 @@ def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Ge
         if str(e).startswith(where):
             raise
         raise ConfigError(f"{where}: {e}") from None
+
+
+def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "config.json") -> Gemma4Config:
+    """Gemma 4 runs on one model shard: its sliding-window KV pool is not split over a mesh yet."""
+    if shards != 1:
+        raise ConfigError(f"{where}: cannot split a Gemma 4 model over tensor_parallel {shards}: its sliding-window "
+                          f"KV pool runs on one device (tensor parallel for Gemma 4 is not supported yet)")
+    return cfg

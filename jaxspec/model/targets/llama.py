@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool, SplitPool
-from jaxspec.model.layers import (attention_qkv, layer_tail, rms_norm, rope_inv_freq, window_write_and_attend,
-                                  write_and_attend)
+from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, rms_norm, rope_inv_freq,
+                                  window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -57,7 +57,7 @@ def llama_forward(
     implementation=None,
 ) -> ForwardOutput:
     """Runs the decoder over T new tokens per request, writing their K/V into ``pool``."""
-    x = params["embed"][tokens]  # [B, T, H]
+    x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     taps = AuxTaps(cfg.num_layers, aux_layers)
     window = cfg.sliding_window
@@ -68,7 +68,8 @@ def llama_forward(
         aux = taps.record(aux, l, x)
         q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
         if window is None:
-            o, part = write_and_attend(q, k, v, part, l, attn, implementation=implementation)
+            o, part = write_and_attend(q, k, v, part, l, attn, implementation=implementation,
+                                       tensor_parallel=cfg.tensor_parallel)
         else:
             o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
                                               sm_scale=1.0 / math.sqrt(cfg.head_dim))
