@@ -1,7 +1,9 @@
 """Speculative sampling with a Gemma 4 assistant is exact: the joint distribution of the first
 tokens matches the target's (test_spec_sampling's enumeration and chi-square test, on a V = 5
 Gemma 4 target whose window of 3 is shorter than the sequences). The ordered-embeddings head
-gives q zero mass outside its 2 selected tokens, and the same q samples and accepts."""
+gives q zero mass outside its 2 selected tokens, and the same q samples and accepts. (Chain
+rejection sampling only: tree sampling is target-only, its q plays no part; the plain head's tree
+case was cut for test time.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import functools
 import pytest
 
 import jaxspec as js
-from tests.draft.test_spec_sampling import FILTERED, HOT, P_VALUE_MIN, V, chi_square_p, exact_joint, sample_counts
+from tests.draft.test_spec_sampling import HOT, P_VALUE_MIN, V, chi_square_p, exact_joint, sample_counts
 from tests.model.sliding_golden import tiny_gemma4, tiny_gemma4_assistant
 
 
@@ -26,7 +28,6 @@ def gemma_assistant(ordered: bool):
 
 CASES = [
     pytest.param(True, js.SpecConfig.chain(2), HOT, id="chain_S2_rejection_ordered_head"),
-    pytest.param(False, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), FILTERED, id="tree_k2_n4_topk_topp"),
 ]
 
 

@@ -31,17 +31,19 @@ def assistant_step(params, cfg, tokens, hidden, ctx, positions):  # one compiled
 
 @pytest.mark.parametrize("name", TARGETS)
 def test_logits_and_hidden_match_hf(name):
+    """The longest golden prompt (17 tokens, windows 5-6): every position's logits and hidden."""
     c, model, ref = case(name), target(name), arrays(name)
-    for i, prompt in enumerate(c["prompts"]):
-        logits, hidden, _ = forward_sequence(model, np.asarray([prompt]))
-        np.testing.assert_allclose(np.asarray(logits[0]), ref[f"logits_{i}"], atol=c["atol"], rtol=c["rtol"])
-        np.testing.assert_allclose(np.asarray(hidden[0]), ref[f"hidden_final_{i}"], atol=c["atol"], rtol=c["rtol"])
+    i = len(c["prompts"]) - 1
+    prompt = c["prompts"][i]
+    logits, hidden, _ = forward_sequence(model, np.asarray([prompt]))
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[f"logits_{i}"], atol=c["atol"], rtol=c["rtol"])
+    np.testing.assert_allclose(np.asarray(hidden[0]), ref[f"hidden_final_{i}"], atol=c["atol"], rtol=c["rtol"])
 
 
-@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("gemma4_text", 16), ("mistral_swa", 1),
-                                            ("gemma4_condgen", 16)])
+@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("mistral_swa", 1)])
 def test_greedy_tokens_past_the_window_match_hf(name, page_size):
-    """Ragged batch of 3 through the engine; sequences run to 33 positions, windows are 5-6."""
+    """Ragged batch of 3 through the engine; sequences run to 33 positions, windows are 5-6 (page
+    size 16: tests/draft/test_sliding_lossless.py compares its speculative runs with these tokens)."""
     c, model, ref = case(name), target(name), arrays(name)
     sampling = js.SamplingParams(max_new_tokens=c["greedy_new_tokens"], stop_token_ids=())
     out = js.generate(model, c["prompts"], sampling=sampling, engine=engine(page_size, max_batch=4, max_seq_len=64))
@@ -58,25 +60,26 @@ def test_assistant_matches_hf_given_the_target_kv(name):
     fill outside the selected clusters is -inf where HF writes min(selected) - 1."""
     c, draft, ref = case(name), assistant(name), arrays(name)
     model, cfg = target(c["target"]), assistant(name).config.model
-    for i, prompt in enumerate(c["prompts"]):
-        ctx, hidden = prefill_context(model, prompt)
-        np.testing.assert_allclose(np.asarray(hidden[0, -1]), ref[f"hidden_in_{i}"][0], atol=c["atol"], rtol=c["rtol"])
-        T = len(prompt)
-        for j in range(c["draft_steps"]):
-            tok = jnp.asarray([[int(ref[f"tokens_{i}"][j])]], jnp.int32)
-            h_in = jnp.asarray(ref[f"hidden_in_{i}"][j])[None, None]
-            h_out, logits = assistant_step(draft.params, cfg, tok, h_in, ctx, jnp.full((1, 1), T, jnp.int32))
-            logits = np.asarray(logits)[0, 0]
-            hf = ref[f"logits_{i}"][j]
-            picked = np.isfinite(logits)
-            if c["use_ordered_embeddings"]:
-                assert picked.sum() == c["centroid_intermediate_top_k"] * 256 // c["num_centroids"]
-                assert (hf[~picked] == hf.min()).all() and (hf[picked] > hf.min()).all()
-            else:
-                assert picked.all()
-            np.testing.assert_allclose(logits[picked], hf[picked], atol=c["atol"], rtol=c["rtol"])
-            np.testing.assert_allclose(np.asarray(h_out[0, 0]), ref[f"hidden_out_{i}"][j], atol=c["atol"],
-                                       rtol=c["rtol"])
+    i = len(c["prompts"]) - 1  # the longest prompt (17 tokens): the window layers see only their window
+    prompt = c["prompts"][i]
+    ctx, hidden = prefill_context(model, prompt)
+    np.testing.assert_allclose(np.asarray(hidden[0, -1]), ref[f"hidden_in_{i}"][0], atol=c["atol"], rtol=c["rtol"])
+    T = len(prompt)
+    for j in range(c["draft_steps"]):
+        tok = jnp.asarray([[int(ref[f"tokens_{i}"][j])]], jnp.int32)
+        h_in = jnp.asarray(ref[f"hidden_in_{i}"][j])[None, None]
+        h_out, logits = assistant_step(draft.params, cfg, tok, h_in, ctx, jnp.full((1, 1), T, jnp.int32))
+        logits = np.asarray(logits)[0, 0]
+        hf = ref[f"logits_{i}"][j]
+        picked = np.isfinite(logits)
+        if c["use_ordered_embeddings"]:
+            assert picked.sum() == c["centroid_intermediate_top_k"] * 256 // c["num_centroids"]
+            assert (hf[~picked] == hf.min()).all() and (hf[picked] > hf.min()).all()
+        else:
+            assert picked.all()
+        np.testing.assert_allclose(logits[picked], hf[picked], atol=c["atol"], rtol=c["rtol"])
+        np.testing.assert_allclose(np.asarray(h_out[0, 0]), ref[f"hidden_out_{i}"][j], atol=c["atol"],
+                                   rtol=c["rtol"])
 
 
 def test_assistant_detection_and_fit():
