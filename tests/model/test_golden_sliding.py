@@ -135,3 +135,16 @@ def test_features_of_other_sizes_are_refused_by_name(field, value, message):
     absent.pop("hidden_size_per_layer_input")  # HF's default is 256: PLE on
     with pytest.raises(ConfigError, match="per-layer input embeddings"):
         gemma4_config_from_hf(absent)
+
+
+def test_sliding_window_models_are_refused_on_a_tensor_parallel_mesh():
+    """The window pool runs on one device: Gemma 4 and Mistral with a window say so at load."""
+    from jaxspec.model.targets.gemma4_config import gemma4_for_tensor_parallel
+    from jaxspec.model.targets.llama_config import llama_for_tensor_parallel
+
+    gemma, mistral = target("gemma4_text").config, target("mistral_swa").config
+    assert gemma4_for_tensor_parallel(gemma, 1) is gemma
+    with pytest.raises(ConfigError, match="Gemma 4 model over tensor_parallel 2"):
+        gemma4_for_tensor_parallel(gemma, 2)
+    with pytest.raises(ConfigError, match="sliding_window 6: the sliding-window KV pool runs on one device"):
+        llama_for_tensor_parallel(mistral, 2)
