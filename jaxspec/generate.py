@@ -19,10 +19,11 @@ from jaxspec.engine.placement import create_pool, create_state, place_rows, plac
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
-from jaxspec.kvcache.paging import pages_needed
+from jaxspec.engine.window import window_pages_for
+from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
-from jaxspec.model.targets import Model, create_target_pool
+from jaxspec.model.targets import Model, create_target_pool, kv_window
 
 
 @dataclasses.dataclass
@@ -46,6 +47,11 @@ class GenerateOutput:
     wall_seconds: float
     kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
     kv_pages_total: int = 0
+    # The sliding-window pool (targets with sliding-window layers): free / total pages after the
+    # call, and pages returned while their request was still running (they fell behind its window).
+    kv_window_pages_free: int = 0
+    kv_window_pages_total: int = 0
+    kv_window_pages_returned: int = 0
     steps_per_call: list[int] = dataclasses.field(default_factory=list)  # adaptive chains: depth of each call
 
     @property
@@ -187,7 +193,16 @@ def generate(
     )
     if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
         plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
-    window = getattr(target.config, "sliding_window", None)
+    # Sliding-window layers (of the target, or of a standalone draft) keep their K/V in a window pool.
+    windows = [w for w in (kv_window(target.config), draft.config.kv_window if draft is not None else None) if w]
+    if windows and spec is not None and max(spec.adaptive_steps or (spec.depth,)) >= min(windows):
+        raise ValueError(
+            f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
+            f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
+        )
+    if windows and mesh is not None:
+        raise ValueError("sliding-window KV pools run on one device: load a model with sliding-window layers "
+                         "without a mesh")
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
         if total > engine.max_seq_len:
@@ -195,8 +210,6 @@ def generate(
                 f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
                 f"max_seq_len {engine.max_seq_len}"
             )
-        if window is not None and total > window:
-            raise ValueError(f"prompt {i} needs {total} positions; the model's sliding window is {window}")
     stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
     keys = _request_keys(seed, sampling)
     requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
@@ -212,18 +225,23 @@ def generate(
     num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
                                (batch // data_shards) * width + 1)
     step_growth = engine.steps_per_call * plan.max_accept
+    window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
+                              ahead=step_growth + plan.lookahead) if windows else None
+    window_pages = window.allocator.num_pages if window is not None else None
     sched = Scheduler(
         requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-        lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards,
+        lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
     )
     dtype = jnp.dtype(target.dtype)
     P_ = engine.page_size
-    tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_, dtype=dtype),
+    tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_, dtype=dtype,
+                                                   window_pages=window_pages),
                         getattr(target.config, "tensor_parallel", 1) > 1, mesh)
     if draft is None:
         dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
     else:
-        dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype),
+        dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
+                                                             window_pages=window_pages),
                             draft.config.tensor_parallel > 1, mesh)
     dparams = None if draft is None else draft.params
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
@@ -256,7 +274,7 @@ def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dpara
         call_plan = plans[adaptive.steps] if adaptive else plan
         before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
         live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
-        table = _live_table(sched.page_table, live + sched.step_growth + plan.lookahead, engine, target.mesh)
+        table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
         state, tpool, dpool, _ = decode_program(call_plan, target.params, dparams, state, tpool, dpool, table)
         host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
                                    nv=state.num_verify))
@@ -296,6 +314,9 @@ def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dpara
         token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
         steps_per_call=adaptive.history if adaptive else [],
         kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
+        **({} if sched.window is None else dict(
+            kv_window_pages_free=sched.window.allocator.num_free, kv_window_pages_total=sched.window.allocator.capacity,
+            kv_window_pages_returned=sched.window.returned_early)),
     )
 
 
@@ -305,6 +326,16 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, me
     steady-state run compiles one program per bucket."""
     want = max(pages_needed(positions, engine.page_size), pages_needed(engine.min_kv_bucket, engine.page_size))
     return place_table(page_table[:, : min(page_table.shape[1], next_pow2(want))], mesh)
+
+
+def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
+    """The live page table, with the window pool's ring table (fixed width) when there is one
+    (one device only: ``generate`` refuses a window pool on a mesh)."""
+    full = _live_table(sched.page_table, positions, engine, mesh)
+    if sched.window is None:
+        return full
+    w = sched.window
+    return PageTables(full=full, window=WindowTable(pages=jnp.asarray(w.pages), first=jnp.asarray(w.first)))
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
@@ -338,7 +369,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
             req["keys"][i] = r.key
     mesh = target.mesh
     return prefill_program(
-        plan, target.params, dparams, state, tpool, dpool, _live_table(sched.page_table, T, engine, mesh),
+        plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh),
         place_rows(rows, mesh), place_rows(tokens, mesh), place_rows(lens, mesh),
         {k: place_rows(v, mesh) for k, v in req.items()},
     )

@@ -49,6 +49,16 @@ class PageAllocator:
         owned.extend(new)
         return new
 
+    def release_pages(self, owner: int, pages: list[int]) -> None:
+        """Returns some of ``owner``'s pages (a sliding-window request's pages that fell behind
+        its window) while it keeps the rest."""
+        owned = self._owned.get(owner, [])
+        for page in pages:
+            if page not in owned:
+                raise AssertionError(f"page {page} is not held by request {owner}")
+            owned.remove(page)
+            self._free.append(page)
+
     def release(self, owner: int) -> int:
         """Returns every page of ``owner`` to the free list; returns how many."""
         pages = self._owned.pop(owner, [])

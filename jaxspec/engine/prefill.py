@@ -28,7 +28,7 @@ def prefill(
     state: DecodeState,
     tpool,
     dpool,
-    page_table: jax.Array,  # i32[B, W] (rows being admitted already hold their pages)
+    page_table,  # i32[B, W] or PageTables (rows being admitted already hold their pages)
     rows: jax.Array,  # i32[R] batch rows to fill (>= B: padding)
     tokens: jax.Array,  # i32[R, T] prompts, right-padded
     lens: jax.Array,  # i32[R] prompt lengths (0 for padding rows)
@@ -37,7 +37,7 @@ def prefill(
     """Prefills R new requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
     R, T = tokens.shape
     B = state.bonus.shape[0]
-    pt = page_table[jnp.minimum(rows, B - 1)]
+    pt = jax.tree.map(lambda table: table[jnp.minimum(rows, B - 1)], page_table)  # every table's rows
     real = lens > 0
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
     write = jnp.where(pos < lens[:, None], pos, -1)

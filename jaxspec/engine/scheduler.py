@@ -3,7 +3,9 @@
 Admission reserves each request's worst-case page count (prompt + max_new_tokens + the
 step's lookahead), so a running request can never run out of KV mid-generation; pages are
 still granted lazily, a few steps ahead of use. Every granted page returns to the
-allocator when its request retires.
+allocator when its request retires. A target with sliding-window layers also has a window
+pool (``jaxspec.engine.window``): its pages are granted and returned as each request's
+window moves, and its worst case (the ring width) is reserved the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from jaxspec.config import SamplingParams
 from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator
+from jaxspec.engine.window import WindowPages
 from jaxspec.kvcache.paging import pages_needed
 
 
@@ -27,6 +30,7 @@ class Request:
     stop_ids: tuple[int, ...]
     key: np.ndarray  # u32[2] PRNG key data
     worst_pages: int = 0
+    worst_window_pages: int = 0
     row: int | None = None
     t_admit: float = 0.0
     t_done: float = 0.0
@@ -40,12 +44,15 @@ class Scheduler:
     With ``data_shards`` > 1 the rows and the KV pool are split evenly over the data axis of a
     mesh: rows ``[d * B/D, (d + 1) * B/D)`` run on shard ``d`` and hold pages of that shard's own
     range, granted by its own allocator; the page table stores shard-local page ids (page 0 of
-    every shard is its scratch page)."""
+    every shard is its scratch page). ``window``: the sliding-window pool's allocator and ring
+    table (one data shard only)."""
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
-                 lookahead: int, step_growth: int, data_shards: int = 1):
+                 lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
+        if window is not None and data_shards > 1:
+            raise ValueError(f"a sliding-window KV pool runs on one data shard, not {data_shards}")
         self.page_size = page_size
         self.lookahead = lookahead
         self.step_growth = step_growth  # positions a decode call may advance a request
@@ -53,13 +60,17 @@ class Scheduler:
         self.rows_per_shard = batch // data_shards
         self.allocators = [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
         self.page_table = np.zeros((batch, width), np.int32)
+        self.window = window
         self.waiting: deque[Request] = deque(requests)
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
         self.reserved = [0] * data_shards
+        self.reserved_window = 0
         capacity = self.allocators[0].capacity
         for r in requests:
-            r.worst_pages = pages_needed(len(r.prompt) + r.sampling.max_new_tokens + lookahead, page_size)
+            total = len(r.prompt) + r.sampling.max_new_tokens + lookahead
+            r.worst_pages = pages_needed(total, page_size)
+            r.worst_window_pages = window.worst_pages(total) if window is not None else 0
             if r.worst_pages > width:
                 raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
             if r.worst_pages > capacity:
@@ -90,6 +101,8 @@ class Scheduler:
     def check(self) -> None:
         for a in self.allocators:
             a.check()
+        if self.window is not None:
+            self.window.allocator.check()
 
     def admit(self) -> list[Request]:
         """Moves waiting requests into free rows while their worst case fits in the row's shard."""
@@ -101,27 +114,35 @@ class Scheduler:
             req = self.waiting[0]
             if self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
                 continue
+            if self.window is not None and self.reserved_window + req.worst_window_pages > self.window.allocator.capacity:
+                break
             self.waiting.popleft()
             self.reserved[d] += req.worst_pages
+            self.reserved_window += req.worst_window_pages
             req.row = row
             req.t_admit = time.perf_counter()
             self.rows[row] = req
-            self._grant(req, len(req.prompt) + 1)
+            self._grant(req, len(req.prompt), 1)
             admitted.append(req)
         return admitted
 
     def grant_ahead(self, seq_lens: np.ndarray) -> None:
-        """Before a decode call: pages for every position the next call may touch."""
+        """Before a decode call: pages for every position the next call may touch (and, in the
+        window pool, the pages behind each request's window returned)."""
         for row, req in enumerate(self.rows):
             if req is not None:
-                self._grant(req, int(seq_lens[row]) + self.step_growth)
+                self._grant(req, int(seq_lens[row]), self.step_growth)
 
-    def _grant(self, req: Request, num_positions: int) -> None:
-        target = min(req.worst_pages, pages_needed(num_positions + self.lookahead, self.page_size))
+    def _grant(self, req: Request, committed: int, growth: int) -> None:
+        reach = committed + growth + self.lookahead
+        target = min(req.worst_pages, pages_needed(reach, self.page_size))
         alloc = self.allocator_of(req.row)
         have = len(alloc.pages_of(req.index))
         new = alloc.grow(req.index, target)
         self.page_table[req.row, have:have + len(new)] = new
+        if self.window is not None:
+            total = len(req.prompt) + req.sampling.max_new_tokens + self.lookahead  # as reserved
+            self.window.advance(req.row, req.index, committed, min(reach, total))
 
     def retire(self, row: int, tokens: list[int], accept_lens: list[int]) -> Request:
         req = self.rows[row]
@@ -130,6 +151,9 @@ class Scheduler:
         req.t_done = time.perf_counter()
         self.allocator_of(row).release(req.index)
         self.reserved[self.shard_of(row)] -= req.worst_pages
+        if self.window is not None:
+            self.window.release(row, req.index)
+            self.reserved_window -= req.worst_window_pages
         self.page_table[row] = 0
         self.rows[row] = None
         self.done.append(req)

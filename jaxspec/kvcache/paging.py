@@ -3,6 +3,17 @@
 A pool holds ``num_slots = num_pages * page_size`` slots. Request ``b``'s token at position
 ``pos`` lives in slot ``page_table[b, pos // P] * P + pos % P``. Page 0 is reserved scratch:
 padded rows and unused page-table entries point there and nothing reads it.
+
+Sliding-window layers live in a pool of their own, addressed by a ring page table
+(``WindowTable``) instead: a request keeps only the pages that cover its last positions, so
+its table holds R columns, and logical page ``j`` (positions ``[j*P, (j+1)*P)``) sits in
+column ``j % R`` while it is resident, i.e. while ``first[b] <= j < first[b] + R``. The host
+(``jaxspec.engine.window``) moves ``first`` forward as the request advances, returning the
+pages that fell behind to the allocator and granting new ones in the freed columns; no
+device array is shifted. A position that is not resident maps to scratch slot 0: a write
+there is dropped (a prompt longer than the window writes only its tail), and attention never
+reads one unmasked (every position a sliding-window query can see is resident). Both pools of
+a model and any draft pool share these tables (``PageTables``), so slots agree across them.
 """
 
 from __future__ import annotations
@@ -38,6 +49,49 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class WindowTable:
+    """Ring page table of a sliding-window pool (module docstring).
+
+    pages: i32[B, R] physical page of each resident logical page, at column ``j % R``.
+    first: i32[B] first resident logical page of each request.
+    """
+
+    pages: jax.Array
+    first: jax.Array
+
+    def slots(self, positions: jax.Array, page_size: int) -> jax.Array:  # i32[B, ...] -> i32[B, ...]
+        """Slots of ``positions`` (scratch slot 0 for negative or non-resident positions)."""
+        B, R = self.pages.shape
+        flat = positions.reshape(B, -1)
+        page = jnp.maximum(flat, 0) // page_size
+        first = self.first[:, None]
+        resident = (flat >= 0) & (page >= first) & (page < first + R)
+        phys = jnp.take_along_axis(self.pages, page % R, axis=1)
+        slots = jnp.where(resident, phys * page_size + flat % page_size, SCRATCH_PAGE * page_size)
+        return slots.reshape(positions.shape).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTables:
+    """The page tables of one decode: ``full`` (i32[B, W], every position) and, for models with
+    sliding-window layers, the ring table of the window pool (``None`` otherwise). Passed
+    wherever a page table goes; a bare ``[B, W]`` array means ``PageTables(full=array)``."""
+
+    full: jax.Array
+    window: WindowTable | None = None
+
+
+def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
+    return tables.full if isinstance(tables, PageTables) else tables
+
+
+def window_table(tables) -> WindowTable | None:
+    return tables.window if isinstance(tables, PageTables) else None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """Where one forward writes its K/V and what each query row may see.
 
@@ -47,19 +101,27 @@ class AttentionInputs:
       write_slots: i32[B, T] slot receiving each row's K/V (scratch slot 0 for padding).
       block_mask: bool[B, T, Wb] visibility of the block right after the prefix, or None
         for a causal block over the T rows.
+      write_positions: i32[B, T] the positions behind ``write_slots`` (negative = padding).
+      window: the ring table of the sliding-window pool, for models that have one.
     """
 
     page_table: jax.Array
     prefix_lens: jax.Array
     write_slots: jax.Array
     block_mask: jax.Array | None = None
+    write_positions: jax.Array | None = None
+    window: WindowTable | None = None
 
     @classmethod
     def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None) -> "AttentionInputs":
-        """``write_positions: i32[B, T]`` (negative = padded row, written to scratch)."""
+        """``page_table``: ``PageTables`` or a bare i32[B, W]; ``write_positions: i32[B, T]``
+        (negative = padded row, written to scratch)."""
+        full = full_table(page_table)
         return cls(
-            page_table=page_table,
+            page_table=full,
             prefix_lens=prefix_lens.astype(jnp.int32),
-            write_slots=positions_to_slots(page_table, write_positions, page_size),
+            write_slots=positions_to_slots(full, write_positions, page_size),
             block_mask=block_mask,
+            write_positions=write_positions.astype(jnp.int32),
+            window=window_table(page_table),
         )

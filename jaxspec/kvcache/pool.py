@@ -3,19 +3,28 @@
 * ``KVPool`` (MHA/GQA): ``k, v: [L, num_slots, Hkv, D]``.
 * ``MLAPool``: ``kv: [L, num_slots, kv_lora_rank + rope_dim]``, optionally with a DSA-style
   indexer key buffer ``index_k: [L, num_slots, index_dim]`` that moves with the KV.
+* ``SplitPool``: the pair of a model with sliding-window layers (Gemma 4, Mistral with a
+  window): ``full`` (its full-attention layers) and ``window`` (its sliding-window layers, in a
+  pool of its own with fewer pages, addressed by the ring table of ``paging.WindowTable``).
 * A pool with ``L == 0`` is valid; every op on it is a no-op.
 
 Every buffer shares the leading ``[L, num_slots]`` axes, so moving KV between positions is
-the same gather/scatter for every pool kind (see ``jaxspec.pallas.kv_move``).
+the same gather/scatter for every pool kind (see ``jaxspec.pallas.kv_move``). Ops that address
+KV by position go through ``map_parts``: a pool applies ``fn(part, slots_of)`` to each of its
+parts with the position-to-slot map of the table that addresses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from jaxspec.kvcache.paging import full_table, positions_to_slots, window_table
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +72,16 @@ class KVPool:
             v=self.v.at[layer, slots].set(v.astype(self.v.dtype)),
         )
 
+    def map_parts(self, tables, fn: Callable):
+        """``fn(self, slots_of)``: one part, addressed by the shared page table."""
+        return _whole(self, tables, fn)
+
+    def part(self, name: str) -> "KVPool":
+        """A plain pool is its own "full" part."""
+        if name != "full":
+            raise ValueError(f"a pool without sliding-window layers has no {name!r} part")
+        return self
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +118,10 @@ class MLAPool:
     def num_slots(self) -> int:
         return self.kv.shape[1]
 
+    def map_parts(self, tables, fn: Callable):
+        """``fn(self, slots_of)``: one part, addressed by the shared page table."""
+        return _whole(self, tables, fn)
+
     def specs(self, data_axis: str | None, model_axis: str | None = None):
         """Partition specs of the buffers on a mesh: slots split over ``data_axis``; the latent
         (and indexer keys) are whole on every model shard (every head reads all of it)."""
@@ -113,3 +136,64 @@ class MLAPool:
                 new, index_k=self.index_k.at[layer, slots].set(index_k.astype(self.index_k.dtype))
             )
         return new
+
+
+def _whole(pool, tables, fn):
+    return fn(pool, functools.partial(_full_slots, full_table(tables), page_size=pool.page_size))
+
+
+def _full_slots(table, positions, *, page_size):
+    return positions_to_slots(table, positions, page_size)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitPool:
+    """The two pools of a model with sliding-window layers.
+
+    full: ``KVPool`` of the full-attention layers ``[Lf, N, Hf, Df]``, addressed by the shared
+      page table (every position of a request).
+    window: ``KVPool`` of the sliding-window layers ``[Lw, Nw, Hw, Dw]`` (its own head count and
+      width), addressed by the ring table: only each request's last positions are held.
+    Either part may have zero layers (Mistral's full part, a Gemma model without sliding
+    layers); every op on that part is then a no-op.
+    """
+
+    full: KVPool
+    window: KVPool
+
+    @classmethod
+    def create(cls, *, full_layers, window_layers, num_pages, window_pages, page_size, full_heads, full_dim,
+               window_heads, window_dim, dtype) -> "SplitPool":
+        return cls(
+            full=KVPool.create(num_layers=full_layers, num_pages=num_pages, page_size=page_size,
+                               num_kv_heads=full_heads, head_dim=full_dim, dtype=dtype),
+            window=KVPool.create(num_layers=window_layers, num_pages=window_pages, page_size=page_size,
+                                 num_kv_heads=window_heads, head_dim=window_dim, dtype=dtype),
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.full.page_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.full.num_layers + self.window.num_layers
+
+    def specs(self, data_axis: str | None, model_axis: str | None = None):
+        """Partition specs of both parts (``KVPool.specs``)."""
+        return dataclasses.replace(self, full=self.full.specs(data_axis, model_axis),
+                                   window=self.window.specs(data_axis, model_axis))
+
+    def part(self, name: str) -> KVPool:
+        """``"full"`` or ``"window"``."""
+        return {"full": self.full, "window": self.window}[name]
+
+    def map_parts(self, tables, fn: Callable) -> "SplitPool":
+        """``fn`` on the full part (shared page table) and on the window part (ring table)."""
+        ring = window_table(tables)
+        if ring is None and self.window.num_layers:
+            raise ValueError("a pool with sliding-window layers needs PageTables with a window table")
+        page = self.window.page_size
+        window = self.window if ring is None else fn(self.window, lambda positions: ring.slots(positions, page))
+        return dataclasses.replace(self, full=self.full.map_parts(tables, fn), window=window)

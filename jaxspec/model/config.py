@@ -34,7 +34,10 @@ def get_field(cfg: dict[str, Any], key: str, kind=None, default=dataclasses.MISS
 class RopeConfig:
     """Rotary embedding (rotate-half convention, as in HF Llama).
 
-    kind: "default", "linear" (positions / factor) or "llama3" (frequency-band scaling).
+    kind: "default", "linear" (positions / factor), "llama3" (frequency-band scaling) or
+    "proportional" (Gemma 4 full-attention layers: only the first
+    ``int(partial_rotary_factor * D // 2)`` of the D/2 frequencies rotate, with exponents over
+    the whole D; the rest are zero, i.e. those dimension pairs are left as they are).
     """
 
     theta: float = 10000.0
@@ -43,6 +46,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
 
 
 def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
@@ -67,6 +71,9 @@ def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
         return RopeConfig(theta=float(theta))
     if kind == "linear":
         return RopeConfig(theta=float(theta), kind="linear", factor=float(scaling["factor"]))
+    if kind == "proportional":
+        return RopeConfig(theta=float(theta), kind="proportional", factor=float(scaling.get("factor", 1.0)),
+                          partial_rotary_factor=float(scaling.get("partial_rotary_factor", 1.0)))
     if kind == "llama3":
         try:
             return RopeConfig(
@@ -80,5 +87,5 @@ def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
         except KeyError as e:
             raise ConfigError(f"{where}: llama3 rope_scaling is missing {e.args[0]!r}") from None
     raise ConfigError(
-        f"{where}: unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+        f"{where}: unsupported rope scaling type {kind!r} (supported: default, linear, llama3, proportional)"
     )

@@ -16,17 +16,24 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.paging import AttentionInputs, WindowTable
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.pallas.paged_attention import paged_attention
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF-style RMSNorm: normalize in f32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool = False) -> jax.Array:
+    """HF-style RMSNorm: normalize in f32, cast back, then scale (Llama). ``gemma``: HF Gemma 4's
+    arithmetic instead (``pow(ms + eps, -0.5)``, the weight applied in f32 before the cast back);
+    ``weight=None`` is a norm without a scale (Gemma 4's v_norm)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
+    xf = xf * (jnp.power(ms, -0.5) if gemma else jax.lax.rsqrt(ms))
+    if weight is None:
+        return xf.astype(x.dtype)
+    if gemma:
+        return (xf * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -46,6 +53,10 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:  # f32[dim // 2]
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope.kind == "proportional":
+        rotated = int(rope.partial_rotary_factor * dim // 2)  # frequencies that rotate (HF's rounding)
+        inv = np.where(np.arange(dim // 2) < rotated, inv, np.float32(0.0)).astype(np.float32)
+        inv = (inv / np.float32(rope.factor)).astype(np.float32)
     elif rope.kind != "default":
         raise ValueError(f"unsupported rope kind {rope.kind!r}")
     return inv
@@ -67,8 +78,18 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, activation=jax.nn.silu):
+    """``down(act(gate(x)) * up(x))``: SwiGLU with ``silu``, Gemma's GeGLU with ``gelu_tanh``."""
+    return (activation(x @ w_gate) * (x @ w_up)) @ w_down
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return gated_mlp(x, w_gate, w_up, w_down)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (HF ``gelu_pytorch_tanh``)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def write_and_attend(
@@ -120,6 +141,88 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, tensor_parallel: int = 1) 
         return jax.lax.psum(x, MODEL)
 
     return per_model_shard(local, in_specs=(P(MODEL, None), P()), out_specs=P(), shards=tensor_parallel)(table, tokens)
+
+# --------------------------------------------------------------------- sliding-window attention
+#
+# The XLA path for sliding-window layers, whatever ``implementation`` says: the Pallas kernels
+# see a prefix [0, prefix_len) and a block, and cannot yet skip the positions that fell out of
+# the window nor address the ring table of the window pool. A kernel would need (a) a per-row
+# lower bound ``q_pos - W`` on prefix positions (skipping whole tiles below it, so a decode step
+# reads W positions instead of the whole prefix) and (b) the ring slot map of
+# ``paging.WindowTable`` (column ``page % R`` plus a residency test) in place of the page-table
+# lookup; the block part is unchanged.
+
+
+def attention_over(
+    q: jax.Array,  # [B, T, Hq, D]
+    k: jax.Array,  # [B, K, Hkv, D] keys each row may consider
+    v: jax.Array,  # [B, K, Hkv, D]
+    visible: jax.Array,  # bool[B, T, K]
+    sm_scale: float,
+) -> jax.Array:  # [B, T, Hq, D], q.dtype
+    """Grouped-query attention of each row over its own gathered keys, in f32."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv, D)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bthgd,bkhd->bhgtk", qf, k.astype(jnp.float32), precision=hi) * sm_scale
+    weights = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -1e30), axis=-1)
+    out = jnp.einsum("bhgtk,bkhd->bthgd", weights, v.astype(jnp.float32), precision=hi)
+    return out.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def gather_window(
+    pool: KVPool,
+    layer: jax.Array,  # i32[]
+    ring: WindowTable,
+    start: jax.Array,  # i32[B] first position gathered
+    count: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # k, v [B, count, Hkv, D]; positions i32[B, count]
+    """K/V at positions ``start + [0, count)`` of each request (scratch where not resident)."""
+    positions = start[:, None] + jnp.arange(count, dtype=jnp.int32)[None, :]
+    slots = ring.slots(positions, pool.page_size)
+    return pool.k[layer, slots], pool.v[layer, slots], positions
+
+
+def window_write_and_attend(
+    q: jax.Array,  # [B, T, Hq, D] (RoPE applied)
+    k: jax.Array,  # [B, T, Hkv, D] (RoPE applied)
+    v: jax.Array,  # [B, T, Hkv, D]
+    pool: KVPool,  # the window pool, addressed by attn.window
+    layer: jax.Array,  # i32[]
+    attn: AttentionInputs,
+    query_positions: jax.Array,  # i32[B, T] each row's position (its RoPE position)
+    *,
+    window: int,
+    sm_scale: float,
+) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
+    """A sliding-window layer: writes the new K/V through the ring table, then each row at
+    position p attends to the keys at positions (p - window, p] that ``attn`` lets it see.
+
+    Keys come in two parts. The prefix part: the ``window - 1`` positions before
+    ``prefix_lens`` (read from the pool). The block part: for a causal block, this forward's
+    own K/V (cast to the pool dtype, i.e. what the pool holds; a prompt longer than the window
+    keeps only its tail in the pool); for a masked block (tree verify, draft scratch), the
+    block positions read back from the pool after the write. Inside a masked block no window
+    test is made: its rows sit at most ``num_steps`` < ``window`` positions from their
+    ancestors (``generate`` checks that)."""
+    B, T, Hkv, D = k.shape
+    ring = attn.window
+    slots = ring.slots(attn.write_positions, pool.page_size)  # [B, T]
+    pool = pool.write(layer, slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+    kp, vp, ppos = gather_window(pool, layer, ring, attn.prefix_lens - (window - 1), window - 1)
+    prefix_ok = (ppos >= 0)[:, None, :] & (ppos[:, None, :] > query_positions[:, :, None] - window)  # [B, T, W-1]
+    if attn.block_mask is None:
+        kb, vb = k.astype(pool.k.dtype), v.astype(pool.v.dtype)
+        rows = jnp.arange(T, dtype=jnp.int32)
+        dist = rows[:, None] - rows[None, :]  # row - block entry
+        block_ok = jnp.broadcast_to((dist >= 0) & (dist < window), (B, T, T))
+    else:
+        kb, vb, _ = gather_window(pool, layer, ring, attn.prefix_lens, attn.block_mask.shape[-1])
+        block_ok = attn.block_mask
+    o = attention_over(q, jnp.concatenate([kp, kb], axis=1), jnp.concatenate([vp, vb], axis=1),
+                       jnp.concatenate([prefix_ok, block_ok], axis=-1), sm_scale)
+    return o, pool
 
 
 # ------------------------------------------------------------------------------- Llama layer

@@ -55,11 +55,11 @@ def drafts():
     }
 
 
-def exact_joint(sampling: js.SamplingParams) -> np.ndarray:
-    """P(t1..tk) by enumeration: [V**k]."""
+def exact_joint(sampling: js.SamplingParams, model: Model | None = None) -> np.ndarray:
+    """P(t1..tk) by enumeration: [V**k] (``model``: a target with vocabulary V, default ``target()``)."""
     prefixes = list(itertools.product(range(V), repeat=K_TOKENS - 1))
     seqs = np.asarray([PROMPT + list(p) for p in prefixes])
-    logits, _, _ = forward_sequence(target(), seqs)
+    logits, _, _ = forward_sequence(model or target(), seqs)
     n = len(PROMPT)
     lg = logits[:, n - 1:]  # [N, k, V]: distribution of t1..tk
     ones = jnp.ones(lg.shape[:-1])
@@ -74,11 +74,11 @@ def exact_joint(sampling: js.SamplingParams) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample_counts(draft, spec, sampling, calls: int, seed0: int = 0) -> np.ndarray:
+def sample_counts(draft, spec, sampling, calls: int, seed0: int = 0, model: Model | None = None) -> np.ndarray:
     counts = np.zeros(V**K_TOKENS, np.int64)
     eng = js.EngineConfig(page_size=4, max_batch=ROWS, max_seq_len=32, steps_per_call=4)
     for c in range(calls):
-        out = js.generate(target(), [PROMPT] * ROWS, draft=draft, spec=spec, sampling=sampling, engine=eng,
+        out = js.generate(model or target(), [PROMPT] * ROWS, draft=draft, spec=spec, sampling=sampling, engine=eng,
                           seed=seed0 + c, progress=False)
         for toks in out.token_ids:
             assert len(toks) == K_TOKENS

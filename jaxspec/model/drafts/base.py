@@ -62,12 +62,13 @@ class DraftSeed:
 class DraftContext:
     """What a draft forward may read besides its own pool (all read-only).
 
-    page_table: i32[B, W] shared by the target and draft pools.
+    page_table: the page tables shared by the target and draft pools (``PageTables``, with the
+      window pool's ring table when a model has sliding-window layers, or a bare i32[B, W]).
     seq_lens: i32[B] committed target positions (the root is not yet in the KV).
     target_pool: the target's KV pool as of the last commit.
     """
 
-    page_table: jax.Array
+    page_table: Any
     seq_lens: jax.Array
     target_pool: Any
 
@@ -138,8 +139,14 @@ class Draft(abc.ABC):
 
     # --------------------------------------------------------------------------- pool
 
-    def create_pool(self, *, num_pages: int, page_size: int, dtype):
-        """The draft's own KV pool (MHA by default)."""
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window of the draft's own sliding-window layers (None: it has none)."""
+        return None
+
+    def create_pool(self, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None):
+        """The draft's own KV pool (MHA by default; ``window_pages``: pages of the window part
+        of a pool with sliding-window layers)."""
         m = self.model
         return KVPool.create(num_layers=self.num_layers, num_pages=num_pages, page_size=page_size,
                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=dtype)

@@ -7,8 +7,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import lm_head
-from jaxspec.model.targets import Model, create_target_pool, target_forward
+from jaxspec.model.targets import Model, create_target_pool, kv_window, target_forward, target_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +22,13 @@ class StandaloneDraft(Draft):
     def feature(self) -> None:
         return None
 
-    def create_pool(self, *, num_pages, page_size, dtype):
-        return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype)
+    @property
+    def kv_window(self) -> int | None:
+        return kv_window(self.model)
+
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+        return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype,
+                                  window_pages=window_pages)
 
     def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,
                 implementation=None):
@@ -32,7 +36,7 @@ class StandaloneDraft(Draft):
         return out.hidden, out.hidden, out.pool
 
     def logits(self, params, logit_in):
-        return lm_head(params, logit_in)
+        return target_logits(self.model, params, logit_in)
 
 
 def standalone_draft(model: Model) -> DraftModel:

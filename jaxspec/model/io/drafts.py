@@ -30,6 +30,7 @@ from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
 from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.targets import Model
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
+from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 LM_ARCHITECTURES = tuple(a for fam in TARGET_FAMILIES for a in fam.architectures)
@@ -68,6 +69,20 @@ def _load_assistant(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(assistant_draft(cfg, params, path), mesh=target.mesh)
 
 
+def _load_gemma4_assistant(ckpt, raw, target: Model, dtype, where, path):
+    if axis_size(target.mesh, MODEL) > 1:
+        raise ConfigError(f"{where}: a frozen-KV assistant on a tensor-parallel mesh is not supported yet")
+    cfg = assistant_io.gemma4_assistant_config_from_hf(raw, target.config, where)
+    params = assistant_io.load_gemma4_assistant_params(ckpt, raw, cfg, target.params, dtype)
+    return dataclasses.replace(assistant_draft(cfg, params, path), mesh=target.mesh)
+
+
+def _is_gemma4_assistant(names: set[str]) -> bool:
+    """pre/post projections around query-only Gemma 4 layers (``layer_scalar``, no k/v projections)."""
+    return "pre_projection.weight" in names and any(n.endswith(".layer_scalar") for n in names) and not any(
+        n.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")) for n in names)
+
+
 def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
     params, cfg = load_mtp_params(ckpt, target.config, dtype, target_params=target.params, share_target_weights=True,
                                   mesh=target.mesh, fp8_block=fp8_block_size(raw, where))
@@ -102,11 +117,14 @@ DRAFT_FORMATS = (
                 lambda names: detect_eagle_version(names) == 3, (LlamaConfig,), _load_eagle(3)),
     DraftFormat("EAGLE-1/2 head", EAGLE_ARCHITECTURES[2:] + ("LlamaForCausalLM",),
                 lambda names: detect_eagle_version(names) == 1, (LlamaConfig,), _load_eagle(1)),
+    DraftFormat("Gemma 4 assistant (frozen-KV MTP)", (assistant_io.GEMMA4_ARCHITECTURE,), _is_gemma4_assistant,
+                (Gemma4Config,), _load_gemma4_assistant),
     DraftFormat("frozen-KV assistant", (assistant_io.ARCHITECTURE,),
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
     DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
-    DraftFormat("standalone LM", LM_ARCHITECTURES, _is_lm, (LlamaConfig, DeepseekConfig), _load_standalone),
+    DraftFormat("standalone LM", LM_ARCHITECTURES, _is_lm, (LlamaConfig, DeepseekConfig, Gemma4Config),
+                _load_standalone),
 )
 
 
@@ -133,7 +151,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
 
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
     ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), a standalone LM of a supported
-    family sharing the target's vocabulary, a frozen-KV assistant, or -- for a DeepSeek-V3
+    family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
+    Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3
     target -- the NextN/MTP layer stored in its checkpoint (pass the target's directory).
 
     Raises:

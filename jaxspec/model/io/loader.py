@@ -14,11 +14,13 @@ from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
 from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, read_config, read_eos_ids, resolve_dtype
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
+from jaxspec.model.io.gemma4 import gemma4_table
 from jaxspec.model.io.llama import llama_table
 from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.io.tokenizer import load_tokenizer
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import deepseek_config as ds
+from jaxspec.model.targets import gemma4_config as gemma4
 from jaxspec.model.targets import llama_config as llama
 
 
@@ -39,6 +41,9 @@ TARGET_FAMILIES = (
     TargetFamily("deepseek", tuple(ds.ARCHITECTURES), tuple(ds.MODEL_TYPES), ds.deepseek_config_from_hf,
                  lambda cfg, ckpt: deepseek_table(cfg, fused_experts=has_fused_experts(ckpt, cfg)),
                  ds.deepseek_for_tensor_parallel),
+    TargetFamily("gemma4", gemma4.ARCHITECTURES, gemma4.MODEL_TYPES, gemma4.gemma4_config_from_hf,
+                 lambda cfg, ckpt: gemma4_table(cfg),  # text weights only (CondGen towers ignored)
+                 gemma4.gemma4_for_tensor_parallel),
 )
 
 

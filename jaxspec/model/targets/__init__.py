@@ -1,7 +1,7 @@
 """Target models: one entry point per operation, whatever the family.
 
-Each family (``llama``, ``deepseek``) is one module with its config next to it; this module
-maps a config type to its family, so callers never branch on the architecture.
+Each family (``llama``, ``deepseek``, ``gemma4``) is one module with its config next to it;
+this module maps a config type to its family, so callers never branch on the architecture.
 """
 
 from __future__ import annotations
@@ -12,26 +12,37 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.layers import lm_head
 from jaxspec.model.targets.base import ForwardOutput, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
+from jaxspec.model.targets.gemma4 import create_gemma4_pool, gemma4_forward, gemma4_logits
+from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama import create_llama_pool, llama_forward
 from jaxspec.model.targets.llama_config import LlamaConfig
 
-__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_sequence", "target_forward", "target_logits"]
+__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_sequence", "kv_window", "target_forward",
+           "target_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
     forward: Callable  # (params, cfg, tokens, positions, pool, attn, *, aux_layers, implementation) -> ForwardOutput
-    create_pool: Callable  # (cfg, *, num_pages, page_size, dtype) -> pool
+    create_pool: Callable  # (cfg, *, num_pages, page_size, dtype, window_pages) -> pool
+    logits: Callable = lambda cfg, params, hidden: lm_head(params, hidden)  # noqa: E731
+    window: Callable = lambda cfg: None  # noqa: E731  (cfg) -> sliding window of its window layers, or None
+
+
+def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None):
+    return create_mla_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
 
 _FAMILIES: dict[type, _Family] = {
-    LlamaConfig: _Family(llama_forward, create_llama_pool),
-    DeepseekConfig: _Family(deepseek_forward, create_mla_pool),
+    LlamaConfig: _Family(llama_forward, create_llama_pool, window=lambda cfg: cfg.sliding_window),
+    DeepseekConfig: _Family(deepseek_forward, _mla_pool),
+    Gemma4Config: _Family(gemma4_forward, create_gemma4_pool, logits=gemma4_logits,
+                          window=lambda cfg: cfg.sliding_window if cfg.num_sliding_layers else None),
 }
 
 
@@ -59,12 +70,21 @@ def target_forward(
 
 
 def target_logits(cfg, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
-    return lm_head(params, hidden)
+    return _family(cfg).logits(cfg, params, hidden)
 
 
-def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype):
-    """The target's KV pool: MHA ``[L, slots, Hkv, D]`` or MLA latent (+ indexer keys)."""
-    return _family(cfg).create_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype)
+def kv_window(cfg) -> int | None:
+    """The sliding window W of a target with sliding-window layers (their K/V live in a window
+    pool of their own), else None."""
+    return _family(cfg).window(cfg)
+
+
+def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None):
+    """The target's KV pool: MHA ``[L, slots, Hkv, D]``, MLA latent (+ indexer keys), or for a
+    model with sliding-window layers a ``SplitPool`` whose window part has ``window_pages``
+    pages (default: ``num_pages``)."""
+    return _family(cfg).create_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype,
+                                    window_pages=window_pages)
 
 
 def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), implementation=None):
@@ -75,9 +95,10 @@ def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), 
     B, T = tokens.shape
     cfg = model.config
     pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(model.dtype))
-    page_table = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]
+    pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in both pools
+    tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    attn = AttentionInputs.build(page_table, jnp.zeros((B,), jnp.int32), positions, T)
+    attn = AttentionInputs.build(tables, jnp.zeros((B,), jnp.int32), positions, T)
     out = target_forward(cfg, model.params, tokens, positions, pool, attn,
                          aux_layers=aux_layers, implementation=implementation)
     return target_logits(cfg, model.params, out.hidden), out.hidden, out.aux

@@ -9,24 +9,39 @@ weights are stored ``[in, out]``; ``jaxspec.model.io.llama`` holds the checkpoin
     layers/bq [L, Hq*D], bk, bv [L, Hkv*D]      (Qwen2)
     layers/q_norm, k_norm [L, D]                (Qwen3)
     layers/mlp_norm [L, H]; w_gate, w_up [L, H, I]; w_down [L, I, H]
+
+With a ``sliding_window`` (Mistral) every layer is a sliding-window layer: the pool is a
+``SplitPool`` whose full part has no layers and whose window part holds every layer (only the
+last positions of each request; see ``jaxspec.kvcache.paging``).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.layers import attention_qkv, embed_lookup, layer_tail, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.kvcache.pool import KVPool, SplitPool
+from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, rms_norm, rope_inv_freq,
+                                  window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
-def create_llama_pool(cfg: LlamaConfig, *, num_pages: int, page_size: int, dtype) -> KVPool:
-    return KVPool.create(
-        num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+def create_llama_pool(cfg: LlamaConfig, *, num_pages: int, page_size: int, dtype,
+                      window_pages=None) -> KVPool | SplitPool:
+    """MHA pool; with a sliding window, a ``SplitPool`` of ``window_pages`` window pages."""
+    if cfg.sliding_window is None:
+        return KVPool.create(
+            num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+        )
+    return SplitPool.create(
+        full_layers=0, window_layers=cfg.num_layers, num_pages=num_pages, window_pages=window_pages or num_pages,
+        page_size=page_size, full_heads=cfg.num_kv_heads, full_dim=cfg.head_dim, window_heads=cfg.num_kv_heads,
+        window_dim=cfg.head_dim, dtype=dtype,
     )
 
 
@@ -45,15 +60,22 @@ def llama_forward(
     x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     taps = AuxTaps(cfg.num_layers, aux_layers)
+    window = cfg.sliding_window
+    layers_pool = pool if window is None else pool.window
 
     def layer(carry, lp):
-        x, pool, aux, l = carry
+        x, part, aux, l = carry
         aux = taps.record(aux, l, x)
         q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
-        o, pool = write_and_attend(q, k, v, pool, l, attn, implementation=implementation,
-                                   tensor_parallel=cfg.tensor_parallel)
-        return (layer_tail(lp, cfg, x, o), pool, aux, l + 1), None
+        if window is None:
+            o, part = write_and_attend(q, k, v, part, l, attn, implementation=implementation,
+                                       tensor_parallel=cfg.tensor_parallel)
+        else:
+            o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
+                                              sm_scale=1.0 / math.sqrt(cfg.head_dim))
+        return (layer_tail(lp, cfg, x, o), part, aux, l + 1), None
 
-    (x, pool, aux, _), _ = jax.lax.scan(layer, (x, pool, taps.empty(x), jnp.int32(0)), params["layers"])
+    (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, taps.empty(x), jnp.int32(0)), params["layers"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    pool = part if window is None else SplitPool(full=pool.full, window=part)
     return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=pool)

@@ -1,0 +1,149 @@
+"""Gemma 4 text decoder (dense) as pure functions (checkpoint names in ``jaxspec.model.io.gemma4``).
+
+Sliding-window and full-attention layers interleave (``Gemma4Config.layer_types``); each type
+has its own head width, KV heads and RoPE, so each keeps its K/V in its own part of a
+``SplitPool``: full layers in ``pool.full`` (every position, the shared page table), sliding
+layers in ``pool.window`` (only the last positions, the ring table; see
+``jaxspec.kvcache.paging``). One layer, HF ``Gemma4TextDecoderLayer`` semantics:
+
+    h = norm_in(x)
+    q = RoPE(q_norm(h @ wq));  k = RoPE(k_norm(h @ wk));  v = v_norm(h @ wv)   (v_norm: no weight)
+        full layers with attention_k_eq_v have no wv: v = v_norm(h @ wk) (the raw K projection)
+    o = attention(q, k, v) with scale 1.0 (sliding layers: keys in (p - W, p])
+    x = x + post_attn_norm(o @ wo)
+    x = x + post_mlp_norm(down(gelu_tanh(gate(pre_mlp_norm(x))) * up(pre_mlp_norm(x))))
+    x = x * layer_scalar
+
+The input is ``embed[tokens] * sqrt(H)`` (the scale rounded to the weight dtype); the output
+``norm(x)``; logits ``c * tanh(norm(x) . embed / c)`` with ``c = final_logit_softcapping``.
+RMSNorms scale by ``w`` (not ``1 + w``), in f32 before casting back.
+
+The layers run as a ``lax.scan`` over groups of ``cfg.period`` layers (the repeating pattern
+of layer types, unrolled inside the group): one compiled group whatever the depth.
+
+Params (linear weights ``[in, out]``; ``[Lt]`` = stacked over the layers of one type):
+    embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
+    sliding/, full/ (each present when it has layers):
+      attn_norm, post_attn_norm, pre_mlp_norm, post_mlp_norm [Lt, H]; layer_scalar [Lt, 1]
+      wq [Lt, H, Hq*D]; q_norm [Lt, D]; wk [Lt, H, Hkv*D]; wv [Lt, H, Hkv*D] (absent: k_eq_v); k_norm [Lt, D]
+      wo [Lt, Hq*D, H]; w_gate, w_up [Lt, H, I]; w_down [Lt, I, H]
+
+Glossary: B rows, T positions per row, H width, Hq query heads, Hkv KV heads, D head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.pool import SplitPool
+from jaxspec.model.layers import (apply_rope, gated_mlp, gelu_tanh, lm_head, rms_norm, rope_inv_freq,
+                                  window_write_and_attend, write_and_attend)
+from jaxspec.model.targets.base import AuxTaps, ForwardOutput
+from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
+
+GROUPS = {SLIDING: "sliding", FULL: "full"}  # params group of each layer type
+
+
+def create_gemma4_pool(cfg: Gemma4Config, *, num_pages: int, page_size: int, dtype, window_pages=None) -> SplitPool:
+    """Full layers in ``full`` (``num_pages``), sliding layers in ``window`` (``window_pages``)."""
+    return SplitPool.create(
+        full_layers=cfg.num_layers - cfg.num_sliding_layers, window_layers=cfg.num_sliding_layers,
+        num_pages=num_pages, window_pages=window_pages or num_pages, page_size=page_size,
+        full_heads=cfg.full.num_kv_heads, full_dim=cfg.full.head_dim,
+        window_heads=cfg.sliding.num_kv_heads, window_dim=cfg.sliding.head_dim, dtype=dtype,
+    )
+
+
+def embed_scale(hidden_size: int, dtype) -> jax.Array:
+    """sqrt(H), rounded to the weight dtype as HF does (bf16: 73.5 for H = 5376)."""
+    return jnp.asarray(math.sqrt(hidden_size), dtype)
+
+
+def norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    return rms_norm(x, w, eps, gemma=True)
+
+
+def gemma_query(
+    lp: dict, shape: AttentionShape, num_heads: int, eps: float, x: jax.Array, positions: jax.Array, inv_freq
+) -> jax.Array:  # x [B, T, H] residual -> q [B, T, Hq, D] (q_norm, RoPE)
+    """The input norm and the query of one layer (all a frozen-KV assistant layer computes before attention)."""
+    B, T, _ = x.shape
+    q = (norm(x, lp["attn_norm"], eps) @ lp["wq"]).reshape(B, T, num_heads, shape.head_dim)
+    return apply_rope(norm(q, lp["q_norm"], eps), positions, inv_freq)
+
+
+def gemma_key_value(
+    lp: dict, shape: AttentionShape, eps: float, x: jax.Array, positions: jax.Array, inv_freq
+) -> tuple[jax.Array, jax.Array]:  # x [B, T, H] -> k (k_norm, RoPE), v (v_norm): [B, T, Hkv, D]
+    B, T, _ = x.shape
+    h = norm(x, lp["attn_norm"], eps)
+    k_raw = (h @ lp["wk"]).reshape(B, T, shape.num_kv_heads, shape.head_dim)
+    v_raw = k_raw if shape.k_eq_v else (h @ lp["wv"]).reshape(B, T, shape.num_kv_heads, shape.head_dim)
+    return apply_rope(norm(k_raw, lp["k_norm"], eps), positions, inv_freq), norm(v_raw, None, eps)
+
+
+def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array) -> jax.Array:
+    """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer."""
+    B, T, _ = x.shape
+    x = x + norm(o.reshape(B, T, -1) @ lp["wo"], lp["post_attn_norm"], eps)
+    m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate"], lp["w_up"], lp["w_down"], gelu_tanh)
+    x = x + norm(m, lp["post_mlp_norm"], eps)
+    return x * lp["layer_scalar"].astype(x.dtype)
+
+
+def gemma4_forward(
+    params: dict,
+    cfg: Gemma4Config,
+    tokens: jax.Array,  # i32[B, T]
+    positions: jax.Array,  # i32[B, T] RoPE positions
+    pool: SplitPool,
+    attn: AttentionInputs,
+    *,
+    aux_layers: tuple[int, ...] = (),
+    implementation=None,
+) -> ForwardOutput:
+    """Runs the decoder over T new tokens per request, writing their K/V into both pool parts."""
+    x = params["embed"][tokens] * embed_scale(cfg.hidden_size, params["embed"].dtype)  # [B, T, H]
+    p = cfg.period
+    pattern = cfg.layer_types[:p]
+    counts = {t: pattern.count(t) for t in (SLIDING, FULL)}
+    groups = cfg.num_layers // p
+    # [Lt, ...] -> [G, n_t, ...]: group g holds layers g*n_t .. of each type.
+    xs = {GROUPS[t]: jax.tree.map(lambda a, n=n: a.reshape((groups, n) + a.shape[1:]), params[GROUPS[t]])
+          for t, n in counts.items() if n}
+    inv_freq = {t: rope_inv_freq(cfg.shape_of(t).rope, cfg.shape_of(t).head_dim) for t in (SLIDING, FULL)}
+    taps = AuxTaps(cfg.num_layers, aux_layers)
+
+    def group(carry, gp):
+        x, full, window, aux, g = carry
+        seen = {SLIDING: 0, FULL: 0}
+        for k, t in enumerate(pattern):
+            aux = taps.record(aux, g * p + k, x)
+            i = seen[t]
+            seen[t] += 1
+            lp = jax.tree.map(lambda a, i=i: a[i], gp[GROUPS[t]])
+            shape, layer = cfg.shape_of(t), g * counts[t] + i
+            q = gemma_query(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t])
+            kk, v = gemma_key_value(lp, shape, cfg.rms_norm_eps, x, positions, inv_freq[t])
+            if t == SLIDING:
+                o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions,
+                                                    window=cfg.sliding_window, sm_scale=1.0)
+            else:
+                o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0)
+            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o)
+        return (x, full, window, aux, g + 1), None
+
+    carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))
+    (x, full, window, aux, _), _ = jax.lax.scan(group, carry, xs)
+    hidden = norm(x, params["norm"], cfg.rms_norm_eps)
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=SplitPool(full=full, window=window))
+
+
+def gemma4_logits(cfg: Gemma4Config, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
+    logits = lm_head(params, hidden)
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

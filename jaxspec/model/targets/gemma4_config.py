@@ -1,0 +1,241 @@
+"""Gemma 4 text decoder config (``Gemma4ForCausalLM``, and the text part of
+``Gemma4ForConditionalGeneration``), parsed from HF ``config.json``.
+
+Two layer types interleave: sliding-window layers and full-attention layers, each with its own
+head width, KV heads and RoPE. Dense configurations are supported (the 31B class). Features of
+other sizes are refused by name: per-layer input embeddings (E2B/E4B), KV sharing across layers
+(``num_kv_shared_layers``), MoE blocks (26B-A4B), bidirectional attention, attention biases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxspec.model.config import ConfigError, RopeConfig, get_field, parse_rope
+
+ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+MODEL_TYPES = ("gemma4_text", "gemma4")
+SLIDING, FULL = "sliding_attention", "full_attention"
+_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # all GELU with the tanh approximation
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """What differs between the two layer types.
+
+    head_dim: D of this type's q/k/v heads; num_kv_heads: its KV heads.
+    rope: its rotary embedding; k_eq_v: no v_proj, V is the raw K projection (full layers with
+    ``attention_k_eq_v``).
+    """
+
+    head_dim: int
+    num_kv_heads: int
+    rope: RopeConfig
+    k_eq_v: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemma4Config:
+    """A dense Gemma 4 text decoder.
+
+    Attributes:
+      layer_types: per layer, "sliding_attention" or "full_attention" (the last is full).
+      sliding_window: W: a sliding layer's query at position p sees keys p-W+1 .. p.
+      sliding, full: the attention shape of each layer type.
+      final_logit_softcapping: c in ``c * tanh(logits / c)``, or None.
+      prefix: where the text weights sit in the checkpoint ("model." for the causal LM,
+        "model.language_model." inside a conditional-generation checkpoint).
+    """
+
+    arch: str = "gemma4"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    sliding: AttentionShape
+    full: AttentionShape
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131072
+    prefix: str = "model."
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if bad:
+            raise ConfigError(f"unsupported layer types {bad} (supported: {SLIDING!r}, {FULL!r})")
+        for name, shape in (("sliding", self.sliding), ("full", self.full)):
+            if self.num_heads % shape.num_kv_heads:
+                raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of the {name} layers' "
+                                  f"{shape.num_kv_heads} KV heads")
+        if self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def shape_of(self, layer_type: str) -> AttentionShape:
+        return self.sliding if layer_type == SLIDING else self.full
+
+    def layers_of(self, layer_type: str) -> tuple[int, ...]:
+        """Indices of the layers of one type, in order (their index in that type's pool)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return len(self.layers_of(SLIDING))
+
+    @property
+    def period(self) -> int:
+        """Shortest p with layer_types periodic in p (p divides L): the forward scans over
+        L / p groups of p unrolled layers (one compiled group, whatever the depth)."""
+        L = self.num_layers
+        for p in range(1, L + 1):
+            if L % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(L)):
+                return p
+        return L
+
+    def kv_source(self, layer: int) -> tuple[str, int]:
+        """Where target layer ``layer`` keeps its K/V: ("window" | "full", index in that pool)."""
+        t = self.layer_types[layer]
+        return ("window" if t == SLIDING else "full"), self.layers_of(t).index(layer)
+
+
+def _per_type_overrides(text: dict, layer_types, where: str) -> dict[str, dict]:
+    """Head width / KV heads of each layer type from ``per_layer_config`` (transformers 5) or
+    ``global_head_dim`` / ``num_global_key_value_heads`` (published checkpoints)."""
+    out: dict[str, dict] = {SLIDING: {}, FULL: {}}
+    per_layer = text.get("per_layer_config")
+    if per_layer:
+        if not isinstance(per_layer, dict):
+            raise ConfigError(f"{where}: per_layer_config must be an object, got {per_layer!r}")
+        seen: dict[str, dict] = {}
+        for i, t in enumerate(layer_types):
+            entry = next((v for k, v in per_layer.items() if str(k).isdigit() and int(k) == i), None) or {}
+            unknown = sorted(set(entry) - {"head_dim", "num_key_value_heads"})
+            if unknown:
+                raise ConfigError(f"{where}: per_layer_config[{i}] overrides {unknown}, which are not supported")
+            if seen.setdefault(t, entry) != entry:
+                raise ConfigError(f"{where}: per_layer_config gives the {t} layers different shapes "
+                                  f"({seen[t]} and {entry}); one shape per layer type is supported")
+        out.update(seen)
+        return out
+    out[FULL]["head_dim"] = int(text.get("global_head_dim") or 512)  # HF's default, even in small configs
+    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+        out[FULL]["num_key_value_heads"] = int(text["num_global_key_value_heads"])
+    return out
+
+
+def _rope_for(text: dict, layer_type: str, where: str) -> RopeConfig:
+    params = text.get("rope_parameters") or _DEFAULT_ROPE
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
+    entry = params.get(layer_type, _DEFAULT_ROPE[layer_type])
+    return parse_rope({"rope_parameters": entry}, f"{where} rope_parameters[{layer_type!r}]")
+
+
+def _refuse(text: dict, where: str) -> None:
+    """Gemma 4 features of other sizes, refused by name."""
+    ple = text.get("hidden_size_per_layer_input", 256)  # HF's default: on
+    if ple:
+        raise ConfigError(f"{where}: per-layer input embeddings (hidden_size_per_layer_input={ple}, Gemma 4 E2B/E4B) "
+                          "are not supported")
+    if text.get("num_kv_shared_layers"):
+        raise ConfigError(f"{where}: KV sharing across layers (num_kv_shared_layers="
+                          f"{text['num_kv_shared_layers']}) is not supported")
+    if text.get("enable_moe_block"):
+        raise ConfigError(f"{where}: MoE blocks (enable_moe_block, Gemma 4 26B-A4B) are not supported")
+    if text.get("use_bidirectional_attention") == "all":
+        raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (a causal LM is expected)")
+    if text.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias=true is not supported")
+    act = text.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (supported: {list(_ACTIVATIONS)})")
+
+
+def layer_types_of(text: dict, num_layers: int, where: str) -> tuple[str, ...]:
+    """``layer_types``, or HF's default pattern (every 6th layer full); the last layer is full."""
+    types = text.get("layer_types")
+    if types is None:
+        types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+    types = list(types)
+    if len(types) != num_layers:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
+    if types:
+        types[-1] = FULL  # as HF does
+    return tuple(types)
+
+
+def text_config_of(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """(text config dict, checkpoint prefix of the text weights) of a CausalLM or CondGen config."""
+    if raw.get("model_type") == "gemma4" or "Gemma4ForConditionalGeneration" in (raw.get("architectures") or []):
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: a Gemma4ForConditionalGeneration config needs a text_config object")
+        return {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **text}, "model.language_model."
+    return raw, "model."
+
+
+def attention_shapes(text: dict, layer_types, num_heads: int, where: str) -> tuple[AttentionShape, AttentionShape]:
+    """(sliding, full) attention shapes of a Gemma 4 text config."""
+    over = _per_type_overrides(text, layer_types, where)
+    head_dim = get_field(text, "head_dim", int, default=256, where=where)
+    kv_heads = get_field(text, "num_key_value_heads", int, default=num_heads, where=where)
+    k_eq_v = bool(text.get("attention_k_eq_v", False))
+
+    def shape(t: str) -> AttentionShape:
+        o = over[t]
+        return AttentionShape(head_dim=int(o.get("head_dim", head_dim)),
+                              num_kv_heads=int(o.get("num_key_value_heads", kv_heads)),
+                              rope=_rope_for(text, t, where), k_eq_v=k_eq_v and t == FULL)
+
+    return shape(SLIDING), shape(FULL)
+
+
+def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Gemma4Config:
+    """Builds a ``Gemma4Config`` from a ``gemma4_text`` or ``gemma4`` (conditional-generation)
+    config dict, or raises ``ConfigError`` naming the problem."""
+    text, prefix = text_config_of(raw, where)
+    _refuse(text, where)
+    num_layers = get_field(text, "num_hidden_layers", int, where=where)
+    heads = get_field(text, "num_attention_heads", int, where=where)
+    types = layer_types_of(text, num_layers, where)
+    sliding, full = attention_shapes(text, types, heads, where)
+    cap = text.get("final_logit_softcapping")
+    try:
+        return Gemma4Config(
+            vocab_size=get_field(text, "vocab_size", int, where=where),
+            hidden_size=get_field(text, "hidden_size", int, where=where),
+            intermediate_size=get_field(text, "intermediate_size", int, where=where),
+            num_layers=num_layers,
+            num_heads=heads,
+            layer_types=types,
+            sliding_window=get_field(text, "sliding_window", int, default=512, where=where),
+            sliding=sliding,
+            full=full,
+            rms_norm_eps=float(get_field(text, "rms_norm_eps", float, default=1e-6, where=where)),
+            final_logit_softcapping=float(cap) if cap else None,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", True)),
+            max_position_embeddings=int(text.get("max_position_embeddings") or 131072),
+            prefix=prefix,
+        )
+    except ConfigError as e:
+        if str(e).startswith(where):
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "config.json") -> Gemma4Config:
+    """Gemma 4 runs on one model shard: its sliding-window KV pool is not split over a mesh yet."""
+    if shards != 1:
+        raise ConfigError(f"{where}: cannot split a Gemma 4 model over tensor_parallel {shards}: its sliding-window "
+                          f"KV pool runs on one device (tensor parallel for Gemma 4 is not supported yet)")
+    return cfg
