@@ -55,4 +55,4 @@ def llama_forward(
 
     (x, pool, aux, _), _ = jax.lax.scan(layer, (x, pool, taps.empty(x), jnp.int32(0)), params["layers"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=pool)
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=pool)
