@@ -129,7 +129,7 @@ def generate(
     Args:
       target: from ``load_model``.
       prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
-      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone); None for plain decoding
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, DFlash, standalone); None for plain decoding
         through the same engine.
       spec: the speculative step shape; required with a draft.
       sampling: one SamplingParams for every prompt or one per prompt.
@@ -157,6 +157,7 @@ def generate(
         if not isinstance(draft, DraftModel):
             raise ValueError(f"draft must come from jaxspec.load_draft, got {type(draft).__name__}")
         draft.config.check_fits(target.config)
+        draft.config.check_spec(spec)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
     adaptive = None

@@ -7,6 +7,7 @@ target's verify forward), ``extend`` (-> next bonus token and draft seed) and ``
 
 from __future__ import annotations
 
+from jaxspec.draft.block import Block
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.draft.shape import Root
@@ -33,7 +34,7 @@ class NoDraft:
         return seed, dpool
 
 
-PROPOSERS = {"recurrent": Recurrent}
+PROPOSERS = {"recurrent": Recurrent, "block": Block}
 
 
 def proposer_for(plan: Plan):
