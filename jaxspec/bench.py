@@ -12,7 +12,11 @@ line per batch size).
 
 Configuration names: ``plain``; ``chain<S>`` (topk 1, S draft steps); ``tree<K>x<n>`` (topk K,
 n verified tokens, S = ``--tree-steps`` raised to the smallest valid depth when needed);
-``tree<K>x<n>s<S>`` (explicit S).
+``tree<K>x<n>s<S>`` (explicit S). A ``<draft>:`` prefix runs the configuration with a named draft
+(``--drafts name=DIR,...``; the demo names ``eagle3`` and ``dflash``), so several drafts are
+compared against the same plain baseline in one run:
+
+    jaxspec bench --configs plain,eagle3:chain5,dflash:chain7,dflash:tree4x16s7 --batches 1
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class BenchConfig:
     num_steps: int = 0  # 0: plain decoding
     topk: int = 1
     num_draft_tokens: int = 1
+    draft: str = ""  # the named draft ("": the default ``--draft``)
 
     @property
     def is_plain(self) -> bool:
@@ -50,17 +55,18 @@ class BenchConfig:
 
 
 def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
-    """``plain`` | ``chain<S>`` | ``tree<K>x<n>`` | ``tree<K>x<n>s<S>`` -> BenchConfig (validated)."""
+    """``plain`` | ``[<draft>:]chain<S>`` | ``[<draft>:]tree<K>x<n>[s<S>]`` -> BenchConfig (validated)."""
     from jaxspec.config import SpecConfig
 
     name = name.strip()
     if name == "plain":
         return BenchConfig("plain")
-    if m := re.fullmatch(r"chain(\d+)", name):
+    draft, _, shape = name.rpartition(":")
+    if m := re.fullmatch(r"chain(\d+)", shape):
         s = int(m.group(1))
         SpecConfig.chain(s)
-        return BenchConfig(name, s, 1, s + 1)
-    if m := re.fullmatch(r"tree(\d+)x(\d+)(?:s(\d+))?", name):
+        return BenchConfig(name, s, 1, s + 1, draft)
+    if m := re.fullmatch(r"tree(\d+)x(\d+)(?:s(\d+))?", shape):
         k, n = int(m.group(1)), int(m.group(2))
         if m.group(3):
             s = int(m.group(3))
@@ -69,8 +75,8 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
             while n - 1 > k + (s - 1) * k * k:
                 s += 1
         SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
-        return BenchConfig(name, s, k, n)
-    raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>])")
+        return BenchConfig(name, s, k, n, draft)
+    raise ValueError(f"unknown bench configuration {name!r} (plain, [<draft>:]chain<S>, [<draft>:]tree<K>x<n>[s<S>])")
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
@@ -93,7 +99,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repeats, temperature=0.0,
               page_size=16) -> list[dict]:
-    """Measures every (batch, configuration); returns one row per measurement.
+    """Measures every (batch, configuration); returns one row per measurement. ``draft``: a
+    ``DraftModel``, or a dict of them by name (``BenchConfig.draft``; "" is the default).
 
     Per batch size: every configuration is warmed up (compiled) first, then the timed runs go
     round-robin over the configurations ``repeats`` times, so a change in machine load hits
@@ -102,6 +109,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
     import jaxspec as js
     from tqdm.auto import tqdm
 
+    drafts = draft if isinstance(draft, dict) else {"": draft}
     rows = []
     longest = max(len(p) for p in prompts)
     sampling = js.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=())
@@ -112,7 +120,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         runnable, results = [], {}
         for cfg in configs:
             bar.set_postfix(batch=batch, config=cfg.name, phase="warm-up")
-            kw = dict(draft=None if cfg.is_plain else draft, spec=cfg.spec(), sampling=sampling, engine=engine,
+            kw = dict(draft=None if cfg.is_plain else drafts[cfg.draft], spec=cfg.spec(), sampling=sampling, engine=engine,
                       progress=False)
             try:
                 js.generate(target, batch_prompts, **kw)  # warm-up: compiles
@@ -130,7 +138,8 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         plain_tps = None
         for cfg in configs:
             row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
-                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature)
+                       num_draft_tokens=cfg.num_draft_tokens, temperature=temperature,
+                       draft=None if cfg.is_plain else (cfg.draft or "default"))
             res = results[cfg.name]
             if isinstance(res, Exception):
                 rows.append(dict(row, error=str(res)))
@@ -149,15 +158,16 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'config':<12}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+    w = max([12] + [len(r["config"]) + 2 for r in rows])
+    head = f"{'config':<{w}}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
+            lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
                          f"{r['batch']:>6}  unsupported: {r['error']}")
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"{r['config']:<12}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
+        lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
                      f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}")
     return "\n".join(lines)
 
@@ -202,10 +212,16 @@ def device_name() -> str:
 
 def cmd_bench(args) -> int:
     import jaxspec as js
-    from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
+    from jaxspec.demo import DEMO_DFLASH, DEMO_DRAFT, DEMO_TARGET
 
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft or (DEMO_DRAFT if args.target is None else None)
+    named = {"eagle3": DEMO_DRAFT, "dflash": DEMO_DFLASH} if args.target is None else {}
+    for item in filter(None, (x.strip() for x in (args.drafts or "").split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafts takes name=DIR entries, got {item!r}")
+        named[name] = path
     if not args.batches or any(b < 1 for b in args.batches):
         raise ValueError(f"--batches must be positive ints, got {args.batches}")
     configs = [parse_config(c, args.tree_steps) for c in args.configs.split(",") if c.strip()]
@@ -214,20 +230,30 @@ def cmd_bench(args) -> int:
     if not configs[0].is_plain:
         configs.insert(0, parse_config("plain"))  # speedups need the baseline first
     target = js.load_model(target_path, dtype=args.dtype, progress=False)
-    if any(not c.is_plain for c in configs) and not draft_path:
+    if any(not c.is_plain and not c.draft for c in configs) and not draft_path:
         raise ValueError("speculative configurations need --draft")
-    draft = js.load_draft(draft_path, target) if draft_path else None
+    unknown = sorted({c.draft for c in configs if c.draft and c.draft not in named})
+    if unknown:
+        raise ValueError(f"configurations name unknown drafts {unknown}; known: {sorted(named)} (--drafts name=DIR)")
+    drafts = {"": js.load_draft(draft_path, target) if draft_path else None}
+    for name in sorted({c.draft for c in configs if c.draft}):
+        drafts[name] = js.load_draft(named[name], target)
+    for c in configs:  # a shape a draft cannot run (e.g. a chain longer than a DFlash block) fails here
+        if not c.is_plain:
+            drafts[c.draft].config.check_spec(c.spec())
     prompts = load_prompts(args, target.tokenizer)
-    print(f"target {target_path}\ndraft  {draft_path}\ndevice {device_name()}\n"
+    print(f"target {target_path}\ndraft  {draft_path} {', '.join(f'{k}={named[k]}' for k in drafts if k)}\n"
+          f"device {device_name()}\n"
           f"{len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, batches {args.batches}, {args.repeats} repeats", file=sys.stderr)
     t = time.perf_counter()
-    rows = run_sweep(target, draft, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
+    rows = run_sweep(target, drafts, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
                      repeats=args.repeats, temperature=args.temperature, page_size=args.page_size)
     table = format_table(rows)
     print(table)
     result = dict(
-        device=device_name(), target=_shown(target_path), draft=draft_path and _shown(draft_path), dtype=args.dtype, temperature=args.temperature,
+        device=device_name(), target=_shown(target_path), draft=draft_path and _shown(draft_path),
+        drafts={k: _shown(named[k]) for k in drafts if k}, dtype=args.dtype, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, num_prompts=len(prompts),
         repeats=args.repeats, seconds=time.perf_counter() - t, command=" ".join(["jaxspec"] + sys.argv[1:]),
         rows=rows,
@@ -258,6 +284,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft checkpoint (default: the demo EAGLE-3 head)")
+    p.add_argument("--drafts", default=None,
+                   help="named drafts for '<name>:' configurations, name=DIR,... (demo: eagle3, dflash)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated (default: the full sweep)")
     p.add_argument("--batches", type=_ints, default=[1, 4, 16], help="comma-separated batch sizes (default 1,4,16)")
     p.add_argument("--tree-steps", type=int, default=5, help="default draft depth S of tree configurations")
