@@ -207,6 +207,7 @@ class DraftTrainer:
         self.trainable = init_params(self.method.table(), cfg.seed)  # the target's arrays are shared, frozen
         self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
         self.frozen = self.method.full_params({}, self.target_params)
+        self.shared = set(self.frozen)  # the target's own arrays (embedding, head), not the draft's
         V, Vd = self.dcfg.vocab_size, getattr(self.dcfg, "draft_vocab_size", self.dcfg.vocab_size)
         if Vd != V:
             _, _, hot = build_draft_vocab(token_counts(self.train_stream, V), Vd)
@@ -264,7 +265,7 @@ class DraftTrainer:
         """The draft as a ``DraftModel`` for ``jaxspec.generate`` (in the target's dtype)."""
         dt = jnp.dtype(self.target.dtype)
         cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-        own = {k: v for k, v in self.params().items() if k not in ("embed", "lm_head")}
+        own = {k: v for k, v in self.params().items() if k not in self.shared}
         return self.method.draft(self.method.full_params(jax.tree.map(cast, own), self.target.params))
 
     # ------------------------------------------------------------------------ reports
