@@ -3,13 +3,19 @@
     python benchmarks/kernels.py                 # time every kernel (GPU), table + JSON
     python benchmarks/kernels.py --check         # validate every kernel natively vs its reference
     python benchmarks/kernels.py --smoke         # tiny shapes (runs anywhere; interpret mode off-GPU)
+    python benchmarks/kernels.py --xla-vs-reference   # the lean XLA path vs the f32 reference (any device)
 
 Method (DESIGN section 8): jit each path once, warm up, then time ``repeats`` calls, each
 followed by ``block_until_ready``, and report the median. The floor of a kernel is the bytes it
 must move (unique reads + writes) over the HBM bandwidth of the device (datasheet: H100 SXM
 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides). Times include the launch, as in the
 engine. The verify-step attention is timed at the Llama-3-8B shape (32 q heads, 8 KV heads,
-D = 128, bf16) for batch 1 and 16, context 1k and 8k, n = 8 and 64 tree nodes.
+D = 128, bf16) for batch 1 and 16, context 1k and 8k, n = 8 and 64 tree nodes; MLA at the
+DeepSeek-V3 shape (128 heads, latent 512 + rope 64).
+
+``--xla-vs-reference`` times, in one run on any device, the XLA path users run
+(``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
+accumulation) against the f32 HIGHEST reference the tests use as their oracle.
 
 Absolute numbers only mean something on a GPU, with the device named (it is printed and
 stored in the JSON).
@@ -35,7 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from jaxspec.pallas import dispatch  # noqa: E402
 from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
-from jaxspec.pallas.paged_attention import paged_attention  # noqa: E402
+from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
+from jaxspec.pallas.paged_attention import (  # noqa: E402
+    paged_attention, paged_attention_reference, paged_attention_xla,
+)
 
 HBM_TB_PER_S = {"H200": 4.8, "H100": 3.35}  # datasheet peak, matched in device_kind
 
@@ -127,6 +136,42 @@ def attention_fn(s: AttnShape, implementation: str):
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAShape:
+    name: str
+    batch: int
+    context: int
+    nodes: int  # T (1 = decode, causal)
+    heads: int = 128
+    latent: int = 512
+    rope: int = 64
+    page_size: int = 16
+    dtype: str = "bfloat16"
+
+
+def mla_problem(s: MLAShape, seed: int = 0):
+    """Random MLA verify (tree of ``nodes``) or decode step over a prefix of ``context``."""
+    args, _ = attention_problem(AttnShape(s.name, s.batch, s.context, s.nodes, q_heads=1, kv_heads=1, head_dim=1,
+                                          page_size=s.page_size, dtype=s.dtype), seed)
+    table, prefix, mask = args[4], args[5], args[6]
+    N = (table.shape[0] * table.shape[1] + 1) * s.page_size
+    dt = jnp.dtype(s.dtype)
+    kq, kr, kv = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    q_latent = jax.random.normal(kq, (s.batch, s.nodes, s.heads, s.latent), dt)
+    q_rope = jax.random.normal(kr, (s.batch, s.nodes, s.heads, s.rope), dt)
+    pool = jax.random.normal(kv, (1, N, s.latent + s.rope), dt)
+    floor = (s.batch * (s.context + s.nodes) * (s.latent + s.rope)  # one latent row per visible position
+             + q_latent.size + q_rope.size + q_latent.size) * dt.itemsize  # queries in, output out
+    return (q_latent, q_rope, pool, jnp.int32(0), table, prefix, None if s.nodes == 1 else mask), floor
+
+
+def mla_fn(s: MLAShape, implementation):
+    kw = dict(page_size=s.page_size, sm_scale=(128 + s.rope) ** -0.5)
+    if callable(implementation):
+        return jax.jit(functools.partial(implementation, **kw))
+    return jax.jit(functools.partial(mla_attention, implementation=implementation, **kw))
+
+
+@dataclasses.dataclass(frozen=True)
 class MoveShape:
     name: str
     layers: int
@@ -161,7 +206,6 @@ class GatherShape:
     name: str
     batch: int
     rows_per_request: int  # A = S + 1
-    topk: int
     hidden: int | None
     dtype: str = "bfloat16"
 
@@ -171,14 +215,12 @@ def gather_problem(s: GatherShape, seed: int = 0):
     N = s.batch * s.rows_per_request
     index = jnp.asarray(np.arange(s.batch) * s.rows_per_request + rng.integers(0, s.rows_per_request, s.batch),
                         jnp.int32)
-    topk_p = jnp.asarray(rng.random((N, s.topk)), jnp.float32)
-    topk_index = jnp.asarray(rng.integers(0, 128000, (N, s.topk)), jnp.int32)
     tokens = jnp.asarray(rng.integers(0, 128000, N), jnp.int32)
     dt = jnp.dtype(s.dtype)
     hidden = None if s.hidden is None else jnp.asarray(rng.standard_normal((N, s.hidden)), dt)
-    row = s.topk * 8 + 4 + (0 if s.hidden is None else s.hidden * dt.itemsize)
+    row = 4 + (0 if s.hidden is None else s.hidden * dt.itemsize)
     floor = 2 * s.batch * row + 4 * s.batch
-    return (index, topk_p, topk_index, tokens, hidden), floor
+    return (index, tokens, hidden), floor
 
 
 def gather_fn(implementation: str):
@@ -202,6 +244,13 @@ def other_attention_shapes(smoke: bool) -> list[AttnShape]:
             AttnShape("llama3-8b draft-extend B=16 ctx=8192 T=8 causal", 16, 8192, 8)]
 
 
+def mla_shapes(smoke: bool) -> list[MLAShape]:
+    if smoke:
+        return [MLAShape("mla-smoke", 2, 40, 4, heads=4, latent=32, rope=8, dtype="float32")]
+    return [MLAShape(f"deepseek-v3 mla {'decode' if n == 1 else f'verify n={n}'} B={b} ctx=4096", b, 4096, n)
+            for b in (1, 32) for n in (1, 8)]
+
+
 def move_shapes(smoke: bool) -> list[MoveShape]:
     if smoke:
         return [MoveShape("move-smoke", 2, 256, ((2, 16), (2, 16)), 4, 3, "float32")]
@@ -213,9 +262,9 @@ def move_shapes(smoke: bool) -> list[MoveShape]:
 
 def gather_shapes(smoke: bool) -> list[GatherShape]:
     if smoke:
-        return [GatherShape("gather-smoke", 4, 4, 4, 32, "float32")]
-    return [GatherShape("eagle3 llama3-8b B=16 A=8 topk=8", 16, 8, 8, 4096),
-            GatherShape("standalone B=16 A=8 topk=8 (no hidden)", 16, 8, 8, None)]
+        return [GatherShape("gather-smoke", 4, 4, 32, "float32")]
+    return [GatherShape("eagle3 llama3-8b B=16 A=8", 16, 8, 4096),
+            GatherShape("tokens only B=16 A=8 (no hidden)", 16, 8, None)]
 
 
 # --------------------------------------------------------------------------- runs
@@ -243,6 +292,11 @@ def bench(args) -> list[dict]:
         t_p = median_seconds(attention_fn(s, "pallas"), a, **timing)
         t_x = median_seconds(attention_fn(s, "xla"), a, **timing)
         record("attention", s.name, floor, t_p, t_x)
+    for s in mla_shapes(args.smoke):
+        a, floor = mla_problem(s)
+        t_p = median_seconds(mla_fn(s, "pallas"), a, **timing)
+        t_x = median_seconds(mla_fn(s, "xla"), a, **timing)
+        record("mla", s.name, floor, t_p, t_x)
     for s in move_shapes(args.smoke):
         (bufs, src, dst), floor = move_problem(s)
         t_p = median_seconds(move_fn("pallas"), (bufs, src, dst), feed_back=True, **timing)
@@ -274,34 +328,57 @@ def markdown(rows: list[dict], device: str, bw: float | None) -> str:
 # --------------------------------------------------------------------------- --check
 
 
-def check(args) -> bool:
-    """Every kernel natively (interpret mode off-GPU) against its reference."""
-    ok = True
+TOL = {"bfloat16": 3e-2, "float32": 2e-5}  # (atol = rtol) kernel vs f32 reference, by dtype
 
-    def report(name, fn):
-        nonlocal ok
+
+def check(args) -> list[dict]:
+    """Every kernel natively (interpret mode off-GPU) against its reference. Every exception
+    is caught and reported (compile errors included) and the run goes on."""
+    rows = []
+
+    def report(kind, name, fn):
+        t0 = time.perf_counter()
         try:
             fn()
-            print(f"  PASS {name}", flush=True)
-        except AssertionError as e:
-            ok = False
-            print(f"  FAIL {name}: {str(e).splitlines()[0] if str(e) else e}", flush=True)
+            row = dict(kind=kind, name=name, ok=True, error=None)
+        except Exception as e:  # noqa: BLE001 - a failing kernel is a result, not the end of the run
+            msg = str(e).strip().splitlines()
+            row = dict(kind=kind, name=name, ok=False, error=f"{type(e).__name__}: {msg[0] if msg else ''}"[:500])
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"  {'PASS' if row['ok'] else 'FAIL'} {kind} {name}" + (f": {row['error']}" if row["error"] else ""),
+              flush=True)
 
-    tol = {"bfloat16": 3e-2, "float32": 2e-5}
-    check_shapes = [AttnShape("check verify B=2 ctx=300 n=8", 2, 300, 8),
-                    AttnShape("check verify B=3 ctx=1000 n=64 f32", 3, 1000, 64, dtype="float32"),
-                    AttnShape("check decode B=4 ctx=777 page1", 4, 777, 1, page_size=1)]
+    def close(got, want, dtype):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+
+    attn_shapes = [AttnShape("check verify B=2 ctx=300 n=8", 2, 300, 8),
+                   AttnShape("check verify B=3 ctx=1000 n=64 f32", 3, 1000, 64, dtype="float32"),
+                   AttnShape("check decode B=4 ctx=777 page1", 4, 777, 1, page_size=1),
+                   AttnShape("check decode B=2 ctx=3000 page64", 2, 3000, 1, page_size=64),
+                   AttnShape("check verify B=2 ctx=500 n=8 gemma D=256", 2, 500, 8, q_heads=8, kv_heads=4,
+                             head_dim=256),
+                   AttnShape("check verify B=2 ctx=500 n=8 gemma D=512", 2, 500, 8, q_heads=8, kv_heads=1,
+                             head_dim=512)]
+    mla_check = [MLAShape("check mla verify B=2 ctx=300 n=8", 2, 300, 8, heads=32),
+                 MLAShape("check mla decode B=3 ctx=1000", 3, 1000, 1, heads=128)]
     if args.smoke:
-        check_shapes = verify_shapes(True)
-    for s in check_shapes:
+        attn_shapes, mla_check = verify_shapes(True), mla_shapes(True)
+    for s in attn_shapes:
         def attn(s=s):
             a, _ = attention_problem(s, seed=1)
             if s.nodes == 1:
                 a = a[:6] + (None,)
-            got = np.asarray(attention_fn(s, "pallas")(*a), np.float32)
-            want = np.asarray(attention_fn(s, "xla")(*a), np.float32)
-            np.testing.assert_allclose(got, want, atol=tol[s.dtype], rtol=tol[s.dtype])
-        report(f"attention {s.name}", attn)
+            ref = jax.jit(functools.partial(paged_attention_reference, page_size=s.page_size,
+                                            sm_scale=s.head_dim ** -0.5))
+            close(attention_fn(s, "pallas")(*a), ref(*a), s.dtype)
+        report("attention", s.name, attn)
+    for s in mla_check:
+        def mla(s=s):
+            a, _ = mla_problem(s, seed=1)
+            close(mla_fn(s, "pallas")(*a), mla_fn(s, mla_attention_reference)(*a), s.dtype)
+        report("mla", s.name, mla)
     for s in move_shapes(True) + ([] if args.smoke else [
             MoveShape("check mla+indexer", 3, 4096, ((576,), (128,)), 4, 5)]):
         def move(s=s):
@@ -312,21 +389,70 @@ def check(args) -> bool:
             got = kv_move(bufs, src, dst, implementation="pallas")
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(np.asarray(g), w)
-        report(f"kv_move {s.name}", move)
-    for s in gather_shapes(args.smoke) if args.smoke else gather_shapes(False):
+        report("kv_move", s.name, move)
+    for s in gather_shapes(args.smoke):
         def gather(s=s):
             a, _ = gather_problem(s, seed=3)
             for g, w in zip(gather_spec_extras(*a, implementation="pallas"), gather_spec_extras(*a, implementation="xla")):
                 if w is not None:
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        report(f"gather {s.name}", gather)
-    return ok
+        report("gather", s.name, gather)
+    return rows
+
+
+# --------------------------------------------------------------------------- --xla-vs-reference
+
+
+def lean_shapes(smoke: bool) -> tuple[list[AttnShape], list[MLAShape]]:
+    """CPU-sized real shapes (one layer): Llama-3-8B attention and DeepSeek-V3 MLA."""
+    if smoke:
+        return verify_shapes(True), mla_shapes(True)
+    return ([AttnShape("llama3-8b verify B=4 ctx=1024 n=8", 4, 1024, 8),
+             AttnShape("llama3-8b decode B=16 ctx=1024", 16, 1024, 1)],
+            [MLAShape("deepseek-v3 mla verify B=2 ctx=1024 n=8", 2, 1024, 8),
+             MLAShape("deepseek-v3 mla decode B=8 ctx=1024", 8, 1024, 1)])
+
+
+def xla_vs_reference(args) -> list[dict]:
+    """The lean XLA path against the f32 HIGHEST reference, same inputs, one run."""
+    rows = []
+    timing = dict(warmup=args.warmup, repeats=args.repeats)
+    attn, mla = lean_shapes(args.smoke)
+    for s in attn:
+        a, _ = attention_problem(s)
+        if s.nodes == 1:
+            a = a[:6] + (None,)
+        kw = dict(page_size=s.page_size, sm_scale=s.head_dim ** -0.5)
+        t_lean = median_seconds(jax.jit(functools.partial(paged_attention_xla, **kw)), a, **timing)
+        t_ref = median_seconds(jax.jit(functools.partial(paged_attention_reference, **kw)), a, **timing)
+        rows.append(dict(kind="paged_attention", name=f"{s.name} {s.dtype}", lean_us=t_lean * 1e6,
+                         reference_us=t_ref * 1e6, reference_over_lean=t_ref / t_lean))
+    for s in mla:
+        a, _ = mla_problem(s)
+        t_lean = median_seconds(mla_fn(s, mla_attention_xla), a, **timing)
+        t_ref = median_seconds(mla_fn(s, mla_attention_reference), a, **timing)
+        rows.append(dict(kind="mla_attention", name=f"{s.name} {s.dtype}", lean_us=t_lean * 1e6,
+                         reference_us=t_ref * 1e6, reference_over_lean=t_ref / t_lean))
+    for r in rows:
+        print(f"  {r['kind']} {r['name']}: lean {r['lean_us']:.0f} us, reference {r['reference_us']:.0f} us "
+              f"({r['reference_over_lean']:.2f}x)", flush=True)
+    return rows
+
+
+def lean_markdown(rows: list[dict], device: str) -> str:
+    lines = [f"Device: {device}", "", "| op | shape | lean XLA (us) | f32 reference (us) | reference / lean |",
+             "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['kind']} | {r['name']} | {r['lean_us']:.0f} | {r['reference_us']:.0f} | "
+              f"{r['reference_over_lean']:.2f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="validate every kernel against its reference, then exit")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (any backend)")
+    p.add_argument("--xla-vs-reference", action="store_true",
+                   help="time the lean XLA path against the f32 reference (any device), then exit")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bandwidth", type=float, default=None, help="HBM TB/s for the floor (default: by device)")
@@ -335,21 +461,28 @@ def main(argv=None) -> int:
     device = device_name()
     mode = "native" if dispatch.on_gpu() else "interpret mode (no GPU: times are not kernel times)"
     print(f"device: {device}; Pallas {mode}", flush=True)
+    command = " ".join(["python", "benchmarks/kernels.py"] + (argv if argv is not None else sys.argv[1:]))
     if args.check:
-        ok = check(args)
-        print("all kernels match their references" if ok else "MISMATCH", flush=True)
-        return 0 if ok else 1
-    rows = bench(args)
-    bw = bandwidth_bytes_per_s(args.bandwidth)
-    table = markdown(rows, device, bw)
+        failed = [r for r in check(args) if not r["ok"]]
+        print("all kernels match their references" if not failed else f"{len(failed)} FAILED", flush=True)
+        return 0 if not failed else 1
+    bw = None
+    if args.xla_vs_reference:
+        rows = xla_vs_reference(args)
+        table = lean_markdown(rows, device)
+    else:
+        rows = bench(args)
+        bw = bandwidth_bytes_per_s(args.bandwidth)
+        table = markdown(rows, device, bw)
     print(table)
     Path(args.json).write_text(json.dumps(dict(
         device=device, pallas_mode=mode, bandwidth_tb_s=None if bw is None else bw / 1e12,
-        jax_version=jax.__version__, warmup=args.warmup, repeats=args.repeats,
-        command=" ".join(["python", "benchmarks/kernels.py"] + (argv if argv is not None else sys.argv[1:])),
-        results=rows,
+        jax_version=jax.__version__, warmup=args.warmup, repeats=args.repeats, command=command, results=rows,
     ), indent=2))
     print(f"wrote {args.json}")
+    if args.xla_vs_reference and any(r["reference_over_lean"] <= 1 for r in rows):
+        print("the lean XLA path is not faster than the reference everywhere", flush=True)
+        return 1
     return 0
 
 

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
-    specs = [("plain", None, None), ("chain S=3", js.SpecConfig.chain(3), draft),
+    specs = [("plain", None, None), ("chain S=5", js.SpecConfig.chain(5), draft),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), draft),
              ("dflash chain S=15 (block 16)", js.SpecConfig.chain(15), dflash)]
     print("| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")

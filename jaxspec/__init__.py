@@ -6,6 +6,7 @@ from jaxspec.config import SpecConfig as SpecConfig
 from jaxspec.engine.allocator import KVCacheExhausted as KVCacheExhausted
 from jaxspec.generate import GenerateOutput as GenerateOutput
 from jaxspec.generate import generate as generate
+from jaxspec.mesh import make_mesh as make_mesh
 from jaxspec.model.drafts import DraftModel as DraftModel
 from jaxspec.model.drafts import standalone_draft as standalone_draft
 from jaxspec.model.io.drafts import load_draft as load_draft

@@ -9,9 +9,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Literal
 
-Implementation = Literal["pallas", "xla"] | None
+# Ops of ``jaxspec.pallas`` that take an ``implementation`` (each resolves its own entry).
+KERNEL_OPS = ("paged_attention", "mla_attention", "kv_move", "gather_spec_extras")
+# "pallas" | "xla" | None for every op, or per op: {op: "pallas" | "xla" | None}, stored as
+# sorted (op, choice) pairs so configs stay hashable.
+Implementation = Literal["pallas", "xla"] | None | Mapping[str, Literal["pallas", "xla"] | None] | tuple
+
+
+def normalize_implementation(value) -> str | None | tuple[tuple[str, str | None], ...]:
+    """Validates an implementation choice; a mapping becomes sorted (op, choice) pairs."""
+    choices = ("pallas", "xla", None)
+    pairs_given = isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value)
+    if isinstance(value, Mapping) or pairs_given:
+        pairs = tuple(sorted(dict(value).items()))
+        for op, choice in pairs:
+            if op not in KERNEL_OPS:
+                raise ValueError(f"implementation names an unknown op {op!r}; ops are {KERNEL_OPS}")
+            if choice not in choices:
+                raise ValueError(f"implementation for {op} must be 'pallas', 'xla' or None, got {choice!r}")
+        return pairs
+    if isinstance(value, str) or value is None:
+        if value not in choices:
+            raise ValueError(f"implementation must be 'pallas', 'xla', None or a mapping op -> those, got {value!r}")
+        return value
+    raise ValueError(f"implementation must be 'pallas', 'xla', None or a mapping op -> those, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,7 +201,9 @@ class EngineConfig:
       num_pages: KV pages in each pool, page 0 included (reserved scratch). None sizes
         the pool for ``max_batch`` requests of ``max_seq_len`` tokens.
       steps_per_call: decode (or speculative) steps run on device per host round trip.
-      implementation: kernels to use: "pallas", "xla", or None (Pallas on GPU, XLA elsewhere).
+      implementation: kernels to use: "pallas", "xla", or None (Pallas on GPU where the kernel
+        supports the shape, XLA elsewhere); or a mapping op name -> one of those (ops in
+        ``KERNEL_OPS``; unnamed ops take None), stored as sorted (op, choice) pairs.
       min_prefill_bucket: smallest prefill length bucket (buckets double from here).
       min_kv_bucket: smallest KV length (positions) attention reads; the page table handed to
         each compiled call covers the live context rounded up to a power of two of pages,
@@ -202,10 +228,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"
             )
-        if self.implementation not in ("pallas", "xla", None):
-            raise ValueError(
-                f"EngineConfig.implementation must be 'pallas', 'xla' or None, got {self.implementation!r}"
-            )
+        try:
+            implementation = normalize_implementation(self.implementation)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
+        object.__setattr__(self, "implementation", implementation)  # a mapping -> hashable pairs
 
     @property
     def pages_per_seq(self) -> int:

@@ -15,10 +15,12 @@ from tqdm.auto import tqdm
 from jaxspec.config import EngineConfig, SamplingParams, SpecConfig
 from jaxspec.draft.plan import Plan
 from jaxspec.engine.adaptive import AdaptiveSteps
+from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import pages_needed
+from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool
 
@@ -164,6 +166,10 @@ def generate(
     if spec is not None and spec.adaptive_steps:
         adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
     plans = {}  # depth -> Plan, for adaptive chains
+    mesh = target.mesh
+    data_shards = axis_size(mesh, DATA)
+    if draft is not None and getattr(draft, "mesh", None) is not mesh:
+        raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
     plan = Plan(
         target=target.config,
         draft=None if draft is None else draft.config,
@@ -173,6 +179,7 @@ def generate(
         greedy_only=all(s.is_greedy for s in sampling),
         filtering=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling if not s.is_greedy),
         implementation=engine.implementation,
+        data_shards=data_shards,
     )
     if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
         plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
@@ -196,26 +203,43 @@ def generate(
     keys = _request_keys(seed, sampling)
     requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
 
-    # Static buckets: batch rows, output width, stop-id slots, page-table width.
-    batch = next_pow2(min(len(ids), engine.max_batch))
+    # Static buckets: batch rows, output width, stop-id slots, page-table width. On a mesh the
+    # rows and pages split evenly over its data shards (each with its own scratch page).
+    batch = max(next_pow2(min(len(ids), engine.max_batch)), data_shards)
+    batch = data_shards * -(-batch // data_shards)
     out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
     num_stop = next_pow2(max(1, max(len(st) for st in stops)))
     longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
     width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
-    num_pages = engine.num_pages or batch * width + 1
+    num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
+                               (batch // data_shards) * width + 1)
     step_growth = engine.steps_per_call * plan.max_accept
     sched = Scheduler(
         requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-        lookahead=plan.lookahead, step_growth=step_growth,
+        lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards,
     )
     dtype = jnp.dtype(target.dtype)
-    tpool = create_target_pool(target.config, num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
-    dpool = zero_pool(engine.page_size, dtype) if draft is None else draft.config.create_pool(
-        num_pages=num_pages, page_size=engine.page_size, dtype=dtype)
+    P_ = engine.page_size
+    tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_, dtype=dtype),
+                        getattr(target.config, "tensor_parallel", 1) > 1, mesh)
+    if draft is None:
+        dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
+    else:
+        dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype),
+                            draft.config.tensor_parallel > 1, mesh)
     dparams = None if draft is None else draft.params
-    seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * engine.page_size)
-    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed, hidden_dtype=dtype)
+    seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
+    state = create_state(lambda: DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed,
+                                                   hidden_dtype=dtype), mesh)
+    with run_context(mesh):
+        return _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dparams, sampling, num_stop,
+                    engine, progress)
 
+
+def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dparams, sampling, num_stop, engine,
+         progress) -> GenerateOutput:
+    """The host loop: admit, prefill, grant pages, run a decode call, retire finished rows."""
+    batch = len(sched.rows)
     total_new = sum(s.max_new_tokens for s in sampling)
     bar = tqdm(total=total_new, unit="tok", desc="generate", leave=False,
                disable=None if progress is None else not progress)
@@ -234,7 +258,7 @@ def generate(
         call_plan = plans[adaptive.steps] if adaptive else plan
         before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
         live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
-        table = _live_table(sched.page_table, live + sched.step_growth + plan.lookahead, engine)
+        table = _live_table(sched.page_table, live + sched.step_growth + plan.lookahead, engine, target.mesh)
         state, tpool, dpool, _ = decode_program(call_plan, target.params, dparams, state, tpool, dpool, table)
         host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
                                    nv=state.num_verify))
@@ -257,7 +281,7 @@ def generate(
             emitted_so_far = emitted
     wall = time.perf_counter() - t0
     bar.close()
-    sched.allocator.check()
+    sched.check()
 
     done = sorted(sched.done, key=lambda r: r.index)
     stats = []
@@ -273,42 +297,50 @@ def generate(
     return GenerateOutput(
         token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
         steps_per_call=adaptive.history if adaptive else [],
-        kv_pages_free=sched.allocator.num_free, kv_pages_total=sched.allocator.capacity,
+        kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
     )
 
 
-def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig) -> jax.Array:  # i32[B, w]
+def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, mesh) -> jax.Array:  # i32[B, w]
     """The page table cut to a power-of-two number of pages covering ``positions`` (at least
     ``engine.min_kv_bucket`` positions), so attention reads only the live context and a
     steady-state run compiles one program per bucket."""
     want = max(pages_needed(positions, engine.page_size), pages_needed(engine.min_kv_bucket, engine.page_size))
-    return jnp.asarray(page_table[:, : min(page_table.shape[1], next_pow2(want))])
+    return place_table(page_table[:, : min(page_table.shape[1], next_pow2(want))], mesh)
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
-    R = next_pow2(len(admitted))
+    """Prefills the admitted requests. Rows are grouped by data shard: shard ``d`` gets the
+    ``d``-th chunk of ``Rs`` rows (shard-local row indices; padding rows point past the shard)."""
+    D = sched.data_shards
+    by_shard = [[r for r in admitted if sched.shard_of(r.row) == d] for d in range(D)]
+    Rs = next_pow2(max(len(rs) for rs in by_shard))
+    R = D * Rs
     longest = max(len(r.prompt) for r in admitted)
     T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
-    B = len(sched.rows)
     tokens = np.zeros((R, T), np.int32)
     lens = np.zeros(R, np.int32)
-    rows = np.full(R, B, np.int32)  # padding rows point past the batch (dropped)
+    rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
     req: dict[str, Any] = dict(
         max_new=np.zeros(R, np.int32), stop_ids=np.full((R, num_stop), -1, np.int32),
         temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32),
         top_p=np.ones(R, np.float32), keys=np.zeros((R, 2), np.uint32),
     )
-    for i, r in enumerate(admitted):
-        tokens[i, : len(r.prompt)] = r.prompt
-        lens[i] = len(r.prompt)
-        rows[i] = r.row
-        req["max_new"][i] = r.sampling.max_new_tokens
-        req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids
-        req["temperature"][i] = r.sampling.temperature
-        req["top_k"][i] = r.sampling.top_k
-        req["top_p"][i] = r.sampling.top_p
-        req["keys"][i] = r.key
+    for d, rs in enumerate(by_shard):
+        for j, r in enumerate(rs):
+            i = d * Rs + j
+            tokens[i, : len(r.prompt)] = r.prompt
+            lens[i] = len(r.prompt)
+            rows[i] = r.row - d * sched.rows_per_shard
+            req["max_new"][i] = r.sampling.max_new_tokens
+            req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids
+            req["temperature"][i] = r.sampling.temperature
+            req["top_k"][i] = r.sampling.top_k
+            req["top_p"][i] = r.sampling.top_p
+            req["keys"][i] = r.key
+    mesh = target.mesh
     return prefill_program(
-        plan, target.params, dparams, state, tpool, dpool, _live_table(sched.page_table, T, engine),
-        jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in req.items()},
+        plan, target.params, dparams, state, tpool, dpool, _live_table(sched.page_table, T, engine, mesh),
+        place_rows(rows, mesh), place_rows(tokens, mesh), place_rows(lens, mesh),
+        {k: place_rows(v, mesh) for k, v in req.items()},
     )

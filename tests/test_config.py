@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 import jaxspec as js
@@ -49,6 +51,9 @@ BAD_ENGINE = [
     (dict(max_batch=0), "max_batch"),
     (dict(num_pages=1), "num_pages must be >= 2"),
     (dict(implementation="cuda"), "implementation"),
+    (dict(implementation={"flash_attention": "pallas"}), "unknown op 'flash_attention'"),
+    (dict(implementation={"kv_move": "triton"}), "implementation for kv_move"),
+    (dict(implementation=["pallas"]), "implementation"),
 ]
 
 
@@ -56,3 +61,16 @@ BAD_ENGINE = [
 def test_engine_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         js.EngineConfig(**kwargs)
+
+
+def test_engine_config_takes_a_per_op_implementation_mapping():
+    # A mapping is stored as sorted (op, choice) pairs: hashable (a jit-static plan holds it),
+    # order-independent, and stable under dataclasses.replace (which re-runs __post_init__).
+    a = js.EngineConfig(implementation={"kv_move": "xla", "paged_attention": "pallas", "mla_attention": None})
+    b = js.EngineConfig(implementation={"paged_attention": "pallas", "mla_attention": None, "kv_move": "xla"})
+    pairs = (("kv_move", "xla"), ("mla_attention", None), ("paged_attention", "pallas"))
+    assert a.implementation == b.implementation == pairs
+    assert hash(a) == hash(b) and a == b
+    assert dataclasses.replace(a, page_size=4).implementation == pairs
+    assert js.EngineConfig(implementation=pairs) == a
+    assert js.EngineConfig(implementation="xla").implementation == "xla"

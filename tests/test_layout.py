@@ -24,7 +24,7 @@ LAYERS = [
     ("jaxspec.model.targets",),
     ("jaxspec.model",),  # the shared building blocks (layers, sampling, config)
     ("jaxspec.kvcache", "jaxspec.pallas"),
-    ("jaxspec.config", "jaxspec.demo"),
+    ("jaxspec.config", "jaxspec.demo", "jaxspec.mesh"),
 ]
 
 

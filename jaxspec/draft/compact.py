@@ -11,7 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxspec.kvcache.paging import positions_to_slots
+from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.pallas.kv_move import kv_move
 
 
@@ -35,14 +38,22 @@ def compaction_moves(
     return src.reshape(-1), dst.reshape(-1)
 
 
-def compact_pool(pool, page_table, seq_lens, accept_index, accept_lens, active, *, implementation=None):
-    """Moves every buffer of ``pool`` (MHA k/v, MLA latent, indexer keys) along the accepted path."""
+def compact_pool(pool, page_table, seq_lens, accept_index, accept_lens, active, *, implementation=None,
+                 tensor_parallel: int = 1):
+    """Moves every buffer of ``pool`` (MHA k/v, MLA latent, indexer keys) along the accepted path.
+    With ``tensor_parallel`` shards every model shard moves its own part of the pool (its KV
+    heads, or its copy of an MLA latent)."""
     if pool.num_layers == 0:
         return pool
     src, dst = compaction_moves(page_table, seq_lens, accept_index, accept_lens, active, pool.page_size)
-    # Moves are request-major (S per request), so requests can be spread over programs.
-    moved = kv_move(pool.buffers, src, dst, implementation=implementation,
-                    moves_per_request=accept_index.shape[1] - 1)
+
+    def move(buffers, src, dst):
+        # Moves are request-major (S per request), so requests can be spread over programs.
+        return kv_move(buffers, src, dst, implementation=implementation, moves_per_request=accept_index.shape[1] - 1)
+
+    specs = pool.specs(None, MODEL).buffers
+    moved = per_model_shard(move, in_specs=(specs, P(), P()), out_specs=specs, shards=tensor_parallel)(
+        pool.buffers, src, dst)
     return pool.with_buffers(moved)
 
 

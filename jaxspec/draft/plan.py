@@ -23,6 +23,7 @@ class Plan:
     decoding, a one-node verify per step). greedy_only: no row samples, so the sampling
     machinery is compiled out. filtering: some row uses top_k or top_p (else the sorts are
     compiled out). implementation: kernels ("pallas" | "xla" | None | a per-op mapping).
+    data_shards: shards of a mesh's data axis the rows and pool slots are split over.
     """
 
     target: Any
@@ -33,6 +34,7 @@ class Plan:
     greedy_only: bool = True
     filtering: bool = False
     implementation: Any = None
+    data_shards: int = 1
 
     def __post_init__(self):
         if (self.draft is None) != (self.spec is None):

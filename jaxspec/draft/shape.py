@@ -147,7 +147,8 @@ class Tree:
     @staticmethod
     def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
         tpool = compact_pool(tpool, page_table, rows.seq_lens, accept_index, accept_lens, rows.active,
-                             implementation=plan.implementation)
+                             implementation=plan.implementation,
+                             tensor_parallel=getattr(plan.target, "tensor_parallel", 1))
         predict = gather_to_front(predict, accept_index)  # [B, A]
         feature = None if feature is None else gather_to_front(feature, accept_index)
         return tpool, predict, feature

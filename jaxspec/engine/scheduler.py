@@ -35,45 +35,74 @@ class Request:
 
 
 class Scheduler:
-    """Maps requests onto ``batch`` rows and owns the page table ``[batch, width]``."""
+    """Maps requests onto ``batch`` rows and owns the page table ``[batch, width]``.
+
+    With ``data_shards`` > 1 the rows and the KV pool are split evenly over the data axis of a
+    mesh: rows ``[d * B/D, (d + 1) * B/D)`` run on shard ``d`` and hold pages of that shard's own
+    range, granted by its own allocator; the page table stores shard-local page ids (page 0 of
+    every shard is its scratch page)."""
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
-                 lookahead: int, step_growth: int):
+                 lookahead: int, step_growth: int, data_shards: int = 1):
+        if batch % data_shards or num_pages % data_shards:
+            raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         self.page_size = page_size
         self.lookahead = lookahead
         self.step_growth = step_growth  # positions a decode call may advance a request
-        self.allocator = PageAllocator(num_pages)
+        self.data_shards = data_shards
+        self.rows_per_shard = batch // data_shards
+        self.allocators = [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
         self.page_table = np.zeros((batch, width), np.int32)
         self.waiting: deque[Request] = deque(requests)
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
-        self.reserved = 0
+        self.reserved = [0] * data_shards
+        capacity = self.allocators[0].capacity
         for r in requests:
             r.worst_pages = pages_needed(len(r.prompt) + r.sampling.max_new_tokens + lookahead, page_size)
             if r.worst_pages > width:
                 raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
-            if r.worst_pages > self.allocator.capacity:
+            if r.worst_pages > capacity:
                 raise KVCacheExhausted(
                     f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
-                    f"{page_size} slots but the pool has {self.allocator.capacity} "
-                    f"(raise EngineConfig.num_pages)"
+                    f"{page_size} slots but the pool has {capacity}"
+                    + (f" per data shard" if data_shards > 1 else "") + " (raise EngineConfig.num_pages)"
                 )
 
     @property
     def finished(self) -> bool:
         return not self.waiting and all(r is None for r in self.rows)
 
+    def shard_of(self, row: int) -> int:
+        return row // self.rows_per_shard
+
+    def allocator_of(self, row: int) -> PageAllocator:
+        return self.allocators[self.shard_of(row)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.allocators)
+
+    @property
+    def capacity(self) -> int:
+        return sum(a.capacity for a in self.allocators)
+
+    def check(self) -> None:
+        for a in self.allocators:
+            a.check()
+
     def admit(self) -> list[Request]:
-        """Moves waiting requests into free rows while their worst case fits in the pool."""
+        """Moves waiting requests into free rows while their worst case fits in the row's shard."""
         admitted = []
         for row, occupant in enumerate(self.rows):
             if occupant is not None or not self.waiting:
                 continue
+            d = self.shard_of(row)
             req = self.waiting[0]
-            if self.reserved + req.worst_pages > self.allocator.capacity:
-                break
+            if self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
+                continue
             self.waiting.popleft()
-            self.reserved += req.worst_pages
+            self.reserved[d] += req.worst_pages
             req.row = row
             req.t_admit = time.perf_counter()
             self.rows[row] = req
@@ -89,8 +118,9 @@ class Scheduler:
 
     def _grant(self, req: Request, num_positions: int) -> None:
         target = min(req.worst_pages, pages_needed(num_positions + self.lookahead, self.page_size))
-        have = len(self.allocator.pages_of(req.index))
-        new = self.allocator.grow(req.index, target)
+        alloc = self.allocator_of(req.row)
+        have = len(alloc.pages_of(req.index))
+        new = alloc.grow(req.index, target)
         self.page_table[req.row, have:have + len(new)] = new
 
     def retire(self, row: int, tokens: list[int], accept_lens: list[int]) -> Request:
@@ -98,8 +128,8 @@ class Scheduler:
         req.tokens = tokens
         req.accept_lens = accept_lens
         req.t_done = time.perf_counter()
-        self.allocator.release(req.index)
-        self.reserved -= req.worst_pages
+        self.allocator_of(row).release(req.index)
+        self.reserved[self.shard_of(row)] -= req.worst_pages
         self.page_table[row] = 0
         self.rows[row] = None
         self.done.append(req)

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +47,13 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
+
+    def specs(self, data_axis: str | None, model_axis: str | None):
+        """Partition specs of the buffers on a mesh: slots split over ``data_axis`` (each data
+        shard owns its pages), KV heads over ``model_axis`` (None: not split). A zero-layer
+        pool holds nothing and is never split."""
+        spec = PartitionSpec() if self.num_layers == 0 else PartitionSpec(None, data_axis, model_axis, None)
+        return dataclasses.replace(self, k=spec, v=spec)
 
     def write(self, layer, slots, k, v) -> "KVPool":
         """Writes ``k, v: [R, Hkv, D]`` at ``slots: i32[R]`` of ``layer``."""
@@ -90,6 +98,12 @@ class MLAPool:
     @property
     def num_slots(self) -> int:
         return self.kv.shape[1]
+
+    def specs(self, data_axis: str | None, model_axis: str | None = None):
+        """Partition specs of the buffers on a mesh: slots split over ``data_axis``; the latent
+        (and indexer keys) are whole on every model shard (every head reads all of it)."""
+        spec = PartitionSpec() if self.num_layers == 0 else PartitionSpec(None, data_axis, None)
+        return dataclasses.replace(self, kv=spec, index_k=None if self.index_k is None else spec)
 
     def write(self, layer, slots, kv, index_k=None) -> "MLAPool":
         """Writes ``kv: [R, C]`` (and ``index_k: [R, Di]``) at ``slots: i32[R]`` of ``layer``."""

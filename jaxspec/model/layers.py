@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
+from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.pallas.paged_attention import paged_attention
 
@@ -76,19 +79,47 @@ def write_and_attend(
     layer: jax.Array,  # i32[]
     attn: AttentionInputs,
     *,
-    implementation: str | None,
+    implementation,
     sm_scale: float | None = None,
+    tensor_parallel: int = 1,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """Writes the new K/V into the pool first, then attends through the page table, so a
-    token reads its own (pool-dtype) K/V exactly as later tokens will."""
-    B, T, Hkv, D = k.shape
-    pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-    o = paged_attention(
-        q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-        page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D), implementation=implementation,
-    )
-    return o, pool
+    token reads its own (pool-dtype) K/V exactly as later tokens will. With ``tensor_parallel``
+    shards, heads and the pool's KV heads are split over the mesh's model axis and every shard
+    attends over its own heads."""
+    D = k.shape[-1]
 
+    def local(q, k, v, pool, layer, attn):
+        B, T, Hkv, _ = k.shape
+        pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+        o = paged_attention(
+            q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+            page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D), implementation=implementation,
+        )
+        return o, pool
+
+    heads = P(None, None, MODEL, None)
+    rep = jax.tree.map(lambda _: P(), attn)
+    fn = per_model_shard(local, in_specs=(heads, heads, heads, jax.tree.map(lambda _: heads, pool), P(), rep),
+                         out_specs=(heads, jax.tree.map(lambda _: heads, pool)), shards=tensor_parallel)
+    return fn(q, k, v, pool, layer, attn)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, tensor_parallel: int = 1) -> jax.Array:
+    """``table[tokens]`` ([V, H] -> [..., H]); with ``tensor_parallel`` shards the table is split
+    by vocabulary rows over the model axis: each shard looks up the tokens in its range and one
+    all-reduce sums them (the table is never gathered)."""
+    if tensor_parallel == 1:
+        return table[tokens]
+
+    def local(tab, tok):
+        rows = tab.shape[0]
+        rel = tok - jax.lax.axis_index(MODEL) * rows
+        ok = (rel >= 0) & (rel < rows)
+        x = jnp.where(ok[..., None], tab[jnp.clip(rel, 0, rows - 1)], jnp.zeros((), tab.dtype))
+        return jax.lax.psum(x, MODEL)
+
+    return per_model_shard(local, in_specs=(P(MODEL, None), P()), out_specs=P(), shards=tensor_parallel)(table, tokens)
 
 
 # ------------------------------------------------------------------------------- Llama layer

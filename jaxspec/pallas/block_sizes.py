@@ -46,6 +46,8 @@ class AttentionBlocks:
       kv_splits: programs that share one (request, KV head, row block) along the prefix
         (flash-decoding); their partial results are merged outside the kernel.
       num_warps, num_stages: Triton launch parameters.
+      reload_q: re-read the query tile from global memory (L2) for every KV tile instead of
+        holding it in registers across the loop (wide heads; see ``attention_blocks``).
     """
 
     block_m: int
@@ -54,6 +56,7 @@ class AttentionBlocks:
     kv_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    reload_q: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_w"):
@@ -62,6 +65,17 @@ class AttentionBlocks:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.kv_splits < 1:
             raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def split_kv(*, programs: int, max_kv_len: int, block_k: int, interpret: bool) -> int:
+    """KV splits (flash-decoding) for a launch of ``programs`` programs: when too few to fill
+    the GPU (decode / verify at small batch), split the prefix across programs, as long as
+    each split keeps a few KV blocks. Interpret mode keeps one (the CPU runs programs in turn)."""
+    if interpret or programs >= _TARGET_PROGRAMS:
+        return 1
+    want = -(-_TARGET_PROGRAMS // programs)
+    max_blocks = -(-max_kv_len // block_k)
+    return _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
 
 
 def attention_blocks(
@@ -74,23 +88,25 @@ def attention_blocks(
     max_kv_len: int,  # W * P: positions the page table can address
     interpret: bool,
 ) -> AttentionBlocks:
-    """Heuristic tiles for the paged-attention kernel."""
+    """Heuristic tiles for the paged-attention kernel (and MLA, as one KV head of width C).
+
+    Head dims up to 128 take up to 128 rows per program. Wider heads (Gemma's 256 / 512, the
+    MLA latent 512) keep the f32 accumulator at block_m x D <= 32 x 512 over 8 warps and
+    re-read the query tile per KV tile (``reload_q``): held across the loop, a [bm, 512]
+    query costs an mma.sync operand of 16 rows x 512 per warp (128 registers) on top of the
+    accumulator, and the kernel spills (measured with ``scripts/triton_report.py``).
+    """
     d_pad = next_pow2(head_dim)
-    block_m = _clamp(next_pow2(rows), 16, 128 if d_pad <= 128 else 64)
-    block_k = 64 if d_pad <= 128 else 32
+    if d_pad <= 128:
+        block_m, block_k, reload_q = _clamp(next_pow2(rows), 16, 128), 64, False
+    else:
+        block_m, block_k, reload_q = _clamp(next_pow2(rows), 16, 32), (32 if d_pad <= 256 else 16), True
     block_w = _clamp(next_pow2(block_width), 16, block_k)
-    num_warps = 8 if block_m * d_pad >= 128 * 64 else 4
-    kv_splits = 1
-    if not interpret:
-        # Too few programs to fill the GPU (decode / verify at small batch): split the
-        # prefix across programs, as long as each split keeps a few KV blocks.
-        programs = batch * kv_heads * -(-rows // block_m)
-        max_blocks = -(-max_kv_len // block_k)
-        if programs < _TARGET_PROGRAMS:
-            want = -(-_TARGET_PROGRAMS // programs)
-            kv_splits = _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
+    num_warps = 8 if block_m * d_pad >= 4096 else 4
+    programs = batch * kv_heads * -(-rows // block_m)
+    kv_splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=block_k, interpret=interpret)
     return AttentionBlocks(block_m=block_m, block_k=block_k, block_w=block_w, kv_splits=kv_splits,
-                           num_warps=num_warps, num_stages=2)
+                           num_warps=num_warps, num_stages=2, reload_q=reload_q)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,16 +138,19 @@ def move_blocks(
     num_moves: int,  # M = B * S
     moves_per_request: int | None,  # S, or None when unknown
     row_widths: tuple[int, ...],  # C of each buffer (elements per slot)
+    tile_elems: int = _COPY_TILE_ELEMS,
+    num_warps: int = 4,
 ) -> MoveBlocks:
-    """Heuristic tiles for the KV-move kernel."""
+    """Heuristic tiles for the KV-move kernel (``tile_elems``, ``num_warps``: from the block
+    table when a sweep tuned them)."""
     if moves_per_request is None or num_moves % moves_per_request:
         per_group, rows = None, next_pow2(num_moves)
     else:
         # As many whole requests as fit 32 rows (at least one request).
         per_group = max(1, min(num_moves // moves_per_request, 32 // max(moves_per_request, 1)))
         rows = next_pow2(per_group * moves_per_request)
-    cols = tuple(_clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(c)) for c in row_widths)
-    return MoveBlocks(group_rows=rows, requests_per_group=per_group, block_cols=cols, num_warps=4)
+    cols = tuple(_clamp(tile_elems // rows, 1, next_pow2(c)) for c in row_widths)
+    return MoveBlocks(group_rows=rows, requests_per_group=per_group, block_cols=cols, num_warps=num_warps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,8 +173,9 @@ class GatherBlocks:
                 raise ValueError(f"gather tiles must be powers of two, got {self}")
 
 
-def gather_blocks(*, num_rows: int, widths: tuple[int, ...]) -> GatherBlocks:
+def gather_blocks(*, num_rows: int, widths: tuple[int, ...], tile_elems: int = _COPY_TILE_ELEMS,
+                  num_warps: int = 4) -> GatherBlocks:
     """Heuristic tiles for the fused gather (R rows; C_i columns per array)."""
     rows = _clamp(next_pow2(num_rows), 1, 32)
-    cols = tuple(_clamp(_COPY_TILE_ELEMS // rows, 1, next_pow2(max(w, 1))) for w in widths)
-    return GatherBlocks(block_rows=rows, block_cols=cols, num_warps=4)
+    cols = tuple(_clamp(tile_elems // rows, 1, next_pow2(max(w, 1))) for w in widths)
+    return GatherBlocks(block_rows=rows, block_cols=cols, num_warps=num_warps)

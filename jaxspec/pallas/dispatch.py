@@ -1,17 +1,36 @@
 """Implementation dispatch shared by every op in ``jaxspec.pallas`` (tokamax style).
 
-Public ops take ``implementation="pallas" | "xla" | None``. None means Pallas on a GPU and
-the XLA reference elsewhere. Asking for "pallas" off-GPU runs the kernel in interpret mode,
-which is how the CPU test suite exercises every kernel.
+Public ops take ``implementation``:
+
+* ``"pallas"``: the Pallas kernel (natively on a GPU, in interpret mode elsewhere: how the
+  CPU test suite exercises every kernel). A shape the kernel cannot take raises
+  ``NotImplementedError``.
+* ``"xla"``: the lean XLA path (never the f32 reference, which is the tests' oracle).
+* ``None``: the Pallas kernel on a GPU where it supports the shape, the XLA path otherwise
+  (always XLA on CPU). A GPU falling back says so once per op and reason (a warning that
+  names both): a shape the kernel cannot take, or one the block table sends to XLA on this
+  GPU kind (``block_table.json``, ``"xla"`` section: kernels known to fail natively, spill or
+  lose to XLA there).
+* a mapping op name -> one of the above (``{"kv_move": "xla"}``), or the same as sorted
+  ``(op, implementation)`` pairs (how ``EngineConfig`` stores it, hashable); ops it does not
+  name take ``None``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import jax
 
+from jaxspec.config import KERNEL_OPS, normalize_implementation
+from jaxspec.pallas import block_table
+
 IMPLEMENTATIONS = ("pallas", "xla")
+
+_assumed_gpu: list[str] = []  # stack of assume_gpu() kinds
+_warned: set[tuple[str, str]] = set()
 
 
 @functools.cache
@@ -19,13 +38,68 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve(implementation: str | None) -> str:
-    """Returns "pallas" or "xla" for a user's choice (None picks by backend)."""
-    if implementation is None:
-        return "pallas" if on_gpu() else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    return implementation
+@functools.cache
+def _local_gpu_kind() -> str | None:
+    return block_table.gpu_key(jax.devices()[0].device_kind) if on_gpu() else None
+
+
+def gpu_kind() -> str | None:
+    """Block-table key of the GPU the kernels are built for (``"h100"``), None without one."""
+    return _assumed_gpu[-1] if _assumed_gpu else _local_gpu_kind()
+
+
+@contextlib.contextmanager
+def assume_gpu(kind: str):
+    """Kernels pick the block-table entries of GPU ``kind`` while inside (used when lowering
+    for an H100 on a machine without one)."""
+    _assumed_gpu.append(kind)
+    try:
+        yield
+    finally:
+        _assumed_gpu.pop()
+
+
+def implementation_for(op: str, implementation) -> str | None:
+    """The choice for ``op`` ("pallas", "xla" or None) out of a user's ``implementation``."""
+    if op not in KERNEL_OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {KERNEL_OPS}")
+    value = normalize_implementation(implementation)
+    if isinstance(value, tuple):
+        return dict(value).get(op)
+    return value
+
+
+def choose(op: str, implementation, *, shape_class: str, unsupported: str | None = None) -> str:
+    """"pallas" or "xla" for one call of ``op``.
+
+    Args:
+      op: the op's name (one of ``config.KERNEL_OPS``).
+      implementation: the user's choice (see the module docstring).
+      shape_class: the call's block-table class (``block_table.attention_class``).
+      unsupported: why the kernel cannot take this call's shapes, or None.
+
+    Raises:
+      NotImplementedError: "pallas" was asked for a shape the kernel cannot take.
+    """
+    choice = implementation_for(op, implementation)
+    if choice == "pallas" and unsupported:
+        raise NotImplementedError(f"{op}: {unsupported}")
+    if choice is not None:
+        return choice
+    if not on_gpu():
+        return "xla"
+    reason = unsupported or block_table.xla_reason(gpu_kind(), shape_class)
+    if reason:
+        warn_fallback(op, reason)
+        return "xla"
+    return "pallas"
+
+
+def warn_fallback(op: str, reason: str) -> None:
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        warnings.warn(f"jaxspec: {op} runs on XLA on this GPU ({gpu_kind()}): {reason}", RuntimeWarning,
+                      stacklevel=3)
 
 
 def interpret_mode() -> bool:

@@ -7,7 +7,8 @@ One op gathers the rows of all of them with a single index vector instead of one
 Pallas kernel (Triton): one ``pallas_call`` (one launch) with grid ``(row blocks, column
 blocks)``. Every array is seen as ``[N, C_i]`` (a 1-D array as one column); the program of
 column block ``c`` gathers columns ``[c * Cb_i, (c + 1) * Cb_i)`` of its rows of every array
-that has them. Indices are clamped to ``[0, N)`` (the rows the engine asks for are in range).
+that has them. Row indices are clamped to ``[0, N)`` (the rows the engine asks for are in
+range); column indices are never clamped (see ``triton_common``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas import dispatch
+from jaxspec.pallas import block_table, dispatch
 from jaxspec.pallas.block_sizes import GatherBlocks, gather_blocks
-from jaxspec.pallas.triton_common import whole
+from jaxspec.pallas.triton_common import tile_mask, whole
 
 
 def gather_spec_extras_reference(
@@ -51,11 +52,11 @@ def _gather_kernel(
 
         @pl.when(col_block < pl.cdiv(width, cb))
         def _():
+            # Unclamped columns (vector loads and stores); masked only when a block overhangs the row.
             c = col_block * cb + jnp.arange(cb, dtype=jnp.int32)  # [Cb]
-            c_ok = c < width
-            m2 = row_ok[:, None] & c_ok[None, :]  # [br, Cb]
-            x = plgpu.load(x_ref.at[src[:, None], jnp.where(c_ok, c, 0)[None, :]], mask=m2, other=0)
-            plgpu.store(o_ref.at[r_store[:, None], jnp.where(c_ok, c, width)[None, :]], x, mask=m2)
+            m2 = tile_mask(row_ok, c, None if width % cb == 0 else c < width)  # [br, Cb]
+            x = plgpu.load(x_ref.at[src[:, None], c[None, :]], mask=m2, other=0)  # [br, Cb]
+            plgpu.store(o_ref.at[r_store[:, None], c[None, :]], x, mask=m2)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -89,13 +90,15 @@ def gather_spec_extras_pallas(
     if R == 0 or not present:
         return gather_spec_extras_reference(index, *arrays)
     if blocks is None:
-        blocks = gather_blocks(num_rows=R, widths=tuple(int(x.size // x.shape[0]) for x in present))
+        blocks = gather_blocks(num_rows=R, widths=tuple(int(x.size // x.shape[0]) for x in present),
+                               **block_table.copy_overrides("gather_spec_extras", gpu=dispatch.gpu_kind(),
+                                                            interpret=interpret))
     got = iter(_gather_call(index.astype(jnp.int32), tuple(present), blocks=blocks, interpret=interpret))
     return tuple(None if x is None else next(got) for x in arrays)
 
 
 def gather_spec_extras(index: jax.Array, *arrays: jax.Array | None, implementation=None):
     """Rows ``index`` of every array (each ``[N, ...]``; None stays None), in one launch."""
-    if dispatch.resolve(implementation) == "pallas":
+    if dispatch.choose("gather_spec_extras", implementation, shape_class="gather_spec_extras") == "pallas":
         return gather_spec_extras_pallas(index, *arrays, interpret=dispatch.interpret_mode())
     return gather_spec_extras_reference(index, *arrays)

@@ -32,8 +32,9 @@ from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas import dispatch
-from jaxspec.pallas.triton_common import whole
+from jaxspec.config import normalize_implementation
+from jaxspec.pallas import block_table, dispatch
+from jaxspec.pallas.triton_common import tile_mask, whole
 from jaxspec.pallas.block_sizes import MoveBlocks, move_blocks
 
 
@@ -109,18 +110,18 @@ def _kv_move_kernel(
 
             @pl.when(col_block < nblocks)
             def _():
+                # Unclamped columns (16-byte vector loads and stores); a mask only when the
+                # last column block overhangs the row.
                 cols = col_block * cb + jnp.arange(cb, dtype=jnp.int32)  # [Cb]
-                col_ok = cols < width
-                mask = move[:, None] & col_ok[None, :]  # [R, Cb]
+                mask = tile_mask(move, cols, None if width % cb == 0 else cols < width)  # [R, Cb]
                 # Read from the aliased output: on the GPU it is the same memory as the input,
                 # and in interpret mode it holds every earlier program's writes.
-                rows = plgpu.load(ref.at[src_row[:, None], jnp.where(col_ok, cols, 0)[None, :]],
-                                  mask=mask, other=0)  # [R, Cb]
+                rows = plgpu.load(ref.at[src_row[:, None], cols[None, :]], mask=mask, other=0)  # [R, Cb]
                 if not interpret:
                     # Every thread of the CTA has its sources in registers before any target is
                     # written (a target may be another thread's source).
                     plgpu.debug_barrier()
-                plgpu.store(ref.at[dst_row[:, None], jnp.where(col_ok, cols, width)[None, :]], rows, mask=mask)
+                plgpu.store(ref.at[dst_row[:, None], cols[None, :]], rows, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -192,7 +193,8 @@ def kv_move_pallas(
     flat = tuple(b.reshape(L, N, -1) for b in buffers)  # [L, N, C_i]
     if blocks is None:
         blocks = move_blocks(num_moves=M, moves_per_request=moves_per_request,
-                             row_widths=tuple(f.shape[2] for f in flat))
+                             row_widths=tuple(f.shape[2] for f in flat),
+                             **block_table.copy_overrides("kv_move", gpu=dispatch.gpu_kind(), interpret=interpret))
     src = _group_moves(src_slots.astype(jnp.int32), blocks, moves_per_request)
     dst = _group_moves(dst_slots.astype(jnp.int32), blocks, moves_per_request)
     out = _kv_move_call(flat, src, dst, blocks=blocks, interpret=interpret)
@@ -217,7 +219,7 @@ def kv_move(
     buffers = tuple(buffers)
     if check_bounds and buffers and buffers[0].shape[0] > 0:
         validate_moves(src_slots, dst_slots, buffers[0].shape[1])
-    if dispatch.resolve(implementation) == "pallas":
+    if dispatch.choose("kv_move", implementation, shape_class="kv_move") == "pallas":
         return kv_move_pallas(buffers, src_slots, dst_slots, interpret=dispatch.interpret_mode(),
                               moves_per_request=moves_per_request)
     return kv_move_reference(buffers, src_slots, dst_slots)
@@ -232,7 +234,7 @@ def kv_move_checked(
 ) -> tuple[jax.Array, ...]:
     """:func:`kv_move` under ``jax.jit`` with the bounds check functionalized by checkify:
     raises ``JaxRuntimeError`` naming the first bad move instead of corrupting the pool."""
-    err, out = _checked_kv_move(implementation)(tuple(buffers), src_slots, dst_slots)
+    err, out = _checked_kv_move(normalize_implementation(implementation))(tuple(buffers), src_slots, dst_slots)
     err.throw()
     return out
 

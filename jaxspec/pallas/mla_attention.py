@@ -30,13 +30,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.pallas import dispatch
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
-from jaxspec.pallas.paged_attention import visible_mask
-from jaxspec.pallas.triton_common import merge_splits, split_out_shapes, whole
+from jaxspec.pallas import block_table, dispatch
+from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2
+from jaxspec.pallas.paged_attention import table_slots, visible_mask
+from jaxspec.pallas.triton_common import (
+    AttentionGeometry, MASK_VALUE, columns, init_carry, kv_slots, merge_splits, online_softmax_step, program_rows,
+    split_out_shapes, stream_kv, store_attention, tile_mask, whole,
+)
 
-_MASK_VALUE = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -55,33 +56,83 @@ def mla_attention_reference(
     """Pure-jnp MLA: gathers every position the page table covers, masks, softmax in f32."""
     B, T, Hq, C = q_latent.shape
     kv_len = page_table.shape[1] * page_size
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     kv = kv_pool[layer, slots].astype(jnp.float32)  # [B, K, C + R]
     c, k_rope = kv[..., :C], kv[..., C:]
     s = jnp.einsum("bthc,bkc->bhtk", q_latent.astype(jnp.float32), c, precision=_HIGHEST)
     s = s + jnp.einsum("bthr,bkr->bhtk", q_rope.astype(jnp.float32), k_rope, precision=_HIGHEST)
     s = s * sm_scale
     mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
-    s = jnp.where(mask[:, None], s, _MASK_VALUE)
+    s = jnp.where(mask[:, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhtk,bkc->bthc", p, c, precision=_HIGHEST)
     return o.astype(q_latent.dtype)
 
 
+def mla_attention_xla(
+    q_latent: jax.Array,  # [B, T, Hq, C]
+    q_rope: jax.Array,  # [B, T, Hq, R]
+    kv_pool: jax.Array,  # [L, N, C + R]
+    layer: jax.Array,  # i32[]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # bool[B, T, Wb] | None (causal)
+    *,
+    page_size: int,
+    sm_scale: float,
+) -> jax.Array:  # [B, T, Hq, C], q_latent.dtype
+    """The XLA path users run (the CPU default and the GPU fallback); the reference is the exact one.
+
+    It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
+    to the live context's bucket) in the pool's dtype, never copied to f32 nor split: the
+    scores are one matmul of ``[q_latent | q_rope]`` against the whole ``[c | k_rope]`` row,
+    and the weighted sum runs over the whole row too, its rope columns dropped from the
+    (small) output instead of slicing the (large) gathered latent. Both matmuls accumulate in
+    f32; float32 pools keep HIGHEST precision, so float32 runs stay exact.
+    """
+    B, T, Hq, C = q_latent.shape
+    kv_len = page_table.shape[1] * page_size
+    dt = kv_pool.dtype
+    precision = _HIGHEST if dt == jnp.float32 else None
+    slots = table_slots(page_table, page_size)  # [B, K]
+    kv = kv_pool[layer, slots]  # [B, K, C + R], pool dtype
+    q = jnp.concatenate([q_latent.astype(dt), q_rope.astype(dt)], axis=-1)  # [B, T, Hq, C + R]
+    s = jnp.einsum("bthc,bkc->bhtk", q, kv, precision=precision, preferred_element_type=jnp.float32)
+    mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
+    s = jnp.where(mask[:, None], s * sm_scale, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)  # f32[B, Hq, T, K]
+    # [B, Hq, T, C + R] (canonical dot layout; see paged_attention_xla), transposed after.
+    o = jnp.einsum("bhtk,bkc->bhtc", p.astype(dt), kv, precision=precision, preferred_element_type=jnp.float32)
+    return o[..., :C].transpose(0, 2, 1, 3).astype(q_latent.dtype)
+
+
 # --------------------------------------------------------------------------- Pallas kernel
 #
 # MLA is MQA over one shared KV row per token: the anatomy of the paged-attention kernel
-# with Hkv = 1 and G = Hq. Grid (B, row blocks[, kv_splits]). A program owns one request b
-# and block_m rows of the folded (T, Hq) axis (row m is query row m // Hq of head m % Hq), so
-# every head reads each latent tile once. Per tile it loads the latent c [bk, C] and the rope
-# key [bk, R] of each position once; c serves as key AND value:
+# with Hkv = 1 and G = Hq, on the same body (``triton_common.stream_kv``). Grid (row blocks,
+# B[, kv_splits]), row blocks fastest. A program owns one request b and block_m rows of the
+# folded (T, Hq) axis (row m is query row m // Hq of head m % Hq). Per tile it loads the
+# latent c [bk, C] and the rope key [bk, R] of each position once; c serves as key AND value:
 #     s = sm_scale * (q_latent @ c^T + q_rope @ k_rope^T),  acc += softmax-weights @ c.
-# It streams the prefix [0, prefix_lens[b]) in block_k tiles (dynamic trip count; dealt out
-# among kv_splits programs when splitting), then the block after the prefix in block_w tiles,
-# masked per row by block_mask (or w <= t), skipping tiles no row sees; online softmax in
-# f32. Positions become slots through the page table inside the kernel (any page size), and
-# positions no row can see are never loaded.
+# The prefix is streamed in block_k tiles (dealt out among kv_splits programs when
+# splitting), then the block after the prefix in block_w tiles, masked per row; positions no
+# row can see are never loaded.
+#
+# Registers, and why each request's latent is read by several programs. The f32 accumulator
+# alone is block_m x C (512): 64 x 512 over 256 threads is 128 registers per thread, and an
+# mma.sync operand holds 16 rows x the whole contraction per warp, so the [bm, 512] query
+# kept across the loop costs another 128. At DeepSeek-V3 shapes (128 heads) that spilled
+# ~1 KB per thread (block_m = 64, compiled for sm_90a by Triton 3.6). What compiles without
+# spills here: block_m = 32 rows (8 warps), block_k = 16, and the queries re-read from
+# global memory (L2) per KV tile instead of held in registers across the loop (``reload_q``):
+# their live range ends at the score matmul, before the value matmul needs its registers
+# (block_k = 32 also compiles without spills, at 253-255 registers: no margin). The cost is
+# that a request's latent KV is streamed by T * Hq / 32 programs (4 for decode at 128
+# heads) instead of one. That is inherent in this design: one program owning all 128 heads
+# would need a 128 x 512 f32 accumulator (256 KB), more than a CTA's registers or shared
+# memory. The grid runs the programs of one request side by side so the repeated reads
+# hit L2, not HBM. (FlashMLA's answer, 64 heads per CTA with the query and KV tiles in
+# shared memory split over two warp groups, is not expressible in Pallas-Triton.)
 
 
 def _mla_kernel(
@@ -89,121 +140,49 @@ def _mla_kernel(
     prefix_ref,  # i32[B]
     table_ref,  # i32[B * W] page table, flat
     *refs,  # [mask_ref i8[B * T * Wb]], ql_ref [B*T*Hq, C], qr_ref [B*T*Hq, R], kv_ref [L*N, C+R], outputs
-    shape: tuple[int, int, int, int, int, int, int],  # (B, T, Hq, C, R, N, W)
-    causal: bool,
-    page_size: int,
-    sm_scale: float,
-    block_m: int,
-    block_k: int,
-    block_w: int,
-    kv_splits: int,
-    block_width: int,  # Wb
+    geometry: AttentionGeometry,
+    latent: int,  # C
+    rope: int,  # R
     c_pad: int,
     r_pad: int,
+    sm_scale: float,
+    reload_q: bool,
 ):
-    if causal:
+    g = geometry
+    if g.causal:
         mask_ref = None
         ql_ref, qr_ref, kv_ref, *out_refs = refs
     else:
         mask_ref, ql_ref, qr_ref, kv_ref, *out_refs = refs
-    B, T, Hq, C, R, N, W = shape
-    P = page_size
-    max_len = W * P
-    b, i = pl.program_id(0), pl.program_id(1)
-    split = pl.program_id(2) if kv_splits > 1 else 0
+    C = latent
+    i, b = pl.program_id(0), pl.program_id(1)
+    split = pl.program_id(2) if g.kv_splits > 1 else 0
+    rows = program_rows(g, b, 0, i)
+    c, c_ok = columns(C, c_pad)  # [Cp] latent columns
+    r, r_ok = columns(rope, r_pad)  # [Rp] rope columns (at C + r in the pool row)
+    ql_mask, qr_mask = tile_mask(rows.ok, c, c_ok), tile_mask(rows.ok, r, r_ok)
 
-    m = i * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [bm] folded rows
-    t = jax.lax.div(m, Hq)  # [bm] query row
-    head = jax.lax.rem(m, Hq)
-    row_ok = t < T
-    t_in = jnp.where(row_ok, t, 0)
-    q_row = (b * T + t_in) * Hq + head  # [bm] row of q / o
-    c = jnp.arange(c_pad, dtype=jnp.int32)
-    c_ok = c < C
-    c_in = jnp.where(c_ok, c, 0)[None, :]  # [1, Cp]
-    r = jnp.arange(r_pad, dtype=jnp.int32)
-    r_ok = r < R
-    r_in = (C + jnp.where(r_ok, r, 0))[None, :]  # [1, Rp] columns of the rope key
-    qo_mask = row_ok[:, None] & c_ok[None, :]  # [bm, Cp]
-    ql = plgpu.load(ql_ref.at[q_row[:, None], c_in], mask=qo_mask, other=0)  # [bm, Cp]
-    qr = plgpu.load(qr_ref.at[q_row[:, None], r_in - C], mask=row_ok[:, None] & r_ok[None, :], other=0)
-    precision = jax.lax.Precision.HIGHEST if ql.dtype == jnp.float32 else None
-    kv_base = layer_ref[0] * N  # first pool row of this layer
-    prefix = jnp.minimum(prefix_ref[b], max_len)
+    def load_q():  # [bm, Cp], [bm, Rp]
+        return (plgpu.load(ql_ref.at[rows.q_row[:, None], c[None, :]], mask=ql_mask, other=0),
+                plgpu.load(qr_ref.at[rows.q_row[:, None], r[None, :]], mask=qr_mask, other=0))
+
+    q_held = None if reload_q else load_q()
+    precision = jax.lax.Precision.HIGHEST if ql_ref.dtype == jnp.float32 else None
+    kv_base = layer_ref[0] * g.num_slots  # first pool row of this layer
 
     def attend(carry, pos, load_ok, allowed):
-        # pos: i32[bk] positions; load_ok: bool[bk] positions some row sees (only those are
-        # read); allowed: bool[bm, bk] per-row visibility.
-        acc, m_i, l_i = carry  # f32[bm, Cp], f32[bm], f32[bm]
-        page = table_ref[b * W + jnp.minimum(jax.lax.div(pos, P), W - 1)]  # [bk]
-        slot = jnp.clip(page * P + jax.lax.rem(pos, P), 0, N - 1)
-        row = (kv_base + slot)[:, None]  # [bk, 1]
-        lat = plgpu.load(kv_ref.at[row, c_in], mask=load_ok[:, None] & c_ok[None, :], other=0)  # [bk, Cp]
-        kr = plgpu.load(kv_ref.at[row, r_in], mask=load_ok[:, None] & r_ok[None, :], other=0)  # [bk, Rp]
+        row = (kv_base + kv_slots(g, table_ref, b, pos))[:, None]  # [bk, 1]
+        lat = plgpu.load(kv_ref.at[row, c[None, :]], mask=tile_mask(load_ok, c, c_ok), other=0)  # [bk, Cp]
+        kr = plgpu.load(kv_ref.at[row, C + r[None, :]], mask=tile_mask(load_ok, r, r_ok), other=0)  # [bk, Rp]
+        ql, qr = load_q() if reload_q else q_held
         s = plgpu.dot(ql, lat, trans_b=True, precision=precision)
         s = (s + plgpu.dot(qr, kr, trans_b=True, precision=precision)) * sm_scale  # f32[bm, bk]
-        s = jnp.where(allowed, s, _MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = alpha * l_i + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(lat.dtype), lat, precision=precision)
-        return acc, m_new, l_new
+        return online_softmax_step(carry, s, allowed,
+                                   lambda p: plgpu.dot(p.astype(lat.dtype), lat, precision=precision))
 
-    carry = (
-        jnp.zeros((block_m, c_pad), jnp.float32),
-        jnp.full((block_m,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-    )
-
-    def prefix_step(j, carry):  # visible to every row; only the last tile is partial
-        pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        ok = pos < prefix
-        return attend(carry, pos, ok, jnp.broadcast_to(ok[None, :], (block_m, block_k)))
-
-    n_prefix = pl.cdiv(prefix, block_k)
-    if kv_splits == 1:
-        lo, hi = 0, n_prefix
-    else:
-        per_split = pl.cdiv(n_prefix, kv_splits)
-        lo = split * per_split
-        hi = jnp.minimum(lo + per_split, n_prefix)
-    carry = jax.lax.fori_loop(lo, hi, prefix_step, carry)
-
-    def block_step(j, carry):  # the block after the prefix (handled by the last split)
-        w = j * block_w + jnp.arange(block_w, dtype=jnp.int32)
-        pos = prefix + w
-        w_ok = (w < block_width) & (pos < max_len)
-        if causal:
-            vis = w[None, :] <= t[:, None]
-        else:
-            mask_idx = (b * T + t_in[:, None]) * block_width + jnp.where(w_ok, w, 0)[None, :]
-            vis = plgpu.load(mask_ref.at[mask_idx], mask=row_ok[:, None] & w_ok[None, :], other=0) != 0
-        allowed = vis & w_ok[None, :]
-        seen = jnp.max(allowed.astype(jnp.int32), axis=0) > 0
-        return attend(carry, pos, seen, allowed)
-
-    if causal:
-        t_hi = jnp.minimum(T - 1, jax.lax.div(i * block_m + block_m - 1, Hq))
-        n_block = pl.cdiv(t_hi + 1, block_w)
-    else:
-        n_block = pl.cdiv(block_width, block_w)
-    if kv_splits > 1:
-        n_block = jnp.where(split == kv_splits - 1, n_block, 0)
-    acc, m_i, l_i = jax.lax.fori_loop(0, n_block, block_step, carry)
-
-    row_st = jnp.where(row_ok, q_row, B * T * Hq)  # masked rows / columns: out of range, never written
-    c_st = jnp.where(c_ok, c, C)[None, :]
-    if kv_splits == 1:
-        (o_ref,) = out_refs  # [B * T * Hq, C]
-        o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]  # rows that see nothing: 0
-        plgpu.store(o_ref.at[row_st[:, None], c_st], o.astype(o_ref.dtype), mask=qo_mask)
-    else:
-        o_ref, m_ref, l_ref = out_refs  # f32[S * B*T*Hq, C], f32[S * B*T*Hq] x2
-        row_st = jnp.where(row_ok, split * (B * T * Hq) + q_row, kv_splits * B * T * Hq)
-        plgpu.store(o_ref.at[row_st[:, None], c_st], acc, mask=qo_mask)
-        plgpu.store(m_ref.at[row_st], m_i, mask=row_ok)
-        plgpu.store(l_ref.at[row_st], l_i, mask=row_ok)
+    carry = stream_kv(g, attend, init_carry(g.block_m, c_pad), rows, mask_ref=mask_ref, b=b, row_block=i,
+                      split=split, prefix_ref=prefix_ref)
+    store_attention(g, out_refs, carry, rows, c, c_ok, split)
 
 
 def _check_inputs(q_latent, q_rope, kv_pool, page_table, prefix_lens, block_mask):
@@ -239,11 +218,15 @@ def _mla_call(
     W = page_table.shape[1]
     causal = block_mask is None
     S = blocks.kv_splits
-    grid = (B, pl.cdiv(T * Hq, blocks.block_m)) + ((S,) if S > 1 else ())
+    geometry = AttentionGeometry(
+        batch=B, rows=T, q_heads=Hq, group=Hq, page_size=page_size, table_width=W, num_slots=N,
+        block_width=T if causal else block_mask.shape[2], causal=causal, block_m=blocks.block_m,
+        block_k=blocks.block_k, block_w=blocks.block_w, kv_splits=S,
+    )
+    grid = (pl.cdiv(T * Hq, blocks.block_m), B) + ((S,) if S > 1 else ())
     kernel = functools.partial(
-        _mla_kernel, shape=(B, T, Hq, C, R, N, W), causal=causal, page_size=page_size, sm_scale=sm_scale,
-        block_m=blocks.block_m, block_k=blocks.block_k, block_w=blocks.block_w, kv_splits=S,
-        block_width=T if causal else block_mask.shape[2], c_pad=max(16, next_pow2(C)), r_pad=max(16, next_pow2(R)),
+        _mla_kernel, geometry=geometry, latent=C, rope=R, c_pad=max(16, next_pow2(C)),
+        r_pad=max(16, next_pow2(R)), sm_scale=sm_scale, reload_q=blocks.reload_q,
     )
     ins = (layer, prefix_lens, page_table.reshape(B * W))
     ins += () if causal else (block_mask.reshape(-1),)
@@ -262,13 +245,6 @@ def _mla_call(
     return merge_splits(out, (B, T, Hq, C), q_latent.dtype)
 
 
-def mla_blocks(*, batch: int, rows: int, block_width: int, latent_dim: int, max_kv_len: int,
-               interpret: bool) -> AttentionBlocks:
-    """Heuristic tiles: those of the paged-attention kernel for one KV head of width C."""
-    return attention_blocks(batch=batch, kv_heads=1, rows=rows, block_width=block_width, head_dim=latent_dim,
-                            max_kv_len=max_kv_len, interpret=interpret)
-
-
 def mla_attention_pallas(
     q_latent: jax.Array,  # [B, T, Hq, C]
     q_rope: jax.Array,  # [B, T, Hq, R]
@@ -283,16 +259,17 @@ def mla_attention_pallas(
     interpret: bool,
     blocks: AttentionBlocks | None = None,
 ) -> jax.Array:  # [B, T, Hq, C], q_latent.dtype
-    """Pallas path of :func:`mla_attention` (see the kernel notes above)."""
+    """Pallas path of :func:`mla_attention` (see the kernel notes above). ``blocks=None``:
+    the block table's entry for this GPU kind and shape class, else the heuristics."""
     _check_inputs(q_latent, q_rope, kv_pool, page_table, prefix_lens, block_mask)
+    if reason := _unsupported(kv_pool):
+        raise NotImplementedError(f"mla_attention: {reason}")
     B, T, Hq, C = q_latent.shape
-    L, N, _ = kv_pool.shape
-    if L * N >= 2**31:
-        raise NotImplementedError(f"pool rows L*N = {L * N} overflow the kernel's int32 row index")
     if blocks is None:
-        blocks = mla_blocks(
-            batch=B, rows=T * Hq, block_width=T if block_mask is None else block_mask.shape[2],
-            latent_dim=C, max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
+        blocks = block_table.attention_blocks_for(
+            _shape_class(q_latent, block_mask, page_size), gpu=dispatch.gpu_kind(), batch=B, kv_heads=1,
+            rows=T * Hq, block_width=T if block_mask is None else block_mask.shape[2], head_dim=C,
+            max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
         )
     dt = kv_pool.dtype  # queries take the pool's dtype (the pool is never copied)
     o = _mla_call(
@@ -317,13 +294,29 @@ def mla_attention(
     sm_scale: float,
     implementation: str | None = None,
 ) -> jax.Array:  # [B, T, Hq, C]
-    """Absorbed MLA of T query rows per request over its paged latent KV (module docstring)."""
-    if dispatch.resolve(implementation) == "pallas":
-        return mla_attention_pallas(
-            q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask,
-            page_size=page_size, sm_scale=sm_scale, interpret=dispatch.interpret_mode(),
-        )
-    return mla_attention_reference(
-        q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask,
-        page_size=page_size, sm_scale=sm_scale,
-    )
+    """Absorbed MLA of T query rows per request over its paged latent KV (module docstring).
+
+    ``implementation``: "pallas", "xla" (the lean :func:`mla_attention_xla`), None (Pallas on
+    a GPU where the kernel takes the shape, else XLA) or a mapping op name -> those.
+    """
+    _check_inputs(q_latent, q_rope, kv_pool, page_table, prefix_lens, block_mask)
+    impl = dispatch.choose("mla_attention", implementation,
+                           shape_class=_shape_class(q_latent, block_mask, page_size), unsupported=_unsupported(kv_pool))
+    fn = mla_attention_xla
+    if impl == "pallas":
+        fn = functools.partial(mla_attention_pallas, interpret=dispatch.interpret_mode())
+    return fn(q_latent, q_rope, kv_pool, layer, page_table, prefix_lens, block_mask, page_size=page_size,
+              sm_scale=sm_scale)
+
+
+def _shape_class(q_latent, block_mask, page_size: int) -> str:
+    return block_table.attention_class_of("mla_attention", rows=q_latent.shape[1], block_mask=block_mask,
+                                          head_dim=q_latent.shape[3], page_size=page_size)
+
+
+def _unsupported(kv_pool) -> str | None:
+    """Why the kernel cannot take this pool, or None."""
+    L, N, _ = kv_pool.shape
+    if L * N >= 2**31:
+        return f"pool rows L*N = {L * N} overflow the kernel's int32 row index"
+    return None

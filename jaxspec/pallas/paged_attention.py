@@ -25,11 +25,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kvcache.paging import positions_to_slots
-from jaxspec.pallas import dispatch
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, next_pow2
-from jaxspec.pallas.triton_common import merge_splits, split_out_shapes, whole
-
-_MASK_VALUE = -1e30
+from jaxspec.pallas import block_table, dispatch
+from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2
+from jaxspec.pallas.triton_common import (
+    AttentionGeometry, MASK_VALUE, columns, init_carry, kv_slots, merge_splits, online_softmax_step, program_rows,
+    split_out_shapes, stream_kv, store_attention, tile_mask, whole,
+)
 
 
 def visible_mask(
@@ -53,6 +54,13 @@ def visible_mask(
     return (pos < prefix) | in_block
 
 
+def table_slots(page_table: jax.Array, page_size: int) -> jax.Array:  # i32[B, W] -> i32[B, W * P]
+    """Pool slot of every position the page table covers, per request (the XLA paths' gather)."""
+    B, W = page_table.shape
+    pos = jnp.broadcast_to(jnp.arange(W * page_size, dtype=jnp.int32), (B, W * page_size))
+    return positions_to_slots(page_table, pos, page_size)
+
+
 def paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, D]
     k_pool: jax.Array,  # [L, N, Hkv, D]
@@ -70,30 +78,74 @@ def paged_attention_reference(
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     kv_len = page_table.shape[1] * page_size
-    pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (B, kv_len))
-    slots = positions_to_slots(page_table, pos, page_size)  # [B, K]
+    slots = table_slots(page_table, page_size)  # [B, K]
     k = k_pool[layer, slots].astype(jnp.float32)  # [B, K, Hkv, D]
     v = v_pool[layer, slots].astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
     s = jnp.einsum("bthgd,bkhd->bhgtk", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
     mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
-    s = jnp.where(mask[:, None, None], s, _MASK_VALUE)
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhgtk,bkhd->bthgd", p, v, precision=jax.lax.Precision.HIGHEST)
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
+def paged_attention_xla(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pool: jax.Array,  # [L, N, Hkv, D]
+    v_pool: jax.Array,  # [L, N, Hkv, D]
+    layer: jax.Array,  # i32[]
+    page_table: jax.Array,  # i32[B, W]
+    prefix_lens: jax.Array,  # i32[B]
+    block_mask: jax.Array | None,  # bool[B, T, Wb] | None
+    *,
+    page_size: int,
+    sm_scale: float,
+) -> jax.Array:  # [B, T, Hq, D], q.dtype
+    """The XLA path users run (the CPU default and the GPU fallback); the reference is the exact one.
+
+    It reads the ``W * P`` positions the page table covers (the engine passes a table sliced
+    to a power-of-two bucket of the live context), in the pool's dtype: the gathered K/V are
+    never copied to f32, and both matmuls accumulate in f32 (``preferred_element_type``) at
+    the default precision. The softmax runs in f32; its weights enter P @ V in the pool dtype
+    (as in the kernel). Float32 pools keep HIGHEST precision, so float32 runs stay exact.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    G = Hq // Hkv
+    kv_len = page_table.shape[1] * page_size
+    dt = k_pool.dtype
+    precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    slots = table_slots(page_table, page_size)  # [B, K]
+    k = k_pool[layer, slots]  # [B, K, Hkv, D], pool dtype
+    v = v_pool[layer, slots]
+    qg = q.astype(dt).reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("bthgd,bkhd->bhgtk", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    mask = visible_mask(prefix_lens, block_mask, T, kv_len)  # [B, T, K]
+    s = jnp.where(mask[:, None, None], s * sm_scale, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)  # f32[B, Hkv, G, T, K]
+    # Output [B, Hkv, G, T, D] (batch, rows, columns: the canonical dot layout), transposed
+    # after: XLA:CPU runs a bf16 x bf16 -> f32 dot only in that layout (asked for [B, T, ...]
+    # directly, it swaps the operands and fails with "Unsupported element type for DotThunk").
+    o = jnp.einsum("bhgtk,bkhd->bhgtd", p.astype(dt), v, precision=precision, preferred_element_type=jnp.float32)
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+
+
 # --------------------------------------------------------------------------- Pallas kernel
 #
-# Grid (B, Hkv, row blocks[, kv_splits]). A program owns one request b, one KV head h and
-# block_m rows of the folded (T, G) axis: row m is query row t = m // G of q head h*G + m % G,
-# so every q head sharing the KV head reads each K/V tile once. It streams
+# Grid (row blocks, Hkv, B[, kv_splits]); the row-block axis varies fastest, so the programs
+# that read the same request and KV head run side by side and share its K/V through L2. A
+# program owns one request b, one KV head h and block_m rows of the folded (T, G) axis: row m
+# is query row t = m // G of q head h*G + m % G, so every q head sharing the KV head reads
+# each K/V tile once. It streams
 #   1. the prefix [0, prefix_lens[b]) in block_k tiles (a dynamic trip count: only the pages
 #      this request uses; with kv_splits > 1 the tiles are dealt out among the splits), then
 #   2. the block [prefix, prefix + Wb) in block_w tiles, masked per row by block_mask (or
 #      w <= t), skipping tiles no row of the program can see (causal),
-# with an online softmax in f32. Each tile's positions become slots through the page table
-# inside the kernel, so any page size works. Positions no row can see are never loaded.
+# with an online softmax in f32 (``triton_common.stream_kv``). Each tile's positions become
+# slots through the page table inside the kernel, so any page size works. Positions no row
+# can see are never loaded. A K/V tile row is one contiguous [D] run of the pool, read with
+# an unclamped column index (16-byte vector loads, cp.async when pipelined).
 
 
 def _attention_kernel(
@@ -101,122 +153,47 @@ def _attention_kernel(
     prefix_ref,  # i32[B]
     table_ref,  # i32[B * W] page table, flat
     *refs,  # [mask_ref i8[B * T * Wb]], q_ref [B * T * Hq, D], k_ref [L * N * Hkv, D], v_ref, outputs
-    shape: tuple[int, int, int, int, int, int, int],  # (B, T, Hq, Hkv, D, N, W)
-    causal: bool,
-    page_size: int,
-    sm_scale: float,
-    block_m: int,
-    block_k: int,
-    block_w: int,
-    kv_splits: int,
-    block_width: int,  # Wb
+    geometry: AttentionGeometry,
+    kv_heads: int,  # Hkv
+    head_dim: int,  # D
     d_pad: int,
+    sm_scale: float,
+    reload_q: bool,
 ):
     # Every array is flat in its leading axes (row-major, free to reshape outside): one row
     # index per element keeps the pointer math explicit and the interpreted program small.
-    if causal:
+    g = geometry
+    if g.causal:
         mask_ref = None
         q_ref, k_ref, v_ref, *out_refs = refs
     else:
         mask_ref, q_ref, k_ref, v_ref, *out_refs = refs
-    B, T, Hq, Hkv, D, N, W = shape
-    G = Hq // Hkv
-    P = page_size
-    max_len = W * P  # positions the page table can address
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    split = pl.program_id(3) if kv_splits > 1 else 0
+    i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split = pl.program_id(3) if g.kv_splits > 1 else 0
+    rows = program_rows(g, b, h, i)
+    d, d_ok = columns(head_dim, d_pad)  # [Dp]
+    q_mask = tile_mask(rows.ok, d, d_ok)
 
-    m = i * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [bm] folded rows
-    t = jax.lax.div(m, G)  # [bm] query row
-    head = h * G + jax.lax.rem(m, G)  # [bm] q head
-    row_ok = t < T
-    t_in = jnp.where(row_ok, t, 0)
-    q_row = (b * T + t_in) * Hq + head  # [bm] row of q / o
-    d = jnp.arange(d_pad, dtype=jnp.int32)  # [Dp]
-    d_ok = d < D
-    d_in = jnp.where(d_ok, d, 0)[None, :]
-    qo_mask = row_ok[:, None] & d_ok[None, :]  # [bm, Dp]
-    q = plgpu.load(q_ref.at[q_row[:, None], d_in], mask=qo_mask, other=0)  # [bm, Dp]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kv_base = layer_ref[0] * N  # first pool row of this layer
-    prefix = jnp.minimum(prefix_ref[b], max_len)
+    def load_q():  # [bm, Dp]
+        return plgpu.load(q_ref.at[rows.q_row[:, None], d[None, :]], mask=q_mask, other=0)
+
+    q_held = None if reload_q else load_q()
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    kv_base = layer_ref[0] * g.num_slots  # first pool row of this layer
 
     def attend(carry, pos, load_ok, allowed):
-        # pos: i32[bk] positions; load_ok: bool[bk] positions some row sees (only those are
-        # read); allowed: bool[bm, bk] per-row visibility.
-        acc, m_i, l_i = carry  # f32[bm, Dp], f32[bm], f32[bm]
-        page = table_ref[b * W + jnp.minimum(jax.lax.div(pos, P), W - 1)]  # [bk]
-        slot = jnp.clip(page * P + jax.lax.rem(pos, P), 0, N - 1)  # [bk]
-        kv_row = ((kv_base + slot) * Hkv + h)[:, None]  # [bk, 1]
-        kv_mask = load_ok[:, None] & d_ok[None, :]  # [bk, Dp]
-        k = plgpu.load(k_ref.at[kv_row, d_in], mask=kv_mask, other=0)  # [bk, Dp]
-        v = plgpu.load(v_ref.at[kv_row, d_in], mask=kv_mask, other=0)  # [bk, Dp]
+        kv_row = (kv_base + kv_slots(g, table_ref, b, pos)) * kv_heads + h  # [bk]
+        kv_mask = tile_mask(load_ok, d, d_ok)  # [bk, Dp]
+        k = plgpu.load(k_ref.at[kv_row[:, None], d[None, :]], mask=kv_mask, other=0)  # [bk, Dp]
+        v = plgpu.load(v_ref.at[kv_row[:, None], d[None, :]], mask=kv_mask, other=0)  # [bk, Dp]
+        q = load_q() if reload_q else q_held  # see AttentionBlocks.reload_q
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[bm, bk]
-        s = jnp.where(allowed, s, _MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # [bm]
-        alpha = jnp.exp(m_i - m_new)  # [bm]
-        p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)  # [bm, bk]
-        l_new = alpha * l_i + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l_new
+        return online_softmax_step(carry, s, allowed,
+                                   lambda p: plgpu.dot(p.astype(v.dtype), v, precision=precision))
 
-    carry = (
-        jnp.zeros((block_m, d_pad), jnp.float32),
-        jnp.full((block_m,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-    )
-
-    # 1. Prefix: visible to every row; only the last tile is partial.
-    def prefix_step(j, carry):
-        pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-        ok = pos < prefix
-        return attend(carry, pos, ok, jnp.broadcast_to(ok[None, :], (block_m, block_k)))
-
-    n_prefix = pl.cdiv(prefix, block_k)
-    if kv_splits == 1:
-        lo, hi = 0, n_prefix
-    else:
-        per_split = pl.cdiv(n_prefix, kv_splits)
-        lo = split * per_split
-        hi = jnp.minimum(lo + per_split, n_prefix)
-    carry = jax.lax.fori_loop(lo, hi, prefix_step, carry)
-
-    # 2. The block after the prefix (handled by the last split).
-    def block_step(j, carry):
-        w = j * block_w + jnp.arange(block_w, dtype=jnp.int32)  # [bw] block offsets
-        pos = prefix + w
-        w_ok = (w < block_width) & (pos < max_len)
-        if causal:
-            vis = w[None, :] <= t[:, None]  # [bm, bw]
-        else:
-            mask_idx = (b * T + t_in[:, None]) * block_width + jnp.where(w_ok, w, 0)[None, :]
-            vis = plgpu.load(mask_ref.at[mask_idx], mask=row_ok[:, None] & w_ok[None, :], other=0) != 0
-        allowed = vis & w_ok[None, :]  # [bm, bw]
-        seen = jnp.max(allowed.astype(jnp.int32), axis=0) > 0  # [bw] some row sees it
-        return attend(carry, pos, seen, allowed)
-
-    if causal:  # rows of this program see block offsets <= their largest t
-        t_hi = jnp.minimum(T - 1, jax.lax.div(i * block_m + block_m - 1, G))
-        n_block = pl.cdiv(t_hi + 1, block_w)
-    else:
-        n_block = pl.cdiv(block_width, block_w)
-    if kv_splits > 1:
-        n_block = jnp.where(split == kv_splits - 1, n_block, 0)
-    acc, m_i, l_i = jax.lax.fori_loop(0, n_block, block_step, carry)
-
-    # Masked rows and columns get out-of-range indices: never written (interpret mode drops them).
-    row_st = jnp.where(row_ok, q_row, B * T * Hq)  # [bm]
-    d_st = jnp.where(d_ok, d, D)[None, :]
-    if kv_splits == 1:
-        (o_ref,) = out_refs  # [B * T * Hq, D]
-        o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]  # rows that see nothing: 0
-        plgpu.store(o_ref.at[row_st[:, None], d_st], o.astype(o_ref.dtype), mask=qo_mask)
-    else:
-        o_ref, m_ref, l_ref = out_refs  # f32[S * B * T * Hq, D], f32[S * B * T * Hq] x2
-        row_st = jnp.where(row_ok, split * (B * T * Hq) + q_row, kv_splits * B * T * Hq)
-        plgpu.store(o_ref.at[row_st[:, None], d_st], acc, mask=qo_mask)
-        plgpu.store(m_ref.at[row_st], m_i, mask=row_ok)
-        plgpu.store(l_ref.at[row_st], l_i, mask=row_ok)
+    carry = stream_kv(g, attend, init_carry(g.block_m, d_pad), rows, mask_ref=mask_ref, b=b, row_block=i,
+                      split=split, prefix_ref=prefix_ref)
+    store_attention(g, out_refs, carry, rows, d, d_ok, split)
 
 
 def _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask):
@@ -253,12 +230,14 @@ def _attention_call(
     G = Hq // Hkv
     causal = block_mask is None
     S = blocks.kv_splits
-    grid = (B, Hkv, pl.cdiv(T * G, blocks.block_m)) + ((S,) if S > 1 else ())
-    kernel = functools.partial(
-        _attention_kernel, shape=(B, T, Hq, Hkv, D, N, W), causal=causal, page_size=page_size,
-        sm_scale=sm_scale, block_m=blocks.block_m, block_k=blocks.block_k, block_w=blocks.block_w,
-        kv_splits=S, block_width=T if causal else block_mask.shape[2], d_pad=max(16, next_pow2(D)),
+    geometry = AttentionGeometry(
+        batch=B, rows=T, q_heads=Hq, group=G, page_size=page_size, table_width=W, num_slots=N,
+        block_width=T if causal else block_mask.shape[2], causal=causal, block_m=blocks.block_m,
+        block_k=blocks.block_k, block_w=blocks.block_w, kv_splits=S,
     )
+    grid = (pl.cdiv(T * G, blocks.block_m), Hkv, B) + ((S,) if S > 1 else ())
+    kernel = functools.partial(_attention_kernel, geometry=geometry, kv_heads=Hkv, head_dim=D,
+                               d_pad=max(16, next_pow2(D)), sm_scale=sm_scale, reload_q=blocks.reload_q)
     # Flat views (free reshapes of contiguous arrays).
     ins = (layer, prefix_lens, page_table.reshape(B * W))
     ins += () if causal else (block_mask.reshape(-1),)
@@ -291,16 +270,17 @@ def paged_attention_pallas(
     interpret: bool,
     blocks: AttentionBlocks | None = None,
 ) -> jax.Array:  # [B, T, Hq, D], q.dtype
-    """Pallas path of :func:`paged_attention` (see the kernel notes above)."""
+    """Pallas path of :func:`paged_attention` (see the kernel notes above). ``blocks=None``:
+    the block table's entry for this GPU kind and shape class, else the heuristics."""
     _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask)
+    if reason := _unsupported(k_pool):
+        raise NotImplementedError(f"paged_attention: {reason}")
     B, T, Hq, D = q.shape
-    L, N, Hkv, _ = k_pool.shape
-    if L * N * Hkv >= 2**31:
-        raise NotImplementedError(f"pool rows L*N*Hkv = {L * N * Hkv} overflow the kernel's int32 row index")
+    Hkv = k_pool.shape[2]
     if blocks is None:
-        blocks = attention_blocks(
-            batch=B, kv_heads=Hkv, rows=T * (Hq // Hkv),
-            block_width=T if block_mask is None else block_mask.shape[2], head_dim=D,
+        blocks = block_table.attention_blocks_for(
+            _shape_class(q, block_mask, page_size), gpu=dispatch.gpu_kind(), batch=B, kv_heads=Hkv,
+            rows=T * (Hq // Hkv), block_width=T if block_mask is None else block_mask.shape[2], head_dim=D,
             max_kv_len=page_table.shape[1] * page_size, interpret=interpret,
         )
     return _attention_call(
@@ -323,13 +303,29 @@ def paged_attention(
     sm_scale: float,
     implementation: str | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Attention of T query rows per request over its paged KV (see the module docstring)."""
-    if dispatch.resolve(implementation) == "pallas":
-        return paged_attention_pallas(
-            q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask,
-            page_size=page_size, sm_scale=sm_scale, interpret=dispatch.interpret_mode(),
-        )
-    return paged_attention_reference(
-        q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask,
-        page_size=page_size, sm_scale=sm_scale,
-    )
+    """Attention of T query rows per request over its paged KV (see the module docstring).
+
+    ``implementation``: "pallas", "xla" (the lean :func:`paged_attention_xla`), None (Pallas
+    on a GPU where the kernel takes the shape, else XLA) or a mapping op name -> those
+    (``jaxspec.pallas.dispatch``).
+    """
+    _check_inputs(q, k_pool, v_pool, page_table, prefix_lens, block_mask)
+    impl = dispatch.choose("paged_attention", implementation, shape_class=_shape_class(q, block_mask, page_size),
+                           unsupported=_unsupported(k_pool))
+    fn = paged_attention_xla
+    if impl == "pallas":
+        fn = functools.partial(paged_attention_pallas, interpret=dispatch.interpret_mode())
+    return fn(q, k_pool, v_pool, layer, page_table, prefix_lens, block_mask, page_size=page_size, sm_scale=sm_scale)
+
+
+def _shape_class(q, block_mask, page_size: int) -> str:
+    return block_table.attention_class_of("paged_attention", rows=q.shape[1], block_mask=block_mask,
+                                          head_dim=q.shape[3], page_size=page_size)
+
+
+def _unsupported(k_pool) -> str | None:
+    """Why the kernel cannot take this pool, or None."""
+    L, N, Hkv, _ = k_pool.shape
+    if L * N * Hkv >= 2**31:
+        return f"pool rows L*N*Hkv = {L * N * Hkv} overflow the kernel's int32 row index"
+    return None

@@ -25,8 +25,21 @@ def test_last_tap_is_hf_final_hidden_state(case):
     np.testing.assert_array_equal(np.asarray(aux[0, :, H:]), np.asarray(first[0]))  # order kept
 
 
+def test_repeated_tap_is_recorded_once_and_repeated(tiny_target):
+    """EAGLE-3's default taps (2, L//2, L-3) repeat a layer on a 4-layer target: both copies are
+    that layer's stream, not zeros."""
+    prompt = np.asarray([[3, 1, 4, 1, 5]])
+    H = tiny_target.config.hidden_size
+    _, _, rep = forward_sequence(tiny_target, prompt, aux_layers=(2, 2, 1))
+    _, _, one = forward_sequence(tiny_target, prompt, aux_layers=(2, 1))
+    rep, one = np.asarray(rep), np.asarray(one)
+    np.testing.assert_array_equal(rep[..., :H], one[..., :H])
+    np.testing.assert_array_equal(rep[..., H:], one)
+    assert np.abs(one[..., :H]).min() > 0
+
+
 def test_taps_are_checked():
-    with pytest.raises(ValueError, match=r"aux taps \(2, 2\) must be distinct layers in \[0, 4\]"):
-        AuxTaps(4, (2, 2))
-    with pytest.raises(ValueError, match="must be distinct layers"):
+    with pytest.raises(ValueError, match=r"aux taps \(5,\) must be layers in \[0, 4\]"):
         AuxTaps(4, (5,))
+    with pytest.raises(ValueError, match="must be layers"):
+        AuxTaps(4, (-1,))

@@ -244,7 +244,6 @@ def _edit_config(d, **fields):
         (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "original_max_position_embeddings"),
         (dict(n_group=3), "not a multiple of n_group"),
         (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
-        (dict(quantization_config={"quant_method": "fp8"}), "quantized checkpoints"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ],
 )

@@ -1,14 +1,21 @@
 """Paged MLA attention (absorbed form): the jnp reference against an independent numpy oracle,
-and against HF's non-absorbed math (expanded per-head keys and values)."""
+and against HF's non-absorbed math (expanded per-head keys and values); the lean XLA path
+against the reference."""
 
 import dataclasses
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference
+from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla
 from tests.pallas.attention_cases import make_problem
+
+DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+# Lean path vs the f32 HIGHEST reference, (atol, rtol) by pool dtype (see the MHA twin in
+# test_paged_attention_reference.py).
+TOL_LEAN_VS_REFERENCE = {"f32": (2e-5, 2e-5), "bf16": (3e-2, 3e-2)}
 
 
 @dataclasses.dataclass
@@ -24,16 +31,16 @@ class MLAProblem:
     sm_scale: float
 
 
-def make_mla_problem(kind: str, *, page_size: int, Hq=4, C=16, R=8, seed=0) -> MLAProblem:
+def make_mla_problem(kind: str, *, page_size: int, Hq=4, C=16, R=8, seed=0, dtype=np.float32) -> MLAProblem:
     """Page tables, prefixes and masks from the MHA cases; fresh random MLA tensors."""
     base = make_problem(kind, page_size=page_size, W=max(2, 24 // page_size), seed=seed)
     B, T = base.q.shape[:2]
     L, N = base.k_pool.shape[:2]
     rng = np.random.default_rng(seed + 100)
     return MLAProblem(
-        q_latent=rng.standard_normal((B, T, Hq, C)).astype(np.float32),
-        q_rope=rng.standard_normal((B, T, Hq, R)).astype(np.float32),
-        kv_pool=rng.standard_normal((L, N, C + R)).astype(np.float32),
+        q_latent=rng.standard_normal((B, T, Hq, C)).astype(dtype),
+        q_rope=rng.standard_normal((B, T, Hq, R)).astype(dtype),
+        kv_pool=rng.standard_normal((L, N, C + R)).astype(dtype),
         layer=base.layer, page_table=base.page_table, prefix_lens=base.prefix_lens,
         block_mask=base.block_mask, page_size=page_size, sm_scale=(C + R) ** -0.5,
     )
@@ -78,9 +85,14 @@ def test_reference_matches_oracle(kind, page_size):
     np.testing.assert_allclose(run(p), oracle(p), atol=2e-5, rtol=2e-5)
 
 
-def test_xla_dispatch_is_the_reference():
-    p = make_mla_problem("tree", page_size=4, seed=7)
-    np.testing.assert_array_equal(run(p, mla_attention, implementation="xla"), run(p))
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "tree", "draft"])
+def test_lean_xla_path_matches_reference(kind, dtype):
+    p = make_mla_problem(kind, page_size=4, Hq=8, C=64, R=16, seed=7 + len(kind), dtype=DTYPES[dtype])
+    atol, rtol = TOL_LEAN_VS_REFERENCE[dtype]
+    got = run(p, mla_attention_xla).astype(np.float64)
+    np.testing.assert_allclose(got, run(p).astype(np.float64), atol=atol, rtol=rtol)
+    np.testing.assert_array_equal(run(p, mla_attention, implementation="xla"), run(p, mla_attention_xla))
 
 
 def test_absorbed_equals_expanded_heads():

@@ -70,6 +70,10 @@ CASES = [
          blocks=AttentionBlocks(block_m=16, block_k=16, block_w=16, kv_splits=3)),
     Case("draft-page1-f32", "draft", 1),
     Case("draft-page16-f32-small-tiles", "draft", 16, T=8, positions=96, blocks=SMALL),
+    # queries re-read per KV tile (the DeepSeek-V3 configuration), with and without splits
+    Case("tree-page16-bf16-reload-q", "tree", 16, "bf16", T=8, blocks=dataclasses.replace(SMALL, reload_q=True)),
+    Case("decode-page4-f32-reload-q-splits", "decode", 4, positions=96,
+         blocks=AttentionBlocks(block_m=16, block_k=16, block_w=16, kv_splits=2, reload_q=True)),
 ]
 
 

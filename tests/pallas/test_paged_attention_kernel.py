@@ -77,6 +77,10 @@ CASES = [
     AttnCase("draft-page1-f32", "draft", 1),
     AttnCase("draft-page16-bf16", "draft", 16, "bf16"),
     AttnCase("draft-page64-f32-small-tiles", "draft", 64, T=8, positions=128, blocks=SMALL),
+    # wide heads: the heuristic re-reads q per KV tile (Gemma-like 256 / 512); forced on small D
+    AttnCase("decode-page16-bf16-d256-wide", "decode", 16, "bf16", Hq=4, Hkv=2, D=256),
+    AttnCase("tree-page4-f32-reload-q-splits", "tree", 4, T=6,
+             blocks=AttentionBlocks(block_m=16, block_k=16, block_w=16, kv_splits=2, reload_q=True)),
 ]
 
 

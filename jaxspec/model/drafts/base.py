@@ -117,6 +117,11 @@ class Draft(abc.ABC):
         return self.model.num_layers
 
     @property
+    def tensor_parallel(self) -> int:
+        """Model-axis shards its weights and KV heads are split over (1: replicated)."""
+        return getattr(self.model, "tensor_parallel", 1)
+
+    @property
     def target_hidden_size(self) -> int | None:
         """Width of the target hidden state a feature-level draft was built for (None: any)."""
         return None
@@ -217,6 +222,7 @@ class DraftModel:
     config: Draft
     params: dict
     path: str | None = None
+    mesh: Any = None  # the target's mesh it is placed on (None: one device)
 
     @property
     def kind(self) -> str:

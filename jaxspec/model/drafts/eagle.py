@@ -31,7 +31,7 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import layer_tail, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.model.layers import embed_lookup, layer_tail, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -60,6 +60,7 @@ class EagleConfig:
     fc_bias: bool = False
     attention_bias: bool = False  # (the shared Llama layer body reads these two)
     qk_norm: bool = False
+    vocab_parallel: int = 1  # shards the (target's) embedding table is split over by vocabulary
 
     @property
     def num_layers(self) -> int:
@@ -87,7 +88,7 @@ def eagle_attention_input(
 ) -> tuple[jax.Array, jax.Array]:  # attention input [B, T, A], residual [B, T, H]
     """What enters the head's Llama layer (shared by serving and TTT training)."""
     lp = params["layer"]
-    emb = params["embed"][tokens].astype(feature.dtype)
+    emb = embed_lookup(params["embed"], tokens, cfg.vocab_parallel).astype(feature.dtype)
     if cfg.version == 3:
         h = feature @ params["fc"] if from_target else feature
         a = jnp.concatenate(

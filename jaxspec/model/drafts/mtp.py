@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import MLAPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import rms_norm
+from jaxspec.model.layers import embed_lookup, rms_norm
 from jaxspec.model.targets.deepseek import create_mla_pool, decoder_block
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
@@ -98,7 +98,7 @@ def mtp_forward(
     """One MTP step over T rows per request; writes the block's latent KV at ``attn.write_slots``."""
     del from_target  # target features and the head's own outputs are treated alike
     eps = cfg.rms_norm_eps
-    emb = params["embed"][tokens].astype(feature.dtype)  # [B, T, H]
+    emb = embed_lookup(params["embed"], tokens, cfg.target.tensor_parallel).astype(feature.dtype)  # [B, T, H]
     x = jnp.concatenate(
         [rms_norm(emb, params["enorm"], eps), rms_norm(feature, params["hnorm"], eps)], axis=-1
     ) @ params["eh_proj"]  # [B, T, H]

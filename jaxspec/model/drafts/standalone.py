@@ -38,4 +38,5 @@ class StandaloneDraft(Draft):
 def standalone_draft(model: Model) -> DraftModel:
     """Uses an already-loaded LM (e.g. a smaller model of the same family, or the target
     itself in tests) as a standalone draft."""
-    return DraftModel(config=StandaloneDraft(model=model.config), params=model.params, path=model.path)
+    return DraftModel(config=StandaloneDraft(model=model.config), params=model.params, path=model.path,
+                      mesh=model.mesh)

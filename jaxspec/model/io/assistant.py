@@ -12,7 +12,7 @@ from jaxspec.model.config import ConfigError
 from jaxspec.model.drafts.assistant import AssistantConfig, check_assistant_fits
 from jaxspec.model.io.checkpoint import CheckpointError, write_json
 from jaxspec.model.io.llama import attention_entries, mlp_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, load_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, load_params, shardings_for, stacked
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 ARCHITECTURE = "JaxspecFrozenKVAssistant"
@@ -55,11 +55,12 @@ def assistant_table(cfg: AssistantConfig, *, lm_head: bool = True) -> Table:
     return table
 
 
-def load_assistant_params(ckpt, cfg: AssistantConfig, target_params: dict, dtype) -> dict:
+def load_assistant_params(ckpt, cfg: AssistantConfig, target_params: dict, dtype, mesh=None) -> dict:
     tied = "lm_head.weight" not in ckpt
     if tied and cfg.hidden_size != cfg.backbone_hidden_size:
         raise CheckpointError(f"{ckpt.path}: no lm_head.weight and hidden_size != backbone_hidden_size")
-    params = load_params(assistant_table(cfg, lm_head=not tied), ckpt, dtype)
+    table = assistant_table(cfg, lm_head=not tied)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=False))
     params["embed"] = target_params["embed"]
     return params
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import struct
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 DTYPES = {
     "float32": np.float32,
@@ -52,6 +53,24 @@ def write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
+def fp8_block_size(raw: dict, where: str) -> tuple[int, int] | None:
+    """The ``[rows, cols]`` block of a block-scaled FP8 checkpoint's ``weight_scale_inv``
+    (DeepSeek-V3's ``quantization_config``: ``quant_method`` "fp8", ``fmt`` "e4m3",
+    ``weight_block_size``), None when the checkpoint is not quantized; any other quantization
+    is refused by name."""
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        raise CheckpointError(
+            f"{where}: quantization {method!r} (fmt {q.get('fmt')!r}, weight_block_size {block!r}) is not supported; "
+            f"supported: block-scaled fp8 e4m3 (DeepSeek-V3), dequantized while loading"
+        )
+    return int(block[0]), int(block[1])
+
+
 class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing or malformed."""
 
@@ -87,24 +106,67 @@ def read_config(path: str) -> dict[str, Any]:
     return read_json(os.path.join(path, "config.json"))
 
 
+# safetensors dtype names -> numpy dtypes (float8 through ml_dtypes: numpy has none).
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: its file, dtype, shape and byte offset of its data."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute, in bytes
+    nbytes: int
+
+
+def read_header(file: str) -> dict[str, TensorEntry]:
+    """The tensor table of one ``.safetensors`` file (8-byte little-endian header length, a JSON
+    header of ``{name: {dtype, shape, data_offsets}}``, then the data)."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: not a safetensors file ({e})") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + begin, end - begin)
+    return out
+
+
 class SafetensorsCheckpoint:
     """Tensors of a checkpoint directory: ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``, or (fallback) every ``*.safetensors`` file."""
+    ``model.safetensors.index.json``, or (fallback) every ``*.safetensors`` file.
+
+    Tensors are read one at a time through a memory map of just their bytes, which is closed as
+    soon as the caller is done with the array: the process never holds more than the tensor it is
+    placing (plus what was already placed), however large the files. (``safetensors.safe_open``
+    keeps a whole file mapped while it is open, and its numpy path refuses float8.)"""
 
     def __init__(self, path: str):
         self.path = path
         index_path = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        self._file_of: dict[str, str] = {}
         if os.path.exists(index_path):
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_path} has no 'weight_map' object")
-            for name, file in weight_map.items():
-                full = os.path.join(path, file)
-                if not os.path.exists(full):
+            files = sorted(set(weight_map.values()))
+            for file in files:
+                if not os.path.exists(os.path.join(path, file)):
+                    name = next(k for k, v in weight_map.items() if v == file)
                     raise FileNotFoundError(f"missing shard {file} (listed in {index_path} for {name})")
-                self._file_of[name] = full
+            files = [os.path.join(path, f) for f in files]
         else:
             files = [single] if os.path.exists(single) else sorted(
                 os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")
@@ -114,34 +176,45 @@ class SafetensorsCheckpoint:
                     f"no safetensors weights in {path} (expected model.safetensors or "
                     f"model.safetensors.index.json with shards)"
                 )
-            for file in files:
-                with safe_open(file, framework="numpy") as f:
-                    for name in f.keys():
-                        self._file_of[name] = file
-        self._handles: dict[str, Any] = {}
+        self._entries: dict[str, TensorEntry] = {}
+        for file in files:
+            self._entries.update(read_header(file))
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._entries
 
     def keys(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self._entries:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
+        return self._entries[name]
+
+    def read(self, name: str, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor ``name`` (or its rows ``[start, stop)`` along the first axis) in its stored
+        dtype, as a read-only memory map of just those bytes (nothing is read until used),
+        checked against ``shape``."""
+        e = self.entry(name)
+        if shape is not None and tuple(e.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}")
+        if e.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.dtype}")
+        dt = np.dtype(SAFETENSORS_DTYPES[e.dtype])
+        start, stop = (0, e.shape[0] if e.shape else 1) if rows is None else rows
+        out_shape = (stop - start,) + tuple(e.shape[1:]) if e.shape else ()
+        if e.nbytes == 0 or (e.shape and stop == start):
+            return np.zeros(out_shape, dt)
+        row_bytes = e.nbytes // e.shape[0] if e.shape else e.nbytes
+        return np.memmap(e.file, dtype=dt, mode="r", offset=e.offset + start * row_bytes, shape=out_shape)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtype=None) -> np.ndarray:
-        """The tensor ``name`` (cast to ``dtype``), checked against ``shape``."""
-        if name not in self._file_of:
-            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="numpy")
-        x = self._handles[file].get_tensor(name)
-        if shape is not None and tuple(x.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} has shape {tuple(x.shape)}, expected {tuple(shape)}"
-            )
-        return x.astype(dtype) if dtype is not None else x
+        """The tensor ``name`` as an in-memory array (cast to ``dtype``), checked against ``shape``."""
+        x = self.read(name, shape)
+        return np.array(x, dtype=dtype if dtype is not None else x.dtype)
 
     def close(self):
-        self._handles.clear()
+        """Nothing stays open between reads (kept for callers that close checkpoints)."""
 
 
 def read_eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ def _kv_b(cfg: DeepseekConfig) -> SplitParam:
         return np.concatenate([w_uk, np.transpose(w_uv, (0, 2, 1))], axis=1).reshape(Hq * (Dn + Dv), C)
 
     return SplitParam(parts=(("w_uk", (Hq, Dn, C)), ("w_uv", (Hq, C, Dv))), hf="self_attn.kv_b_proj.weight",
-                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join)
+                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join, tp=0)
 
 
 def _experts(cfg: DeepseekConfig, fused: bool) -> list:
@@ -32,9 +32,9 @@ def _experts(cfg: DeepseekConfig, fused: bool) -> list:
     if not fused:
         e = "mlp.experts.{e}."
         return [
-            Param("experts_gate", e + "gate_proj.weight", (H, Im), perm=LINEAR, experts=E),
-            Param("experts_up", e + "up_proj.weight", (H, Im), perm=LINEAR, experts=E),
-            Param("experts_down", e + "down_proj.weight", (Im, H), perm=LINEAR, experts=E),
+            Param("experts_gate", e + "gate_proj.weight", (H, Im), perm=LINEAR, experts=E, tp="experts"),
+            Param("experts_up", e + "up_proj.weight", (H, Im), perm=LINEAR, experts=E, tp="experts"),
+            Param("experts_down", e + "down_proj.weight", (Im, H), perm=LINEAR, experts=E, tp="experts"),
         ]
 
     def split(x):  # [E, 2*Im, H] -> gate, up [E, H, Im]
@@ -45,8 +45,8 @@ def _experts(cfg: DeepseekConfig, fused: bool) -> list:
 
     return [
         SplitParam(parts=(("experts_gate", (E, H, Im)), ("experts_up", (E, H, Im))), hf="mlp.experts.gate_up_proj",
-                   hf_shape=(E, 2 * Im, H), split=split, join=join),
-        Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1)),
+                   hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts"),
+        Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1), tp="experts"),
     ]
 
 
@@ -57,16 +57,16 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
     a = "self_attn."
     out: list = [Param("attn_norm", "input_layernorm.weight", (H,), init="ones")]
     if cfg.q_lora_rank is None:
-        out.append(Param("wq", a + "q_proj.weight", (H, Hq * Dqk), perm=LINEAR))
+        out.append(Param("wq", a + "q_proj.weight", (H, Hq * Dqk), perm=LINEAR, tp=1))
     else:
         Rq = cfg.q_lora_rank
         out += [Param("wq_a", a + "q_a_proj.weight", (H, Rq), perm=LINEAR),
                 Param("q_a_norm", a + "q_a_layernorm.weight", (Rq,), init="ones"),
-                Param("wq_b", a + "q_b_proj.weight", (Rq, Hq * Dqk), perm=LINEAR)]
+                Param("wq_b", a + "q_b_proj.weight", (Rq, Hq * Dqk), perm=LINEAR, tp=1)]
     out += [Param("wkv_a", a + "kv_a_proj_with_mqa.weight", (H, C + R), perm=LINEAR),
             Param("kv_a_norm", a + "kv_a_layernorm.weight", (C,), init="ones"),
             _kv_b(cfg),
-            Param("wo", a + "o_proj.weight", (Hq * Dv, H), perm=LINEAR)]
+            Param("wo", a + "o_proj.weight", (Hq * Dv, H), perm=LINEAR, tp=0)]
     if cfg.has_indexer if indexer is None else indexer:
         Di = cfg.index_head_dim
         out += [Param("idx_wk", a + "indexer.wk.weight", (H, Di), perm=LINEAR),
@@ -75,9 +75,9 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
     out.append(Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="ones"))
     if not moe:
         I = cfg.intermediate_size
-        return out + [Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR),
-                      Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR),
-                      Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR)]
+        return out + [Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR, tp=1),
+                      Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR, tp=1),
+                      Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR, tp=0)]
     m = cfg.moe
     E = m.num_experts
     out += [Param("router", "mlp.gate.weight", (H, E), perm=LINEAR),
@@ -86,9 +86,9 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
     if m.n_shared_experts:
         Is = m.shared_intermediate_size
         s = "mlp.shared_experts."
-        out += [Param("shared_gate", s + "gate_proj.weight", (H, Is), perm=LINEAR),
-                Param("shared_up", s + "up_proj.weight", (H, Is), perm=LINEAR),
-                Param("shared_down", s + "down_proj.weight", (Is, H), perm=LINEAR)]
+        out += [Param("shared_gate", s + "gate_proj.weight", (H, Is), perm=LINEAR, tp=1),
+                Param("shared_up", s + "up_proj.weight", (H, Is), perm=LINEAR, tp=1),
+                Param("shared_down", s + "down_proj.weight", (Is, H), perm=LINEAR, tp=0)]
     return out
 
 
@@ -97,7 +97,7 @@ def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: b
     ``jaxspec.model.io.mtp``): the dense prefix and the MoE layers stack separately."""
     H, V = cfg.hidden_size, cfg.vocab_size
     layer = prefix + "layers.{i}."
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H))]
+    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
     if cfg.num_dense_layers:
         table += stacked(layer_entries(cfg, moe=False), "dense/", layer, range(cfg.num_dense_layers))
     if cfg.num_moe_layers:
@@ -105,7 +105,7 @@ def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: b
                          range(cfg.num_dense_layers, cfg.num_layers))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR))
+        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
     return table
 
 

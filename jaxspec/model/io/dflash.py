@@ -26,7 +26,7 @@ from jaxspec.model.config import ConfigError, get_field, parse_rope
 from jaxspec.model.drafts.dflash import DFlashConfig, default_target_layer_ids, dflash_draft
 from jaxspec.model.io.checkpoint import decoder_fields, resolve_dtype, write_json
 from jaxspec.model.io.llama import llama_layer_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, load_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, load_params, shardings_for, stacked
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 CODEBOOKS = ("predecessor", "successor")
@@ -196,7 +196,9 @@ def load_dflash(ckpt, raw: dict, target, dtype, where: str):
     suffix = ""
     if cfg.version == 2 and "candidate_selector.predecessor_codebook" not in ckpt:
         suffix = ".weight"
-    params = load_params(dflash_table(cfg, codebook_suffix=suffix), ckpt, dtype)
+    table = dflash_table(cfg, codebook_suffix=suffix)
+    # a small draft: replicated on every shard of the target's mesh (None: one device)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=False))
     return dflash_draft(cfg, shared_target_params(params, target.params), ckpt.path)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
 from jaxspec.model.drafts.assistant import assistant_draft
 from jaxspec.model.drafts.base import DraftModel
@@ -22,12 +23,12 @@ from jaxspec.model.drafts.mtp import mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
 from jaxspec.model.io import dflash as dflash_io
-from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config, resolve_dtype
+from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, fp8_block_size, read_config, resolve_dtype
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
 from jaxspec.model.io.loader import TARGET_FAMILIES, target_family
 from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
-from jaxspec.model.io.tables import load_params
+from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.targets import Model
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -42,7 +43,7 @@ class DraftFormat:
     name: for messages. architectures: ``config.json`` values that may name it.
     matches: (tensor names) -> whether the tensors are of this format.
     targets: target config types it can serve.
-    load: (ckpt, raw config, target, dtype, where, path) -> DraftModel.
+    load: (ckpt, raw config, target, dtype, where, path) -> DraftModel, placed on the target's mesh.
     """
 
     name: str
@@ -54,19 +55,24 @@ class DraftFormat:
 
 def _load_eagle(version: int):
     def load(ckpt, raw, target: Model, dtype, where, path):
-        cfg, params = load_eagle(ckpt, raw, version, target.config, target.params, dtype, where)
-        return eagle_draft(cfg, params, path)
+        # A small head: replicated on every shard (its embedding and EAGLE-1 head are the target's).
+        cfg, params = load_eagle(ckpt, raw, version, target.config, target.params, dtype, where, mesh=target.mesh)
+        return dataclasses.replace(eagle_draft(cfg, params, path), mesh=target.mesh)
     return load
 
 
 def _load_assistant(ckpt, raw, target: Model, dtype, where, path):
+    if axis_size(target.mesh, MODEL) > 1:
+        raise ConfigError(f"{where}: a frozen-KV assistant on a tensor-parallel mesh is not supported yet")
     cfg = assistant_io.assistant_config_from_hf(raw, target.config, where)
-    return assistant_draft(cfg, assistant_io.load_assistant_params(ckpt, cfg, target.params, dtype), path)
+    params = assistant_io.load_assistant_params(ckpt, cfg, target.params, dtype, mesh=target.mesh)
+    return dataclasses.replace(assistant_draft(cfg, params, path), mesh=target.mesh)
 
 
 def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
-    params, cfg = load_mtp_params(ckpt, target.config, dtype, target_params=target.params, share_target_weights=True)
-    return mtp_draft(cfg, params, path)
+    params, cfg = load_mtp_params(ckpt, target.config, dtype, target_params=target.params, share_target_weights=True,
+                                  mesh=target.mesh, fp8_block=fp8_block_size(raw, where))
+    return dataclasses.replace(mtp_draft(cfg, params, path), mesh=target.mesh)
 
 
 def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
@@ -77,12 +83,19 @@ def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
             f"{where}: standalone draft vocab_size {cfg.vocab_size} does not match the target's "
             f"{target.config.vocab_size}"
         )
-    params = load_params(family.table(cfg, ckpt), ckpt, dtype)
-    return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path)
+    split = True
+    try:  # split like the target when its heads divide; a draft that does not divide is replicated
+        cfg = family.for_mesh(cfg, axis_size(target.mesh, MODEL), where)
+    except ConfigError:
+        split = False
+    table = family.table(cfg, ckpt)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=split),
+                         fp8_block=fp8_block_size(raw, where))
+    return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path, mesh=target.mesh)
 
 
 def _load_dflash(ckpt, raw, target: Model, dtype, where, path):
-    return dflash_io.load_dflash(ckpt, raw, target, dtype, where)
+    return dataclasses.replace(dflash_io.load_dflash(ckpt, raw, target, dtype, where), mesh=target.mesh)
 
 
 def _is_lm(names: set[str]) -> bool:

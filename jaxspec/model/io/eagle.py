@@ -21,7 +21,9 @@ from jaxspec.model.config import ConfigError, parse_rope
 from jaxspec.model.drafts.eagle import EagleConfig
 from jaxspec.model.io.checkpoint import CheckpointError, decoder_fields, resolve_dtype, rope_fields, write_json
 from jaxspec.model.io.llama import attention_entries, mlp_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, host_rng, init_params, load_params, under
+from jaxspec.model.io.tables import (
+    LINEAR, Param, Table, export_params, host_rng, init_params, load_params, replicated, shardings_for, under,
+)
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
@@ -43,10 +45,19 @@ class _Stripped:
     def __contains__(self, name: str) -> bool:
         return name in self.names
 
-    def get(self, name, shape=None, dtype=None):
+    def _real(self, name: str) -> str:
         if name not in self.names:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        return self.ckpt.get(self.names[name], shape, dtype)
+        return self.names[name]
+
+    def entry(self, name):
+        return self.ckpt.entry(self._real(name))
+
+    def read(self, name, shape=None, rows=None):
+        return self.ckpt.read(self._real(name), shape, rows)
+
+    def get(self, name, shape=None, dtype=None):
+        return self.ckpt.get(self._real(name), shape, dtype)
 
 
 def detect_eagle_version(names) -> int | None:
@@ -98,6 +109,7 @@ def eagle_config_from_hf(raw: dict, version: int, target: LlamaConfig, where: st
         target_hidden_size=target.hidden_size,
         aux_layers=aux,
         fc_bias=False,
+        vocab_parallel=getattr(target, "tensor_parallel", 1),
     )
 
 
@@ -106,7 +118,7 @@ def eagle_table(cfg: EagleConfig, layer: str = "midlayer.", *, embed: bool = Fal
     head, which is the target's). ``layer``: "midlayer." or "layers.0."."""
     H = cfg.hidden_size
     fc_in = 2 * H if cfg.version == 1 else cfg.feature_size
-    entries = [*attention_entries(cfg, cfg.attn_in), *mlp_entries(cfg)]
+    entries = replicated([*attention_entries(cfg, cfg.attn_in), *mlp_entries(cfg)])  # a small head: never split
     if cfg.version == 3:
         entries = [Param("input_norm", "input_layernorm.weight", (H,), init="ones"),
                    Param("hidden_norm", "hidden_norm.weight", (H,), init="ones"), *entries]
@@ -139,8 +151,9 @@ def _shared(cfg: EagleConfig, params: dict, target_params: dict) -> dict:
 
 
 def load_eagle(ckpt, raw: dict, version: int, target_cfg: LlamaConfig, target_params: dict, dtype,
-               where: str) -> tuple[EagleConfig, dict]:
-    """Reads an EAGLE head; shares the target's embedding (and, for EAGLE-1, its lm_head)."""
+               where: str, mesh=None) -> tuple[EagleConfig, dict]:
+    """Reads an EAGLE head; shares the target's embedding (and, for EAGLE-1, its lm_head). On a
+    mesh the head is replicated on every shard."""
     cfg = eagle_config_from_hf(raw, version, target_cfg, where)
     view = _Stripped(ckpt)
     if cfg.version == 1 and cfg.hidden_size != cfg.target_hidden_size:
@@ -148,7 +161,8 @@ def load_eagle(ckpt, raw: dict, version: int, target_cfg: LlamaConfig, target_pa
     if "fc.bias" in view:
         cfg = dataclasses.replace(cfg, fc_bias=True)
     layer = "midlayer." if any(n.startswith("midlayer.") for n in view.names) else "layers.0."
-    params = load_params(eagle_table(cfg, layer, embed="embed_tokens.weight" in view), view, dtype)
+    table = eagle_table(cfg, layer, embed="embed_tokens.weight" in view)
+    params = load_params(table, view, dtype, sharding_of=shardings_for(table, mesh, split=False))
     if cfg.version == 3:
         if "d2t" in view:
             d2t = view.get("d2t", (cfg.draft_vocab_size,)).astype(np.int64)

@@ -14,53 +14,58 @@ from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_pa
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
-def attention_entries(cfg, in_width: int, *, kv: bool = True) -> list[Param]:
+def attention_entries(cfg, in_width: int, *, kv: bool = True, kv_repeat: int = 1) -> list[Param]:
     """q (and k, v) and o projections of one Llama-style layer whose attention input is
-    ``in_width`` wide (bias and q/k norms as ``cfg`` says); names relative to the layer."""
-    q, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ``in_width`` wide (bias and q/k norms as ``cfg`` says); names relative to the layer.
+    Tensor parallel: q/k/v column-parallel (split by head), o row-parallel. ``kv_repeat``: each
+    checkpoint KV head appears that many times (``cfg.num_kv_heads`` counts the copies)."""
+    D = cfg.head_dim
+    q, kvs = cfg.num_heads * D, cfg.num_kv_heads * D
     a = "self_attn."
-    out = [Param("wq", a + "q_proj.weight", (in_width, q), perm=LINEAR)]
+    rep = dict(repeat=kv_repeat, unit=D)
+    out = [Param("wq", a + "q_proj.weight", (in_width, q), perm=LINEAR, tp=1)]
     if kv:
-        out += [Param("wk", a + "k_proj.weight", (in_width, kvs), perm=LINEAR),
-                Param("wv", a + "v_proj.weight", (in_width, kvs), perm=LINEAR)]
-    out.append(Param("wo", a + "o_proj.weight", (q, cfg.hidden_size), perm=LINEAR))
+        out += [Param("wk", a + "k_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep),
+                Param("wv", a + "v_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep)]
+    out.append(Param("wo", a + "o_proj.weight", (q, cfg.hidden_size), perm=LINEAR, tp=0))
     if getattr(cfg, "attention_bias", False):
-        out += [Param("bq", a + "q_proj.bias", (q,))]
+        out += [Param("bq", a + "q_proj.bias", (q,), tp=0)]
         if kv:
-            out += [Param("bk", a + "k_proj.bias", (kvs,)), Param("bv", a + "v_proj.bias", (kvs,))]
+            out += [Param("bk", a + "k_proj.bias", (kvs,), tp=0, **rep), Param("bv", a + "v_proj.bias", (kvs,), tp=0, **rep)]
     if getattr(cfg, "qk_norm", False):
-        out += [Param("q_norm", a + "q_norm.weight", (cfg.head_dim,), init="ones")]
+        out += [Param("q_norm", a + "q_norm.weight", (D,), init="ones")]
         if kv:
-            out += [Param("k_norm", a + "k_norm.weight", (cfg.head_dim,), init="ones")]
+            out += [Param("k_norm", a + "k_norm.weight", (D,), init="ones")]
     return out
 
 
 def mlp_entries(cfg) -> list[Param]:
-    """post-attention norm and the SwiGLU MLP of one layer (names relative to the layer)."""
+    """post-attention norm and the SwiGLU MLP of one layer (names relative to the layer);
+    gate/up column-parallel, down row-parallel."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     return [
         Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="ones"),
-        Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR),
-        Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR),
-        Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR),
+        Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR, tp=1),
+        Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR, tp=1),
+        Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR, tp=0),
     ]
 
 
-def llama_layer_entries(cfg) -> list[Param]:
+def llama_layer_entries(cfg, kv_repeat: int = 1) -> list[Param]:
     H = cfg.hidden_size
-    return [Param("attn_norm", "input_layernorm.weight", (H,), init="ones"), *attention_entries(cfg, H),
-            *mlp_entries(cfg)]
+    return [Param("attn_norm", "input_layernorm.weight", (H,), init="ones"),
+            *attention_entries(cfg, H, kv_repeat=kv_repeat), *mlp_entries(cfg)]
 
 
-def llama_table(cfg: LlamaConfig, prefix: str = "model.") -> Table:
+def llama_table(cfg: LlamaConfig, prefix: str = "model.", kv_repeat: int = 1) -> Table:
     """Every tensor of a Llama-family checkpoint, in our layout (module docstring of
-    ``jaxspec.model.targets.llama``)."""
+    ``jaxspec.model.targets.llama``); embedding and head vocab-parallel."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H))]
-    table += stacked(llama_layer_entries(cfg), "layers/", prefix + "layers.{i}.", range(cfg.num_layers))
+    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    table += stacked(llama_layer_entries(cfg, kv_repeat), "layers/", prefix + "layers.{i}.", range(cfg.num_layers))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR))
+        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
     return table
 
 

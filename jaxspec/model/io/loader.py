@@ -10,11 +10,12 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
-from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, read_config, read_eos_ids, resolve_dtype
+from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, read_config, read_eos_ids, resolve_dtype
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.io.llama import llama_table
-from jaxspec.model.io.tables import load_params
+from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.io.tokenizer import load_tokenizer
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import deepseek_config as ds
@@ -28,13 +29,16 @@ class TargetFamily:
     model_types: tuple[str, ...]  # HF `model_type` values (used when `architectures` is absent)
     parse: Callable  # (raw config, where) -> config
     table: Callable  # (config, checkpoint) -> parameter table
+    for_mesh: Callable  # (config, model-axis shards, where) -> the config split over them (or an error)
 
 
 TARGET_FAMILIES = (
     TargetFamily("llama", tuple(llama.LLAMA_FAMILY), tuple(llama.MODEL_TYPES),
-                 lambda raw, where: llama.llama_config_from_hf(raw, where), lambda cfg, ckpt: llama_table(cfg)),
+                 lambda raw, where: llama.llama_config_from_hf(raw, where),
+                 lambda cfg, ckpt: llama_table(cfg, kv_repeat=cfg.kv_repeat), llama.llama_for_tensor_parallel),
     TargetFamily("deepseek", tuple(ds.ARCHITECTURES), tuple(ds.MODEL_TYPES), ds.deepseek_config_from_hf,
-                 lambda cfg, ckpt: deepseek_table(cfg, fused_experts=has_fused_experts(ckpt, cfg))),
+                 lambda cfg, ckpt: deepseek_table(cfg, fused_experts=has_fused_experts(ckpt, cfg)),
+                 ds.deepseek_for_tensor_parallel),
 )
 
 
@@ -52,31 +56,35 @@ def target_family(raw: dict, where: str) -> TargetFamily:
     raise ConfigError(f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; supported: {supported}")
 
 
-def load_model(path: str | os.PathLike, dtype="bfloat16", *, progress: bool = True) -> Model:
+def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress: bool = True) -> Model:
     """Loads an HF causal-LM checkpoint directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or shards with
         ``model.safetensors.index.json``); ``tokenizer.json`` is attached when present.
-      dtype: "bfloat16" | "float32" | "float16": params are cast to it.
+      dtype: "bfloat16" | "float32" | "float16": params are cast to it (on the device).
+      mesh: a ``jaxspec.make_mesh`` mesh: the weights are streamed straight into their shards
+        (tensor parallel over its ``model`` axis, replicated over ``data``). None: one device.
       progress: show a progress bar over the tensors.
 
     Raises:
       FileNotFoundError: the directory or a required file is missing.
       ValueError (ConfigError / CheckpointError): unsupported architecture, a bad config
-        field, a missing or misshaped tensor, an unknown dtype.
+        field, a missing or misshaped tensor, an unknown dtype, an unsupported quantization
+        (block-scaled FP8 weights, as DeepSeek-V3 ships them, are dequantized while loading), a
+        mesh the model cannot be split over (heads, vocabulary or experts not divisible).
     """
     path = os.fspath(path)
     np_dtype = resolve_dtype(dtype)
     raw = read_config(path)
     where = os.path.join(path, "config.json")
     family = target_family(raw, where)
-    cfg = family.parse(raw, where)
+    fp8_block = fp8_block_size(raw, where)
+    cfg = family.for_mesh(family.parse(raw, where), axis_size(mesh, MODEL), where)
     ckpt = SafetensorsCheckpoint(path)
-    try:
-        params = load_params(family.table(cfg, ckpt), ckpt, np_dtype, progress=progress, desc="loading")
-    finally:
-        ckpt.close()
+    table = family.table(cfg, ckpt)
+    params = load_params(table, ckpt, np_dtype, sharding_of=shardings_for(table, mesh, split=True),
+                         fp8_block=fp8_block, progress=progress, desc="loading")
     tokenizer = load_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     return Model(config=cfg, params=params, dtype=np_dtype, tokenizer=tokenizer,
-                 eos_token_ids=read_eos_ids(path, raw), path=path)
+                 eos_token_ids=read_eos_ids(path, raw), path=path, mesh=mesh)

@@ -11,7 +11,7 @@ import numpy as np
 from jaxspec.model.drafts.mtp import MtpConfig
 from jaxspec.model.io.checkpoint import CheckpointError
 from jaxspec.model.io.deepseek import layer_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, init_params, load_params, under
+from jaxspec.model.io.tables import LINEAR, Param, Table, init_params, load_params, shardings_for, under
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 _EH_PROJ = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
@@ -35,9 +35,9 @@ def mtp_table(cfg: MtpConfig, *, embed: bool = True, head: bool = True) -> Table
         Param("head_norm", p + "shared_head.norm.weight", (H,), init="ones"),
     ]
     if embed:
-        table.insert(0, Param("embed", p + "embed_tokens.weight", (V, H)))
+        table.insert(0, Param("embed", p + "embed_tokens.weight", (V, H), tp=0))
     if head:
-        table.append(Param("head", p + "shared_head.head.weight", (H, V), perm=LINEAR))
+        table.append(Param("head", p + "shared_head.head.weight", (H, V), perm=LINEAR, tp=1))
     return table
 
 
@@ -53,6 +53,8 @@ def load_mtp_params(
     target_params: dict | None = None,
     layer_index: int | None = None,
     share_target_weights: bool = False,
+    mesh=None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> tuple[dict, MtpConfig]:
     """Reads the NextN/MTP layer of a DeepSeek-V3 checkpoint.
 
@@ -91,7 +93,8 @@ def load_mtp_params(
     use_target = share_target_weights and target_params is not None
     own = {name: key in ckpt and not use_target for name, key in (
         ("embed", p + "embed_tokens.weight"), ("head", p + "shared_head.head.weight"))}
-    params = load_params(mtp_table(cfg, **own), ckpt, dtype)
+    table = mtp_table(cfg, **own)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=True), fp8_block=fp8_block)
     for name, fallback in (("embed", lambda t: t["embed"]), ("head", _target_head)):
         if name in params:
             continue

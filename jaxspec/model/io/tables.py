@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
+
+from jaxspec.mesh import MODEL
+from jaxspec.model.io.checkpoint import CheckpointError
 
 LINEAR = (1, 0)  # nn.Linear [out, in] -> ours [in, out]
 
@@ -42,6 +48,12 @@ class Param:
       layers: checkpoint layer indices stacked on our leading axis (None: not stacked).
       experts: experts stacked on the next axis (None: no expert axis).
       dtype: a fixed dtype (e.g. "float32" for a router bias) instead of the model's.
+      tp: how tensor parallelism splits it over the mesh's ``model`` axis: the axis of ``shape``
+        that is split (column-parallel weights: the output axis, row-parallel: the input axis,
+        the vocabulary axis of the embedding and head), "experts" for the expert axis, None to
+        replicate.
+      repeat: each checkpoint head (``unit`` rows of its first axis) appears ``repeat`` times in
+        ours: KV heads replicated when the model axis has more shards than KV heads.
     """
 
     path: str
@@ -52,6 +64,9 @@ class Param:
     layers: tuple[int, ...] | None = None
     experts: int | None = None
     dtype: str | None = None
+    tp: int | str | None = None
+    repeat: int = 1
+    unit: int = 0
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -65,19 +80,25 @@ class Param:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        if self.perm is None:
-            return tuple(self.shape)
-        out = [0] * len(self.shape)
-        for ours, theirs in enumerate(self.perm):
-            out[theirs] = self.shape[ours]
+        out = list(self.shape)
+        if self.perm is not None:
+            for ours, theirs in enumerate(self.perm):
+                out[theirs] = self.shape[ours]
+        out[0] //= self.repeat
         return tuple(out)
 
     def from_hf(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if self.repeat > 1:  # [heads * unit, ...] -> [heads * repeat * unit, ...]
+            heads = x.reshape((-1, self.unit) + x.shape[1:])
+            x = np.repeat(heads, self.repeat, axis=0).reshape((-1,) + x.shape[1:])
         return (x if self.perm is None else np.transpose(x, self.perm),)
 
     def to_hf(self, *ours: np.ndarray) -> np.ndarray:
         (x,) = ours
-        return x if self.perm is None else np.transpose(x, np.argsort(self.perm))
+        x = x if self.perm is None else np.transpose(x, np.argsort(self.perm))
+        if self.repeat > 1:  # keep one copy of each repeated head
+            x = x.reshape((-1, self.repeat, self.unit) + x.shape[1:])[:, 0].reshape((-1,) + x.shape[1:])
+        return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +115,7 @@ class SplitParam:
     layers: tuple[int, ...] | None = None
     experts: int | None = None
     dtype: str | None = None
+    tp: int | str | None = None  # as ``Param.tp``, for every part
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -181,20 +203,159 @@ def param_shapes(table: Table, dtype) -> dict:
     return out
 
 
-def load_params(table: Table, ckpt, dtype, *, progress: bool = False, desc: str = "loading") -> dict:
-    """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our
-    layout, cast to ``dtype``. Each stacked array is filled in place, one checkpoint tensor at a
-    time. Raises ``CheckpointError`` naming a missing or misshaped tensor."""
+CHUNK_BYTES = 32 << 20  # largest piece of a checkpoint tensor in flight on the host
+
+
+def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple[int, int] | None = None,
+                progress: bool = False, desc: str = "loading") -> dict:
+    """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our layout.
+
+    Streaming: each checkpoint tensor goes from a memory map of its bytes to the device in
+    pieces of at most ``CHUNK_BYTES`` (rows of its first axis); the cast to ``dtype`` and any
+    transpose run on the device, and every array is filled in place (donated), so the host holds
+    one piece at a time besides what is already placed. ``sharding_of(path)`` gives each array's
+    sharding (None: the default device). A float8 tensor with a ``<name>_scale_inv`` block scale
+    (``fp8_block`` rows x cols per scale) is dequantized on the device into ``dtype``. Raises
+    ``CheckpointError`` naming a missing or misshaped tensor."""
     out: dict = {}
     for e in tqdm(table, desc=desc, disable=not progress, leave=False):
-        dt = np.dtype(e.dtype) if e.dtype else np.dtype(dtype)
-        bufs = [np.empty(shape, dt) for _, shape in _shapes(e)]
+        dt = jnp.dtype(e.dtype) if e.dtype else jnp.dtype(dtype)
+        shapes = _shapes(e)
+        shards = [None if sharding_of is None else sharding_of(path) for path, _ in shapes]
+        bufs = [_zeros(shape, dt, sh) for (_, shape), sh in zip(shapes, shards)]
         for idx, name in _names(e):
-            for buf, part in zip(bufs, e.from_hf(ckpt.get(name, _hf_shape(e), dt))):
-                buf[idx] = part
-        for (path, _), buf in zip(_shapes(e), bufs):
-            _set(out, path, jnp.asarray(buf))
+            heads = e.unit if isinstance(e, Param) and e.repeat > 1 else 1  # pieces hold whole repeated heads
+            for rows, x, scale in _pieces(ckpt, name, _hf_shape(e), fp8_block, whole=isinstance(e, SplitParam),
+                                          align=heads):
+                if isinstance(e, SplitParam):
+                    x = np.asarray(x) if scale is None else _dequantize_host(x, scale, fp8_block)
+                    pieces = [(part, None, _Layout(), 0) for part in e.from_hf(x)]
+                else:
+                    how = _Layout(e.perm, e.repeat, e.unit, None if scale is None else fp8_block)
+                    pieces = [(x, scale, how, rows[0] * e.repeat)]
+                for k, (part, sc, how, offset) in enumerate(pieces):
+                    # The checkpoint's first axis lands on our axis perm.index(0).
+                    axis = 0 if how.perm is None else how.perm.index(0)
+                    start = np.concatenate([np.asarray(idx, np.int32), np.zeros(len(shapes[k][1]) - len(idx), np.int32)])
+                    start[len(idx) + axis] = offset
+                    bufs[k] = _write(bufs[k], part, sc, start, how)
+                # Wait for this piece before reading the next: asynchronous dispatch would
+                # otherwise queue many converted pieces at once, and host memory with them.
+                jax.block_until_ready(bufs)
+                del x, pieces
+        for (path, _), buf in zip(shapes, bufs):
+            _set(out, path, buf)
     return out
+
+
+def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, align: int = 1):
+    """(rows, tensor piece, its fp8 block scale or None) over the first axis of ``name``, each at
+    most ``CHUNK_BYTES`` (whole heads / scale blocks per piece; ``whole``: one piece)."""
+    e = ckpt.entry(name)
+    if tuple(e.shape) != tuple(hf_shape):
+        raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(hf_shape)}")
+    n = e.shape[0] if e.shape else 1
+    first = ckpt.read(name, rows=(0, min(n, 1))) if e.shape else ckpt.read(name)
+    fp8 = first.dtype in FP8_DTYPES
+    step = n
+    if not whole and e.shape and e.nbytes > CHUNK_BYTES:
+        if fp8 and fp8_block:
+            align = math.lcm(align, fp8_block[0])
+        step = max(align, (CHUNK_BYTES * n // e.nbytes) // align * align)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        x = ckpt.read(name, rows=(r0, r1)) if e.shape else first
+        scale = None
+        if fp8:
+            scale_name = name + "_scale_inv"
+            if fp8_block is None or scale_name not in ckpt:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {name!r} is {x.dtype} but the checkpoint has no "
+                    f"{'quantization_config weight_block_size' if fp8_block is None else repr(scale_name)} to dequantize it"
+                )
+            want = (-(-e.shape[-2] // fp8_block[0]), -(-e.shape[-1] // fp8_block[1]))
+            ckpt.read(scale_name, e.shape[:-2] + want)  # (checks its shape)
+            scale = ckpt.read(scale_name, rows=(r0 // fp8_block[0], -(-r1 // fp8_block[0])))
+        yield (r0, r1), x, scale
+
+
+def _zeros(shape, dtype, sharding):
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype, sharding)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+
+def _expand_blocks(scale, shape, block, xp):
+    """A [..., ceil(r/br), ceil(c/bc)] block scale repeated to [..., r, c]."""
+    full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
+
+
+def _dequantize_host(x, scale, block) -> np.ndarray:
+    xf = np.asarray(x).astype(np.float32)
+    return xf * _expand_blocks(np.asarray(scale, np.float32), xf.shape, block, np)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a checkpoint tensor becomes ours on the device: block-scaled FP8 dequantized
+    (``fp8_block``), heads repeated (``Param.repeat / unit``), axes permuted (``Param.perm``)."""
+
+    perm: tuple[int, ...] | None = None
+    repeat: int = 1
+    unit: int = 0
+    fp8_block: tuple[int, int] | None = None
+
+    def __call__(self, x, scale):
+        if self.fp8_block is not None:
+            x = x.astype(jnp.float32) * _expand_blocks(scale.astype(jnp.float32), x.shape, self.fp8_block, jnp)
+        if self.repeat > 1:
+            heads = x.reshape((-1, self.unit) + x.shape[1:])
+            x = jnp.repeat(heads, self.repeat, axis=0).reshape((-1,) + x.shape[1:])
+        return x if self.perm is None else jnp.transpose(x, self.perm)
+
+
+def _zeros(shape, dtype, sharding):
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype, sharding)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+def _write(buf, x, scale, start, how: _Layout):  # buf [*lead, *shape]; x a piece of one checkpoint tensor
+    """Writes ``how(x)`` into ``buf`` at ``start`` (i32[buf.ndim]: stacked indices, then offsets)."""
+    if len(buf.sharding.device_set) > 1:
+        # On a mesh the host array goes into one program (every process passes the same tensor
+        # and keeps its own shards of the result).
+        return _convert_update(buf, x, scale, start, how)
+    # Two programs on purpose: XLA:CPU runs a transpose fused into the in-place update several
+    # times slower than the transpose alone followed by the update.
+    return _update(buf, _convert(x, scale, how, buf.dtype), start)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "dtype"))
+def _convert(x, scale, how: _Layout, dtype):
+    return how(x, scale).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf, x, start):
+    lead = buf.ndim - x.ndim
+    x = x.reshape((1,) * lead + x.shape).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice(buf, x, tuple(start[i] for i in range(buf.ndim)))
+
+
+@functools.partial(jax.jit, static_argnames=("how",), donate_argnums=0)
+def _convert_update(buf, x, scale, start, how: _Layout):
+    return _update(buf, how(x, scale), start)
 
 
 def export_params(table: Table, params: dict, dtype) -> dict[str, np.ndarray]:
@@ -247,3 +408,47 @@ def init_params(table: Table, seed, *, scale: float = 0.02, dtype=np.float32, on
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _device_normal(key, shape, dtype, scale):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def partition_specs(table: Table, model_axis: str | None) -> dict[str, tuple]:
+    """{path: partition spec (a tuple of axis names) of the stacked array} for tensor parallelism
+    over ``model_axis`` (None: everything replicated)."""
+    out = {}
+    for e in table:
+        for path, shape in _shapes(e):
+            lead = (0 if e.layers is None else 1) + (0 if e.experts is None else 1)
+            spec = [None] * len(shape)
+            if model_axis is not None and e.tp is not None:
+                if e.tp == "experts":
+                    spec[lead - 1 if e.experts is not None else lead] = model_axis
+                else:
+                    spec[lead + e.tp] = model_axis
+            out[path] = tuple(spec)
+    return out
+
+
+def check_divisible(table: Table, shards: int, where: str) -> None:
+    """Every split axis divides evenly over ``shards`` (else a ValueError naming the tensor)."""
+    for e in table:
+        for path, shape in _shapes(e):
+            spec = partition_specs([e], "model")[path]
+            for axis, name in enumerate(spec):
+                if name is not None and shape[axis] % shards:
+                    raise ValueError(
+                        f"{where}: {path} of shape {shape} cannot be split over a model axis of {shards}: "
+                        f"axis {axis} ({shape[axis]}) is not a multiple of {shards}"
+                    )
+
+
+def replicated(entries: Sequence[Entry]) -> list[Entry]:
+    """The same entries, never split (small heads kept whole on every shard)."""
+    return [dataclasses.replace(e, tp=None) for e in entries]
+
+
+def shardings_for(table, mesh, split: bool):
+    """``sharding_of(path)`` for ``load_params``: the table's tensor-parallel layout over the
+    mesh's model axis (``split``), or every array replicated on the mesh; None without a mesh."""
+    if mesh is None:
+        return None
+    specs = partition_specs(table, MODEL if split else None)
+    return lambda path: NamedSharding(mesh, PartitionSpec(*specs[path]))

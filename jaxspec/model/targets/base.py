@@ -39,14 +39,18 @@ class AuxTaps:
     """
 
     def __init__(self, num_layers: int, aux_layers: tuple[int, ...]):
-        if len(set(aux_layers)) != len(aux_layers) or any(not 0 <= a <= num_layers for a in aux_layers):
-            raise ValueError(f"aux taps {aux_layers} must be distinct layers in [0, {num_layers}]")
-        self.num_aux = len(aux_layers)
+        if any(not 0 <= a <= num_layers for a in aux_layers):
+            raise ValueError(f"aux taps {aux_layers} must be layers in [0, {num_layers}]")
+        # A layer may be tapped twice (EAGLE-3's 2, L//2, L-3 on a tiny target): it is recorded
+        # once, in one slot per distinct layer, and repeated when the features are concatenated.
+        distinct = sorted(set(aux_layers))
+        self.num_aux = len(distinct)
         self.num_layers = num_layers
         tap = np.full((num_layers + 1,), self.num_aux, np.int32)
-        for i, layer in enumerate(aux_layers):
+        for i, layer in enumerate(distinct):
             tap[layer] = i
         self.tap = tap
+        self.order = tuple(int(tap[a]) for a in aux_layers)  # slot of every requested tap, in order
 
     def empty(self, x: jax.Array) -> jax.Array | None:  # x [B, T, H] -> [nA + 1, B, T, H]
         return jnp.zeros((self.num_aux + 1,) + x.shape, x.dtype) if self.num_aux else None
@@ -56,12 +60,13 @@ class AuxTaps:
             return None
         return jax.lax.dynamic_update_index_in_dim(aux, x, jnp.asarray(self.tap)[layer], axis=0)
 
-    def features(self, aux: jax.Array | None, final: jax.Array) -> jax.Array | None:  # -> [B, T, nA * H]
-        """The taps, concatenated; ``final`` [B, T, H] is the final normed state (tap ``L``)."""
+    def features(self, aux: jax.Array | None, final: jax.Array) -> jax.Array | None:  # -> [B, T, len(aux_layers) * H]
+        """The taps, concatenated in the requested order; ``final`` [B, T, H] is the final normed
+        state (tap ``L``)."""
         if aux is None:
             return None
         last = int(self.tap[self.num_layers])
-        return jnp.concatenate([final if i == last else aux[i] for i in range(self.num_aux)], axis=-1)
+        return jnp.concatenate([final if i == last else aux[i] for i in self.order], axis=-1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,6 +80,7 @@ class Model:
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     path: str | None = None
+    mesh: Any = None  # the jax.sharding.Mesh its params are placed on (None: one device)
 
     @property
     def vocab_size(self) -> int:

@@ -41,7 +41,10 @@ import numpy as np
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import MLAPool
-from jaxspec.model.layers import apply_rope, rms_norm, swiglu
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.mesh import MODEL, per_model_shard
+from jaxspec.model.layers import apply_rope, embed_lookup, rms_norm, swiglu
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
 from jaxspec.pallas.mla_attention import mla_attention
@@ -122,17 +125,25 @@ def mla_attention_block(
     slots = attn.write_slots.reshape(B * T)
     pool = pool.write(layer, slots, row.reshape(B * T, -1), None if index_k is None else index_k.reshape(B * T, -1))
     q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
-    o = mla_attention(
-        q_latent, q_rope, pool.kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-        page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
-    )  # [B, T, Hq, C]
+
+    def attend(q_latent, q_rope, kv, layer, attn):  # per model shard: its heads, the whole latent
+        return mla_attention(
+            q_latent, q_rope, kv, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+            page_size=pool.page_size, sm_scale=cfg.sm_scale, implementation=implementation,
+        )
+
+    heads = P(None, None, MODEL, None)
+    o = per_model_shard(attend, in_specs=(heads, heads, P(), P(), jax.tree.map(lambda _: P(), attn)),
+                        out_specs=heads, shards=cfg.tensor_parallel)(q_latent, q_rope, pool.kv, layer, attn)  # [B, T, Hq, C]
     o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, Hq * cfg.v_head_dim)
     return o @ lp["wo"], pool
 
 
-def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) -> jax.Array:  # [B, T, H] -> [B, T, H]
     """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), routed experts
-    as grouped matmuls over tokens sorted by expert, plus the shared experts."""
+    as grouped matmuls over tokens sorted by expert, plus the shared experts. With
+    ``tensor_parallel`` shards the routed experts are split over the model axis: every shard
+    runs the assignments to its own experts and one all-reduce sums the shards."""
     B, T, H = x.shape
     N, E, K, G = B * T, moe.num_experts, moe.num_experts_per_tok, moe.n_group
     xf = x.reshape(N, H)
@@ -151,17 +162,29 @@ def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array) -> jax.Array:  # [B, T, H] -
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * moe.routed_scaling_factor
-    # Sort the N*K (token, expert) assignments by expert and run one grouped matmul.
-    flat = experts.reshape(N * K)
-    order = jnp.argsort(flat, stable=True)
-    token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
-    xs = xf[token]  # [N*K, H]
-    g = jax.lax.ragged_dot(xs, lp["experts_gate"], sizes)
-    u = jax.lax.ragged_dot(xs, lp["experts_up"], sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, lp["experts_down"], sizes)  # [N*K, H]
-    y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(x.dtype)
-    out = jnp.zeros((N, H), x.dtype).at[token].add(y)
+
+    def routed(xf, experts, weights, w_gate, w_up, w_down):  # w_*: this shard's experts [El, ...]
+        El = w_gate.shape[0]
+        # Sort the N*K (token, expert) assignments by expert and run one grouped matmul; the
+        # assignments to other shards' experts sort last, past every group (ragged_dot: zeros).
+        first = jax.lax.axis_index(MODEL) * El if tensor_parallel > 1 else 0
+        local = experts.reshape(N * K) - first
+        flat = jnp.where((local >= 0) & (local < El), local, El)
+        order = jnp.argsort(flat, stable=True)
+        token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
+        sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
+        xs = xf[token]  # [N*K, H]
+        g = jax.lax.ragged_dot(xs, w_gate, sizes)
+        u = jax.lax.ragged_dot(xs, w_up, sizes)
+        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)  # [N*K, H]
+        y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
+        out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
+        return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)
+
+    split = P(MODEL, None, None)
+    out = per_model_shard(routed, in_specs=(P(), P(), P(), split, split, split), out_specs=P(),
+                          shards=tensor_parallel)(xf, experts, weights, lp["experts_gate"], lp["experts_up"],
+                                                  lp["experts_down"])
     if moe.n_shared_experts:
         out = out + swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
     return out.reshape(B, T, H)
@@ -184,7 +207,7 @@ def decoder_block(
     o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe_mlp(lp, cfg.moe, h) if moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel) if moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
     return x, pool
 
 
@@ -201,7 +224,7 @@ def deepseek_forward(
 ) -> ForwardOutput:
     """Runs the decoder over T new tokens per request, writing their latent KV (and indexer
     keys) into ``pool``; same contract as ``llama_forward``."""
-    x = params["embed"][tokens]  # [B, T, H]
+    x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     taps = AuxTaps(cfg.num_layers, aux_layers)
     aux = taps.empty(x)
     layer0 = jnp.int32(0)

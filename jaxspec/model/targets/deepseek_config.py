@@ -118,6 +118,8 @@ class DeepseekConfig:
         ``index_topk`` KV positions; an engine must refuse sequences longer than that
         (``max_dense_positions``).
       num_nextn_predict_layers: MTP layers stored after the main layers (not run here).
+      tensor_parallel: shards of the mesh's model axis the attention heads, dense MLPs, routed
+        experts and vocabulary are split over (the latent KV stays whole on every shard).
     """
 
     arch: str = "deepseek_v3"
@@ -141,6 +143,7 @@ class DeepseekConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     num_nextn_predict_layers: int = 0
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.qk_rope_head_dim % 2:
@@ -316,11 +319,6 @@ def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> 
     arch = arch or (raw.get("model_type") if raw.get("model_type") in MODEL_TYPES else None)
     if arch is None:
         raise ConfigError(f"{where}: not a DeepSeek-V3 config (architectures={archs!r}, model_type={raw.get('model_type')!r})")
-    if raw.get("quantization_config"):
-        method = (raw["quantization_config"] or {}).get("quant_method", "?")
-        raise ConfigError(
-            f"{where}: quantized checkpoints (quant_method {method!r}) are not supported; convert the weights to bf16 first"
-        )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -369,3 +367,20 @@ def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> 
         if str(e).startswith(where):
             raise
         raise ConfigError(f"{where}: {e}") from None
+
+
+def deepseek_for_tensor_parallel(cfg: DeepseekConfig, shards: int, where: str = "config.json") -> DeepseekConfig:
+    """The config split over ``shards`` model shards, or a clear error naming what does not divide."""
+    if shards == 1:
+        return cfg
+    sizes = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
+    if cfg.num_dense_layers:
+        sizes.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe is not None:
+        sizes.append(("n_routed_experts", cfg.moe.num_experts))
+        if cfg.moe.n_shared_experts:
+            sizes.append(("shared experts' intermediate size", cfg.moe.shared_intermediate_size))
+    problems = [f"{name} {n} is not divisible by tensor_parallel {shards}" for name, n in sizes if n % shards]
+    if problems:
+        raise ConfigError(f"{where}: cannot split the model over the mesh: " + "; ".join(problems))
+    return dataclasses.replace(cfg, tensor_parallel=shards)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.layers import attention_qkv, layer_tail, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.model.layers import attention_qkv, embed_lookup, layer_tail, rms_norm, rope_inv_freq, write_and_attend
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -42,7 +42,7 @@ def llama_forward(
     implementation=None,
 ) -> ForwardOutput:
     """Runs the decoder over T new tokens per request, writing their K/V into ``pool``."""
-    x = params["embed"][tokens]  # [B, T, H]
+    x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     taps = AuxTaps(cfg.num_layers, aux_layers)
 
@@ -50,7 +50,8 @@ def llama_forward(
         x, pool, aux, l = carry
         aux = taps.record(aux, l, x)
         q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
-        o, pool = write_and_attend(q, k, v, pool, l, attn, implementation=implementation)
+        o, pool = write_and_attend(q, k, v, pool, l, attn, implementation=implementation,
+                                   tensor_parallel=cfg.tensor_parallel)
         return (layer_tail(lp, cfg, x, o), pool, aux, l + 1), None
 
     (x, pool, aux, _), _ = jax.lax.scan(layer, (x, pool, taps.empty(x), jnp.int32(0)), params["layers"])

@@ -27,6 +27,9 @@ class LlamaConfig:
       attention_bias: q/k/v projections carry a bias (Qwen2).
       qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
       sliding_window: Mistral's window; sequences longer than it are refused.
+      tensor_parallel: shards of the mesh's model axis the weights and KV heads are split over
+        (1: whole on every device); kv_repeat: copies of each checkpoint KV head (when there are
+        more shards than KV heads, ``num_kv_heads`` counts the copies).
     """
 
     arch: str = "llama"
@@ -44,6 +47,8 @@ class LlamaConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
+    tensor_parallel: int = 1
+    kv_repeat: int = 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -115,3 +120,22 @@ def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: 
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         sliding_window=int(sliding) if sliding else None,
     )
+
+
+def llama_for_tensor_parallel(cfg: LlamaConfig, shards: int, where: str = "config.json") -> LlamaConfig:
+    """The config of ``cfg`` split over ``shards`` model shards (Megatron layout), or a clear
+    error naming what does not divide. KV heads are replicated when there are fewer than shards."""
+    if shards == 1:
+        return cfg
+    problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
+                for name, n in (("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size),
+                                ("intermediate_size", cfg.intermediate_size)) if n % shards]
+    kv, repeat = cfg.num_kv_heads, 1
+    if kv % shards:
+        if shards % kv:
+            problems.append(f"num_key_value_heads {kv} neither divides nor is divided by tensor_parallel {shards}")
+        else:
+            repeat, kv = shards // kv, shards
+    if problems:
+        raise ConfigError(f"{where}: cannot split the model over the mesh: " + "; ".join(problems))
+    return dataclasses.replace(cfg, tensor_parallel=shards, num_kv_heads=kv, kv_repeat=repeat)

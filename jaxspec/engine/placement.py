@@ -1,0 +1,70 @@
+"""Where the engine's device buffers live: the decode state, the target and draft KV pools and
+the page table, on one device or on a ``("data", "model")`` mesh (``jaxspec.mesh``).
+
+On a mesh every per-row array is split over ``data`` by rows; a pool's slots are split over
+``data`` (each data shard owns a contiguous range of pages, page 0 of each its scratch page) and
+its KV heads over ``model`` when the model is tensor parallel. Buffers are created directly in
+their shards (never whole on one device first).
+
+Glossary: B batch rows, D data shards, W page-table width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxspec.engine.state import DecodeState
+from jaxspec.mesh import DATA, MODEL
+
+
+def run_context(mesh):
+    """The context the compiled programs run in: ``jax.set_mesh(mesh)``, or nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def pool_specs(pool, split_heads: bool, data: bool):
+    """Partition specs of a pool's buffers (``pool.specs``) on the mesh axes in use."""
+    return pool.specs(DATA if data else None, MODEL if split_heads else None)
+
+
+def create(make, specs, mesh):
+    """``make()`` evaluated straight into its shardings (``specs``: a matching pytree of
+    PartitionSpecs), or on the default device without a mesh."""
+    if mesh is None:
+        return make()
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def create_pool(make_pool, split_heads: bool, mesh):
+    """A KV pool (``make_pool()``) placed with its slots over data and heads over model."""
+    if mesh is None:
+        return make_pool()
+    abstract = jax.eval_shape(make_pool)
+    return create(make_pool, pool_specs(abstract, split_heads, data=True), mesh)
+
+
+def create_state(make_state, mesh) -> DecodeState:
+    """The decode state, every [B, ...] array split over data by rows."""
+    if mesh is None:
+        return make_state()
+    abstract = jax.eval_shape(make_state)
+    return create(make_state, jax.tree.map(lambda _: P(DATA), abstract), mesh)
+
+
+def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]
+    """The page table (shard-local page ids), rows split over data."""
+    if mesh is None:
+        return jnp.asarray(page_table)
+    return jax.device_put(page_table, NamedSharding(mesh, P(DATA, None)))
+
+
+def place_rows(x: np.ndarray, mesh) -> jax.Array:  # [R, ...] rows grouped by data shard
+    if mesh is None:
+        return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(mesh, P(DATA)))

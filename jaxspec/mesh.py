@@ -1,0 +1,73 @@
+"""Several devices: the ``("data", "model")`` mesh and the per-shard helpers every layer uses.
+
+A model placed on a mesh (``load_model(..., mesh=)``) has its weights split Megatron-style over
+the ``model`` axis (column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding
+and head, KV pools split by KV head, MoE experts split) and replicated over ``data``; batch rows
+and their KV pages split over ``data``. Matmuls are partitioned by XLA from the weights'
+shardings; what XLA cannot partition well (paged attention, KV moves, the embedding lookup) runs
+per shard through ``per_model_shard``, which is a plain call without a mesh.
+
+With a mesh, the compiled programs run under ``jax.set_mesh(mesh)``; inside them
+``model_parallel()`` says how many shards the ``model`` axis has.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+DATA, MODEL = "data", "model"
+
+
+def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, *, devices=None) -> Mesh:
+    """A ``jax.sharding.Mesh`` of ``data_parallel x tensor_parallel`` devices, axes ("data", "model").
+
+    On several hosts call ``jax.distributed.initialize()`` first; ``jax.devices()`` then lists
+    every host's devices and the same code runs on each.
+
+    Raises:
+      ValueError: a non-positive size, or more devices asked for than are present.
+    """
+    for name, n in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tensor_parallel * data_parallel
+    if need > len(devices):
+        raise ValueError(
+            f"make_mesh: data_parallel {data_parallel} x tensor_parallel {tensor_parallel} = {need} devices, but "
+            f"only {len(devices)} are present ({devices[0].platform})"
+        )
+    import numpy as np
+
+    grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel, tensor_parallel)
+    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def axis_size(mesh: Mesh | None, axis: str) -> int:
+    return 1 if mesh is None else int(mesh.shape[axis])
+
+
+def model_parallel() -> int:
+    """Shards of the ``model`` axis of the mesh the current program runs under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[MODEL])
+
+
+def per_model_shard(fn, in_specs, out_specs, shards: int):
+    """``fn`` run on each of the ``shards`` shards of the ``model`` axis (``jax.shard_map`` over
+    that axis alone, the rest left to XLA); ``fn`` itself when ``shards`` is 1."""
+    if shards == 1:
+        return fn
+    if model_parallel() != shards:
+        raise ValueError(
+            f"a model split over {shards} shards runs under its mesh (jax.set_mesh(mesh) with a model axis of "
+            f"{shards}); this program's model axis has {model_parallel()}"
+        )
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={MODEL}, check_vma=False)
+
+
+def named(mesh: Mesh, *spec) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*spec))

@@ -1,0 +1,150 @@
+"""Mesh cases, run in their own process with 4 virtual CPU devices (``tests/mesh/test_mesh.py``
+starts it, so the rest of the suite keeps one device). Prints one JSON line per case.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.mesh.run_cases CASE [CASE ...]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import jaxspec as js  # noqa: E402
+from jaxspec.model.drafts.eagle import eagle3_config_for  # noqa: E402
+from jaxspec.model.io.eagle import eagle_table, export_eagle3  # noqa: E402
+from jaxspec.model.io.tables import init_params  # noqa: E402
+from tests.model.golden import case_dir, cases  # noqa: E402
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def golden(name: str):
+    case = next(c for c in cases() if c["name"] == name)
+    return case_dir(case), case["prompts"]
+
+
+def engine(page, batch, **kw):
+    return js.EngineConfig(page_size=page, max_batch=batch, max_seq_len=96, steps_per_call=4, **kw)
+
+
+def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False):
+    """Speculative greedy on the mesh == plain greedy on one device, ragged batch of 3."""
+    path, prompts = golden(target_name)
+    sampling = js.SamplingParams(max_new_tokens=max_new)
+    single = js.load_model(path, dtype="float32", progress=False)
+    want = js.generate(single, prompts, sampling=sampling, engine=engine(page, 4), progress=False).token_ids
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+    target = js.load_model(path, dtype="float32", progress=False, mesh=mesh)
+    if draft_kind == "eagle3":
+        with tempfile.TemporaryDirectory() as d:
+            ecfg = eagle3_config_for(single.config)
+            export_eagle3(d, init_params(eagle_table(ecfg), 5, scale=0.2), ecfg,
+                          target_num_layers=single.config.num_layers)
+            draft = js.load_draft(d, target)
+    elif draft_kind == "standalone":
+        draft = js.standalone_draft(target)
+    elif draft_kind == "perturbed":  # the target with noise: partial acceptance, scattered tree paths
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
+        noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), target.params)
+        draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
+    else:  # the target's own MTP layer
+        draft = js.load_draft(path, target)
+    out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
+                      progress=False)
+    plain_equal = None
+    if check_plain:
+        plain_equal = js.generate(target, prompts, sampling=sampling, engine=engine(page, 4),
+                                  progress=False).token_ids == want
+    lens = [a for s in out.stats for a in s.accept_lens]
+    return dict(equal=out.token_ids == want, plain_equal=plain_equal, mean_accept=float(np.mean(lens)),
+                pages_back=out.kv_pages_free == out.kv_pages_total,
+                wo_spec=_spec(target.params), draft_kind=draft.kind)
+
+
+def _spec(params) -> str:
+    """The partition spec of the first layer group's output projection (row-parallel: split on its input)."""
+    group = params["layers"] if "layers" in params else params.get("moe", params.get("dense"))
+    return str(group["wo"].sharding.spec)
+
+
+def collective_counts(target_name, tp):
+    """Collectives in the compiled decode program of one plain decode step (layers run in a
+    scan, so the layer body appears once)."""
+    from jaxspec.draft.plan import Plan
+    from jaxspec.engine.placement import create_pool, create_state, run_context
+    from jaxspec.engine.programs import decode_program
+    from jaxspec.engine.state import DecodeState
+    from jaxspec.model.drafts.base import zero_pool
+    from jaxspec.model.targets import create_target_pool
+
+    path, _ = golden(target_name)
+    mesh = js.make_mesh(tensor_parallel=tp)
+    target = js.load_model(path, dtype="float32", progress=False, mesh=mesh)
+    plan = Plan(target=target.config, page_size=16, steps_per_call=1)
+    B, W = 2, 4
+    with run_context(mesh):
+        tpool = create_pool(lambda: create_target_pool(target.config, num_pages=B * W + 1, page_size=16,
+                                                       dtype=jnp.float32), target.config.tensor_parallel > 1, mesh)
+        dpool = create_pool(lambda: zero_pool(16, jnp.float32), False, mesh)
+        state = create_state(lambda: DecodeState.empty(batch=B, out_width=8, num_stop=1), mesh)
+        table = jnp.asarray(1 + np.arange(B * W, dtype=np.int32).reshape(B, W))
+        hlo = decode_program.lower(plan, target.params, None, state, tpool, dpool, table).compile().as_text()
+    counts = {k: len(re.findall(rf"= [^=\n]* {k}(-start)?\(", hlo)) for k in COLLECTIVES}
+    gathered = [m for m in re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)]
+    return dict(counts=counts, all_gather_shapes=gathered)
+
+
+def errors():
+    out = {}
+    path, _ = golden("llama3")
+    for name, fn in {
+        "too_many_devices": lambda: js.make_mesh(tensor_parallel=8),
+        "heads_not_divisible": lambda: js.load_model(path, dtype="float32", progress=False,
+                                                     mesh=js.make_mesh(tensor_parallel=3)),
+    }.items():
+        try:
+            fn()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+CASES = {
+    "llama_tp4_tree_eagle3": lambda: lossless("llama3", 4, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5),
+                                              16, "eagle3"),
+    "qwen2_tp2_chain_standalone": lambda: lossless("qwen2", 2, 1, js.SpecConfig.chain(3), 1, "standalone"),
+    "llama_tp4_tree_perturbed": lambda: lossless("llama3", 4, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5),
+                                                 16, "perturbed"),
+    "deepseek_moe_tp2_tree_mtp": lambda: lossless("deepseek_v3_moe", 2, 1,
+                                                  js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
+    "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
+    "collectives_llama": lambda: collective_counts("llama3", 2),
+    "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
+    "errors": errors,
+}
+
+
+def main(names):
+    for name in names:
+        t = time.perf_counter()
+        try:
+            result = dict(ok=True, **CASES[name]())
+        except Exception:  # reported, so the test names the failing case with its traceback
+            result = dict(ok=False, error=traceback.format_exc())
+        result["seconds"] = time.perf_counter() - t
+        print(json.dumps({"case": name, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CASES))

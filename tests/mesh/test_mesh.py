@@ -1,0 +1,86 @@
+"""Tensor and data parallelism on 4 virtual CPU devices, in a subprocess (``run_cases.py``) so
+the rest of the suite keeps one device. Every speculative greedy run on a mesh equals plain
+greedy on one device (float32, ragged batch of 3), and the compiled decode step has exactly
+the collectives Megatron's layout predicts, with no all-gather of weights or KV pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh.run_cases"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1500)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    assert out, f"the mesh worker printed nothing (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return out
+
+
+def case(results, name) -> dict:
+    r = results.get(name)
+    assert r is not None, f"case {name} did not run"
+    assert r["ok"], r.get("error")
+    return r
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("llama_tp4_tree_eagle3", "eagle3"),  # TP=4 over 2 KV heads (replicated), tree, page 16
+    ("llama_tp4_tree_perturbed", "standalone"),  # the same with a partly accepted draft: compaction moves KV
+    ("qwen2_tp2_chain_standalone", "standalone"),  # Qwen2 q/k/v bias, TP=2, chain, page 1
+    ("deepseek_moe_tp2_tree_mtp", "mtp"),  # MLA + MoE (experts split) + its MTP layer, TP=2, tree, page 16
+    ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
+])
+def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
+    r = case(results, name)
+    assert r["draft_kind"] == kind
+    assert r["plain_equal"] in (None, True), "plain greedy on the mesh differs from one device"
+    assert r["equal"], "speculative greedy on the mesh differs from plain greedy on one device"
+    assert r["pages_back"]
+    assert r["wo_spec"] == "P(None, 'model', None)"  # row-parallel output projection, stacked over layers
+    if name == "llama_tp4_tree_perturbed":
+        assert 1.3 < r["mean_accept"] < 4.0, r["mean_accept"]  # trees accepted partly: paths get compacted
+
+
+# Collectives of one compiled decode step at TP=2, batch 2 (the layers run in a scan, so each
+# layer group's body appears once):
+#   per layer: 1 all-reduce after attention (row-parallel o_proj) + 1 after the MLP (row-parallel
+#   down_proj; for MoE the routed experts' psum and the shared experts' down_proj fuse into one);
+#   embedding: 1 all-reduce (vocab-parallel lookup: one shard holds each row);
+#   greedy head: 2 all-gathers of [batch, shards] (each shard's max logit and its index), never
+#   the logits.
+EXPECTED = {
+    "collectives_llama": dict(groups=1),  # 7 Llama layers in one scan
+    "collectives_deepseek": dict(groups=2),  # a dense layer group and a MoE layer group
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_collectives_are_those_of_the_megatron_layout(results, name):
+    r = case(results, name)
+    groups = EXPECTED[name]["groups"]
+    assert r["counts"] == {"all-reduce": 2 * groups + 1, "all-gather": 2, "reduce-scatter": 0, "all-to-all": 0,
+                           "collective-permute": 0}
+    assert sorted(r["all_gather_shapes"]) == ["f32[2,2]{0,1}", "s32[2,2]{0,1}"]
+
+
+def test_bad_meshes_are_refused_before_device_work(results):
+    r = case(results, "errors")
+    assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
+    assert "num_attention_heads 4 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
+    assert "vocab_size 256 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
