@@ -91,12 +91,12 @@ def layer_kinds(raw: dict, num_layers: int, where: str) -> tuple[tuple[int | Non
     return tuple(window if s else None for s in sliding), causal
 
 
-def dflash_config_from_hf(raw: dict, target_cfg, where: str) -> DFlashConfig:
-    """Parses a DFlash / DFlash 2 ``config.json`` (``architectures`` picks the version) for
-    ``target_cfg``. Raises ``ConfigError`` naming a missing or bad field, a tap outside the
-    target or a hidden size that does not match."""
-    archs = raw.get("architectures") or []
-    version = 2 if "DFlash2DraftModel" in archs else 1
+def dflash_config_from_hf(raw: dict, target_cfg, where: str, version: int | None = None) -> DFlashConfig:
+    """Parses a DFlash / DFlash 2 ``config.json`` for ``target_cfg`` (``version``: as the
+    checkpoint's format was detected; None: ``architectures`` picks it). Raises ``ConfigError``
+    naming a missing or bad field, a tap outside the target or a hidden size that does not match."""
+    if version is None:
+        version = 2 if "DFlash2DraftModel" in (raw.get("architectures") or []) else 1
     H = get_field(raw, "hidden_size", int, where=where)
     heads = get_field(raw, "num_attention_heads", int, where=where)
     L = get_field(raw, "num_hidden_layers", int, where=where)
@@ -192,7 +192,8 @@ def shared_target_params(params: dict, target_params: dict) -> dict:
 
 def load_dflash(ckpt, raw: dict, target, dtype, where: str):
     """Reads a DFlash / DFlash 2 checkpoint for ``target`` (a ``Model``) -> ``DraftModel``."""
-    cfg = dflash_config_from_hf(raw, target.config, where)
+    # the version as detected (architectures first, tensors when a config names none)
+    cfg = dflash_config_from_hf(raw, target.config, where, version=2 if is_dflash2(ckpt.keys()) else 1)
     suffix = ""
     if cfg.version == 2 and "candidate_selector.predecessor_codebook" not in ckpt:
         suffix = ".weight"
