@@ -45,6 +45,7 @@ def case(results, name) -> dict:
     ("qwen2_tp2_chain_standalone", "standalone"),  # Qwen2 q/k/v bias, TP=2, chain, page 1
     ("deepseek_moe_tp2_tree_mtp", "mtp"),  # MLA + MoE (experts split) + its MTP layer, TP=2, tree, page 16
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
+    ("qwen3_tp2_chain_dflash", "dflash"),  # a DFlash block draft (replicated) over a TP=2 Qwen3 target, page 16
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
