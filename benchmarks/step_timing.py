@@ -1,7 +1,7 @@
 """Per-step device time of plain decoding and of speculative steps, against the HBM roofline.
 
 Builds random bf16 models of real shapes on the device (no download): a Llama-3-8B-shaped
-target and an EAGLE-3-shaped head for it. Times ``decode_program`` (K steps per executable
+target, an EAGLE-3-shaped head and a DFlash block draft (5 layers, block 16) for it. Times ``decode_program`` (K steps per executable
 call, block_until_ready, medians over repeats after warm-up) and reports per-step times, the
 batch-1 decode tokens/s, and the roofline ``weight bytes / HBM bandwidth``.
 
@@ -31,7 +31,9 @@ from jaxspec.generate import next_pow2
 from jaxspec.kvcache.paging import pages_needed
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import zero_pool
+from jaxspec.model.drafts.dflash import dflash_config_for, dflash_draft
 from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_draft
+from jaxspec.model.io.dflash import dflash_table, shared_target_params
 from jaxspec.model.io.eagle import eagle_table
 from jaxspec.model.io.llama import llama_table
 from jaxspec.model.io.tables import init_params
@@ -75,10 +77,10 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     dtype = jnp.dtype(target.dtype)
     tpool = create_target_pool(target.config, num_pages=num_pages, page_size=page, dtype=dtype)
     dpool = zero_pool(page, dtype) if draft is None else draft.config.create_pool(num_pages=num_pages, page_size=page, dtype=dtype)
-    dparams, hidden = (None, 1) if draft is None else (draft.params, draft.config.hidden_size)
+    dparams = None if draft is None else draft.params
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
-    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, hidden_size=hidden,
-                              hidden_dtype=dtype)
+    seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * page)
+    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, seed=seed, hidden_dtype=dtype)
     table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     table = jnp.asarray(table)
     rng = np.random.default_rng(0)
@@ -114,23 +116,26 @@ def main(argv=None) -> int:
 
     cfg = TINY if args.tiny else LLAMA3_8B
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target and EAGLE-3 head...", file=sys.stderr)
+    print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target, EAGLE-3 head and DFlash draft...", file=sys.stderr)
     params = init_params(llama_table(cfg), 0, dtype=dtype, on_device=True)
     target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
     ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
     draft = eagle_draft(ecfg, dict(init_params(eagle_table(ecfg), 1, dtype=dtype, on_device=True), embed=params["embed"]))
+    fcfg = dflash_config_for(cfg, num_layers=5 if not args.tiny else 2, block_size=16, mask_token_id=cfg.vocab_size - 1)
+    dflash = dflash_draft(fcfg, shared_target_params(init_params(dflash_table(fcfg), 2, dtype=dtype, on_device=True),
+                                                     params))
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
-    specs = [("plain", None), ("chain S=5", js.SpecConfig.chain(5)),
-             ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8))]
+    specs = [("plain", None, None), ("chain S=5", js.SpecConfig.chain(5), draft),
+             ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), draft),
+             ("dflash chain S=15 (block 16)", js.SpecConfig.chain(15), dflash)]
     print("| device | batch | config | ms/step | vs plain step | batch-1 roofline ms |")
     print("|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = None
-        for name, spec in specs:
-            sec = time_steps(target, draft if spec else None, spec, batch, args.context, args.steps, args.repeats,
-                             args.implementation)
+        for name, spec, d in specs:
+            sec = time_steps(target, d, spec, batch, args.context, args.steps, args.repeats, args.implementation)
             plain = plain or sec
             roof = wbytes / bw * 1e3 if bw else float("nan")
             row = dict(batch=batch, config=name, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain, roofline_ms=roof)

@@ -18,6 +18,11 @@ grafts G n-gram tokens onto the model draft's chain or tree: ``chain<S>+ng<G>`` 
 ``tree<K>x<n>[s<S>]+ng<G>`` (n counts the G grafted tokens).
 
     jaxspec bench --batches 1 --configs plain,chain3,ngram5,ngram2x11,chain3+ng4,tree4x16+ng5
+A ``<draft>:`` prefix runs a model-draft configuration with a named draft (``--drafts
+name=DIR,...``; the demo names ``eagle3`` and ``dflash``), so several drafts are compared against the
+same plain baseline in one run:
+
+    jaxspec bench --configs plain,eagle3:chain5,dflash:chain7,dflash:tree4x16s7 --batches 1
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class BenchConfig:
     num_draft_tokens: int = 1
     ngram_tokens: int = 0  # hybrid: n-gram tokens grafted onto the model draft's tree
     drafter: str = "model"  # "model" (the loaded draft), "ngram" (model-free) or "hybrid"
+    draft_name: str = ""  # the named draft of a model configuration ("": the default ``--draft``)
 
     @property
     def is_plain(self) -> bool:
@@ -56,28 +62,32 @@ class BenchConfig:
             num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
             ngram_tokens=self.ngram_tokens)
 
-    def draft(self, model_draft, ngram):
-        """The draft this configuration runs: None (plain), ``ngram``, ``model_draft`` or their hybrid."""
+    def draft(self, model_drafts, ngram):
+        """The draft this configuration runs: None (plain), ``ngram``, a model draft (``model_drafts``:
+        one, or a dict by ``draft_name``) or its hybrid with ``ngram``."""
         import jaxspec as js
 
         if self.is_plain:
             return None
         if self.drafter == "ngram":
             return ngram
+        model_draft = model_drafts.get(self.draft_name) if isinstance(model_drafts, dict) else model_drafts
         if model_draft is None:
             raise ValueError(f"bench configuration {self.name!r} needs a model draft (--draft)")
         return js.HybridDraft(model_draft, ngram) if self.drafter == "hybrid" else model_draft
 
 
 def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
-    """``plain`` | ``chain<S>`` | ``tree<K>x<n>[s<S>]`` | ``ngram<S>`` | ``ngram<K>x<n>[s<S>]`` |
-    ``chain<S>+ng<G>`` | ``tree<K>x<n>[s<S>]+ng<G>`` -> BenchConfig (validated)."""
+    """``plain`` | ``[<draft>:]chain<S>`` | ``[<draft>:]tree<K>x<n>[s<S>]`` | ``ngram<S>`` |
+    ``ngram<K>x<n>[s<S>]`` | ``[<draft>:]chain<S>+ng<G>`` | ``[<draft>:]tree<K>x<n>[s<S>]+ng<G>`` -> BenchConfig
+    (validated)."""
     from jaxspec.config import SpecConfig
 
     name = name.strip()
     if name == "plain":
         return BenchConfig("plain")
-    base, _, graft = name.partition("+")
+    draft_name, _, name_shape = name.rpartition(":")
+    base, _, graft = name_shape.partition("+")
     G = 0
     if graft:
         if not (m := re.fullmatch(r"ng(\d+)", graft)) or base.startswith("ngram"):
@@ -87,7 +97,7 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
     if m := re.fullmatch(r"(chain|ngram)(\d+)", base):
         s = int(m.group(2))
         drafter = "ngram" if m.group(1) == "ngram" else drafter
-        cfg = BenchConfig(name, s, 1, s + 1 + G, G, drafter)
+        cfg = BenchConfig(name, s, 1, s + 1 + G, G, drafter, draft_name)
     elif m := re.fullmatch(r"(tree|ngram)(\d+)x(\d+)(?:s(\d+))?", base):
         k, n = int(m.group(2)), int(m.group(3))
         if m.group(1) == "ngram":
@@ -99,10 +109,12 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
             s = max(tree_steps, G)
             while n - 1 - G > k + (s - 1) * k * k:
                 s += 1
-        cfg = BenchConfig(name, s, k, n, G, drafter)
+        cfg = BenchConfig(name, s, k, n, G, drafter, draft_name)
     else:
         raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>], ngram<S>, "
                          f"ngram<K>x<n>[s<S>], chain<S>+ng<G>, tree<K>x<n>[s<S>]+ng<G>)")
+    if drafter == "ngram" and draft_name:
+        raise ValueError(f"bench configuration {name!r}: n-gram configurations take no named draft")
     spec = cfg.spec()  # validates
     if drafter == "ngram":
         from jaxspec.model.drafts.ngram import NgramConfig, NgramLookup
@@ -132,8 +144,9 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repeats, temperature=0.0,
               page_size=16, ngram=None) -> list[dict]:
     """Measures every (batch, configuration); returns one row per measurement. ``draft``: the
-    model draft of chain / tree / hybrid configurations; ``ngram``: the ``NgramDraft`` of n-gram
-    and hybrid configurations (default ``NgramDraft()``).
+    model draft of chain / tree / hybrid configurations, or a dict of them by name
+    (``BenchConfig.draft_name``; "" is the default); ``ngram``: the ``NgramDraft`` of n-gram and
+    hybrid configurations (default ``NgramDraft()``).
 
     Per batch size: every configuration is warmed up (compiled) first, then the timed runs go
     round-robin over the configurations ``repeats`` times, so a change in machine load hits
@@ -142,6 +155,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
     import jaxspec as js
     from tqdm.auto import tqdm
 
+    drafts = draft if isinstance(draft, dict) else {"": draft}
     rows = []
     ngram = js.NgramDraft() if ngram is None else ngram
     longest = max(len(p) for p in prompts)
@@ -153,7 +167,7 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         runnable, results = [], {}
         for cfg in configs:
             bar.set_postfix(batch=batch, config=cfg.name, phase="warm-up")
-            kw = dict(draft=cfg.draft(draft, ngram), spec=cfg.spec(), sampling=sampling, engine=engine,
+            kw = dict(draft=cfg.draft(drafts, ngram), spec=cfg.spec(), sampling=sampling, engine=engine,
                       progress=False)
             try:
                 js.generate(target, batch_prompts, **kw)  # warm-up: compiles
@@ -172,7 +186,8 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
         for cfg in configs:
             row = dict(config=cfg.name, batch=batch, num_steps=cfg.num_steps, topk=cfg.topk,
                        num_draft_tokens=cfg.num_draft_tokens, ngram_tokens=cfg.ngram_tokens, drafter=cfg.drafter,
-                       temperature=temperature)
+                       temperature=temperature,
+                       draft=None if cfg.is_plain or cfg.drafter == "ngram" else (cfg.draft_name or "default"))
             res = results[cfg.name]
             if isinstance(res, Exception):
                 rows.append(dict(row, error=str(res)))
@@ -191,15 +206,16 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'config':<16}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+    w = max([12] + [len(r["config"]) + 2 for r in rows])
+    head = f"{'config':<{w}}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['config']:<16}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
+            lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}"
                          f"{r['batch']:>6}  unsupported: {r['error']}")
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"{r['config']:<16}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
+        lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
                      f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}")
     return "\n".join(lines)
 
@@ -244,10 +260,16 @@ def device_name() -> str:
 
 def cmd_bench(args) -> int:
     import jaxspec as js
-    from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
+    from jaxspec.demo import DEMO_DFLASH, DEMO_DRAFT, DEMO_TARGET
 
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft or (DEMO_DRAFT if args.target is None else None)
+    named = {"eagle3": DEMO_DRAFT, "dflash": DEMO_DFLASH} if args.target is None else {}
+    for item in filter(None, (x.strip() for x in (args.drafts or "").split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafts takes name=DIR entries, got {item!r}")
+        named[name] = path
     if not args.batches or any(b < 1 for b in args.batches):
         raise ValueError(f"--batches must be positive ints, got {args.batches}")
     configs = [parse_config(c, args.tree_steps) for c in args.configs.split(",") if c.strip()]
@@ -256,21 +278,31 @@ def cmd_bench(args) -> int:
     if not configs[0].is_plain:
         configs.insert(0, parse_config("plain"))  # speedups need the baseline first
     target = js.load_model(target_path, dtype=args.dtype, progress=False)
-    if any(c.drafter != "ngram" and not c.is_plain for c in configs) and not draft_path:
-        raise ValueError("chain, tree and hybrid configurations need --draft")
-    draft = js.load_draft(draft_path, target) if draft_path else None
+    if any(c.drafter != "ngram" and not c.is_plain and not c.draft_name for c in configs) and not draft_path:
+        raise ValueError("chain, tree and hybrid configurations need --draft (or a named draft, '<name>:chain5')")
+    unknown = sorted({c.draft_name for c in configs if c.draft_name and c.draft_name not in named})
+    if unknown:
+        raise ValueError(f"configurations name unknown drafts {unknown}; known: {sorted(named)} (--drafts name=DIR)")
+    drafts = {"": js.load_draft(draft_path, target) if draft_path else None}
+    for name in sorted({c.draft_name for c in configs if c.draft_name}):
+        drafts[name] = js.load_draft(named[name], target)
     ngram = js.NgramDraft(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
+    for c in configs:  # a shape a draft cannot run (e.g. a chain longer than a DFlash block) fails here
+        if not c.is_plain:
+            c.draft(drafts, ngram).config.check_spec(c.spec())
     prompts = load_prompts(args, target.tokenizer)
-    print(f"target {target_path}\ndraft  {draft_path}\ndevice {device_name()}\n"
+    print(f"target {target_path}\ndraft  {draft_path} {', '.join(f'{k}={named[k]}' for k in drafts if k)}\n"
+          f"device {device_name()}\n"
           f"{len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, batches {args.batches}, {args.repeats} repeats", file=sys.stderr)
     t = time.perf_counter()
-    rows = run_sweep(target, draft, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
+    rows = run_sweep(target, drafts, prompts, configs, args.batches, max_new_tokens=args.max_new_tokens,
                      repeats=args.repeats, temperature=args.temperature, page_size=args.page_size, ngram=ngram)
     table = format_table(rows)
     print(table)
     result = dict(
-        device=device_name(), target=_shown(target_path), draft=draft_path and _shown(draft_path), dtype=args.dtype, temperature=args.temperature,
+        device=device_name(), target=_shown(target_path), draft=draft_path and _shown(draft_path),
+        drafts={k: _shown(named[k]) for k in drafts if k}, dtype=args.dtype, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, num_prompts=len(prompts),
         repeats=args.repeats, seconds=time.perf_counter() - t, command=" ".join(["jaxspec"] + sys.argv[1:]),
         rows=rows,
@@ -301,6 +333,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft checkpoint (default: the demo EAGLE-3 head)")
+    p.add_argument("--drafts", default=None,
+                   help="named drafts for '<name>:' configurations, name=DIR,... (demo: eagle3, dflash)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated (default: the full sweep)")
     p.add_argument("--batches", type=_ints, default=[1, 4, 16], help="comma-separated batch sizes (default 1,4,16)")
     p.add_argument("--tree-steps", type=int, default=5, help="default draft depth S of tree configurations")

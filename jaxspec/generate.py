@@ -137,7 +137,7 @@ def generate(
     Args:
       target: from ``load_model``.
       prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
-      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, standalone), an ``NgramDraft``
+      draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, DFlash, standalone), an ``NgramDraft``
         (model-free) or a ``HybridDraft``; None for plain decoding through the same engine.
       spec: the speculative step shape; required with a draft.
       sampling: one SamplingParams for every prompt or one per prompt.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from jaxspec.draft.hybrid import Hybrid
 from jaxspec.draft.lookup import Lookup
+from jaxspec.draft.block import Block
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.draft.shape import Root
@@ -39,7 +40,7 @@ class NoDraft:
         return seed, dpool
 
 
-PROPOSERS = {"recurrent": Recurrent, "lookup": Lookup, "hybrid": Hybrid}
+PROPOSERS = {"recurrent": Recurrent, "lookup": Lookup, "hybrid": Hybrid, "block": Block}
 
 
 def proposer_for(plan: Plan):

@@ -3,8 +3,9 @@ chain (topk = 1 with nothing grafted, the static specialization of seed 000) or 
 or a hybrid's grafted n-gram branch).
 
 Everything that differs between them lives here, so the step and the draft loops never test
-``topk``: the draft attention mask, organizing drafted candidates, building the verify tree,
-its verify mask, acceptance (greedy and sampled) and compaction of the accepted path.
+``topk``: the draft attention mask, organizing drafted candidates, building the verify tree
+(from recurrent levels, or from one block forward's candidates), its verify mask, acceptance
+(greedy and sampled) and compaction of the accepted path.
 
 Glossary: B rows, K topk, S num_steps, n num_draft_tokens, A = S + 1 (``SpecConfig.max_accept``:
 more when a grafted n-gram branch is deeper), V vocabulary.
@@ -77,6 +78,15 @@ class Chain:
         return tree_lib.chain_tree(bonus, draft_tokens)
 
     @staticmethod
+    def block_width(plan: Plan) -> int:
+        return 1
+
+    @staticmethod
+    def build_block(bonus: jax.Array, tokens: jax.Array, probs: jax.Array, plan: Plan) -> tree_lib.Tree:
+        """A block draft's chain: its best token at every position (tokens i32[B, S, 1])."""
+        return tree_lib.chain_tree(bonus, tokens[:, :, 0])
+
+    @staticmethod
     def verify_mask(tree):
         return None  # chains verify with a causal block
 
@@ -114,6 +124,16 @@ class Tree:
         spec = plan.spec
         parent_list, top_index, draft_tokens = tree_lib.organize_draft_results(levels, spec.num_draft_tokens)
         return tree_lib.build_tree(bonus, parent_list, top_index, draft_tokens, spec.topk, spec.num_steps)
+
+    @staticmethod
+    def block_width(plan: Plan) -> int:
+        return plan.spec.topk
+
+    @staticmethod
+    def build_block(bonus: jax.Array, tokens: jax.Array, probs: jax.Array, plan: Plan) -> tree_lib.Tree:
+        """A block draft's tree: the chain plus ``topk - 1`` alternatives per position
+        (tokens, probs [B, S, topk], best first), the best ``n - 1`` by path score."""
+        return tree_lib.block_tree(bonus, tokens, probs, plan.spec.num_draft_tokens)
 
     @staticmethod
     def verify_mask(tree):

@@ -210,6 +210,49 @@ def chain_tree(bonus: jax.Array, draft_tokens: jax.Array) -> Tree:
     )
 
 
+def block_tree(
+    bonus: jax.Array,  # i32[B] root tokens
+    tokens: jax.Array,  # i32[B, S, k] candidates of each block position, best first (column 0: the chain)
+    probs: jax.Array,  # f32[B, S, k] their draft probabilities
+    num_draft_tokens: int,
+) -> Tree:
+    """The tree of one block forward: the top-1 chain ``tokens[:, :, 0]``, and at every position
+    ``t`` the candidates ``1..k-1`` as extra leaves hanging from the chain node before it (the
+    root for ``t = 0``): at most ``1 + S * k`` nodes.
+
+    With fewer nodes (``num_draft_tokens``), the best ``n - 1`` candidates by path score are kept
+    (the product of the chain's probabilities before ``t`` and the candidate's own). A score
+    never exceeds its parent's and a parent's flat index ``(t - 1) * k`` precedes its children's,
+    so the kept set is closed under ancestors. Nodes follow ascending flat index ``t * k + j``.
+    """
+    B, S, k = tokens.shape
+    m = num_draft_tokens - 1
+    chain_p = jnp.cumprod(probs[:, :, 0], axis=1)  # [B, S] path score of the chain node at t
+    before = jnp.concatenate([jnp.ones((B, 1), probs.dtype), chain_p[:, :-1]], axis=1)  # [B, S]
+    scores = (before[:, :, None] * probs).reshape(B, S * k)
+    flat = tokens.reshape(B, S * k)
+    if m == S * k:
+        index = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (B, m))
+    else:
+        _, index = jax.lax.top_k(scores, m)
+        index = jnp.sort(index, axis=-1).astype(jnp.int32)  # [B, m]
+    pos = index // k  # block position t of each node (depth t + 1)
+    draft_tokens = jnp.take_along_axis(flat, index, axis=1)
+    # Parent: the chain node (t - 1, 0), i.e. flat index (t - 1) * k, or the root for t = 0.
+    parent_flat = (pos - 1) * k
+    hit = index[:, None, :] == parent_flat[:, :, None]  # [B, m, m]
+    parent_node = jnp.where(pos == 0, 0, 1 + jnp.argmax(hit, axis=-1)).astype(jnp.int32)
+    parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parent_node], axis=1)  # [B, n]
+    # Ancestors of node (t, j): the root, the chain nodes (t', 0) with t' < t, and itself.
+    pos_n = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pos], axis=1)  # [B, n] (root: -1)
+    is_chain = jnp.concatenate([jnp.ones((B, 1), bool), index % k == 0], axis=1)  # root counts as chain
+    n = m + 1
+    eye = jnp.eye(n, dtype=bool)[None]
+    mask = eye | (is_chain[:, None, :] & (pos_n[:, None, :] < pos_n[:, :, None]))  # [B, n (row), n (ancestor)]
+    all_tokens = jnp.concatenate([bonus[:, None].astype(jnp.int32), draft_tokens.astype(jnp.int32)], axis=1)
+    return Tree(tokens=all_tokens, depth=pos_n + 1, parent=parent, mask=mask, **_links(parent))
+
+
 def _links(parent: jax.Array) -> dict[str, jax.Array]:
     """retrieve_index / next_token (first child) / next_sibling from the parent array."""
     B, n = parent.shape

@@ -1,13 +1,20 @@
-"""``jaxspec train-draft``: train an EAGLE-3 head for a target on a text corpus.
+"""``jaxspec train-draft``: train a draft for a target on a text corpus: an EAGLE-3 head
+(``--method eagle3``, the default) or a DFlash block draft (``--method dflash``).
 
     jaxspec train-draft --target DIR --corpus PATH [PATH ...] --out DIR [--minutes M | --steps N]
+    jaxspec train-draft --method dflash --block-size 8 --draft-layers 3 --target DIR --corpus ... --out DIR
 
 The corpus is files and/or directories (``--ext`` filters directory listings), or ``stdlib``
 for the running Python's standard library. Files whose relative path hashes into the
 held-out bucket (``--heldout-percent``) are never trained on; they give the held-out
 windows and prompts of the periodic reports. Checkpoints go to ``--run-dir`` and a rerun
-with the same ``--run-dir`` resumes; the head is exported to ``--out`` at every checkpoint
-(config.json + model.safetensors, loadable by ``jaxspec.load_draft``).
+with the same ``--run-dir`` resumes; the draft is exported to ``--out`` at every checkpoint
+(config.json + model.safetensors in its published layout, loadable by ``jaxspec.load_draft``).
+
+DFlash training (the paper's recipe; the reference package has none): every window carries
+``--num-anchors`` random anchors; each anchor's block [anchor, mask x (Q-1)] is predicted in
+parallel from the target's features before it, and block position j's loss weighs
+exp(-(j-1) / gamma) (``--position-decay``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import time
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train-draft", help="train an EAGLE-3 draft head for a target on a text corpus",
+        "train-draft", help="train an EAGLE-3 head or a DFlash block draft for a target on a text corpus",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"], help="what to train (default eagle3)")
     p.add_argument("--target", required=True, help="HF checkpoint directory of the target (with tokenizer.json)")
     p.add_argument("--corpus", nargs="+", required=True, help="files / directories, or 'stdlib'")
     p.add_argument("--out", required=True, help="directory for the exported head")
@@ -46,6 +54,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--self-distill-frac", type=float, default=0.5, help="share of each batch from those windows")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (d2t/t2d by frequency)")
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
+    dflash = p.add_argument_group("dflash")
+    dflash.add_argument("--block-size", type=int, default=16, help="DFlash block size Q (anchor included)")
+    dflash.add_argument("--draft-layers", type=int, default=2, help="DFlash draft layers")
+    dflash.add_argument("--target-layer-ids", default=None,
+                        help="comma-separated target layers whose outputs feed the draft (default: spread)")
+    dflash.add_argument("--num-anchors", type=int, default=16, help="DFlash blocks per training window")
+    dflash.add_argument("--position-decay", type=float, default=None,
+                        help="gamma of the exp(-(j-1)/gamma) loss weight per block position (default (Q-2)/2)")
+    dflash.add_argument("--mask-token-id", type=int, default=None,
+                        help="the block's mask token (default: the corpus's rarest token)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the generate report (0: off)")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -79,6 +97,7 @@ def run(args) -> int:
     from jaxspec.train.forward import num_params
     from jaxspec.train.optim import OptimConfig
 
+    _check_args(args)
     if args.steps is None and args.minutes is None:
         args.steps = 1000
     cfg = DraftTrainConfig(
@@ -110,17 +129,44 @@ def run(args) -> int:
     log(f"corpus: {len(train_files)} training files ({len(train)} tokens), {len(held)} held out "
         f"({0 if heldout is None else len(heldout)} tokens), {len(prompts)} eval prompts "
         f"[{time.perf_counter() - t:.0f}s]")
-    trainer = DraftTrainer(target, train, heldout, prompts, cfg, args.out, run_dir, log=log)
-    d = trainer.dcfg
-    log(f"head: hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads {d.num_heads}/{d.num_kv_heads}, "
-        f"draft vocab {d.draft_vocab_size}/{d.vocab_size}, taps {d.aux_layers}; "
-        f"{num_params(trainer.trainable)} trainable params")
+    trainer = DraftTrainer(target, train, heldout, prompts, cfg, args.out, run_dir, log=log,
+                           method=_method(args, cfg, target, train))
+    log(trainer.method.describe(num_params(trainer.trainable)))
     summary = trainer.run(export_dtype=args.dtype)
     summary["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     log(f"exported {args.out} after {summary['steps']} steps, {summary['seconds'] / 60:.1f} min")
     return 0
+
+
+def _check_args(args) -> None:
+    """Argument errors, before the target and the corpus are loaded."""
+    if args.method == "dflash":
+        if args.block_size < 2 or args.draft_layers < 1 or args.num_anchors < 1:
+            raise ValueError("--block-size must be >= 2, --draft-layers and --num-anchors >= 1")
+        if args.seq_len < args.block_size:
+            raise ValueError(f"--seq-len {args.seq_len} must be >= --block-size {args.block_size}")
+        if args.position_decay is not None and not args.position_decay > 0:
+            raise ValueError(f"--position-decay must be > 0, got {args.position_decay}")
+
+
+def _method(args, cfg, target, train_stream):
+    """The DFlash method for ``--method dflash`` (None: the trainer's EAGLE-3 default)."""
+    if args.method != "dflash":
+        return None
+    from jaxspec.model.drafts.dflash import DFlashDraft, dflash_config_for
+    from jaxspec.train.dflash import DFlashMethod, least_frequent_token
+
+    mask = args.mask_token_id
+    if mask is None:
+        mask = least_frequent_token(train_stream, target.config.vocab_size, avoid=target.eos_token_ids)
+    ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    dcfg = dflash_config_for(target.config, num_layers=args.draft_layers, block_size=args.block_size,
+                             mask_token_id=mask, intermediate_size=args.intermediate_size, target_layer_ids=ids)
+    DFlashDraft(model=dcfg).check_fits(target.config)
+    gamma = args.position_decay if args.position_decay is not None else max(1.0, (args.block_size - 2) / 2)
+    return DFlashMethod(dcfg, num_anchors=args.num_anchors, gamma=gamma, label=args.label)
 
 
 def main(argv=None) -> int:

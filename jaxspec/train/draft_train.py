@@ -1,10 +1,12 @@
-"""Training an EAGLE-3 head for a loaded target (the engine of ``jaxspec train-draft``).
+"""Training a draft for a loaded target (the engine of ``jaxspec train-draft``).
 
 Each step samples windows from the tokenized corpus, runs the frozen target (dense forward)
-for its aux features and logits, and updates the head with the TTT loss
-(``jaxspec.train.ttt``). The target's embedding is shared and frozen; everything else in
-the head trains. Periodic reports give per-step top-1 agreement on held-out windows and the
-mean accept length of a real ``jaxspec.generate`` chain on held-out prompts.
+for its features and logits, and updates the draft with its method's loss: EAGLE-3's TTT
+loss (``Eagle3Method``, ``jaxspec.train.ttt``) or DFlash's block-parallel loss
+(``jaxspec.train.dflash.DFlashMethod``). The target's embedding (and, for DFlash, its head) is
+shared and frozen; everything else in the draft trains. Periodic reports give per-step (or
+per-position) top-1 agreement on held-out windows and the mean accept length of a real
+``jaxspec.generate`` chain on held-out prompts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from jaxspec.config import SpecConfig
 from jaxspec.model.drafts.eagle import EagleConfig, eagle3_config_for, eagle_draft
 from jaxspec.model.io.eagle import eagle_table, export_eagle3
 from jaxspec.model.io.tables import init_params
@@ -84,28 +87,70 @@ def target_features(target_params: dict, tcfg, aux_layers, tokens):
     return jax.lax.stop_gradient(aux[:, :-1]), jax.lax.stop_gradient(logits)
 
 
-def _batch_loss(trainable, frozen, target_params, tcfg, dcfg: EagleConfig, tokens, k, weight, label):
-    aux, logits = target_features(target_params, tcfg, dcfg.aux_layers, tokens)
-    params = dict(trainable, **frozen)
-    mask = jnp.ones(logits.shape[:2], bool)
-    return ttt_loss(params, dcfg, tokens[:, 1:], aux.astype(jnp.float32), logits, mask,
-                    num_steps=k, step_weight=weight, label=label)
+@dataclasses.dataclass(frozen=True)
+class Eagle3Method:
+    """EAGLE-3 training-time test: what the generic trainer needs (static, hashable)."""
+
+    dcfg: EagleConfig
+    ttt_steps: int = 5
+    step_weight: float = 0.8
+    label: str = "soft"
+    name = "eagle3"
+    metric_unit = "step"
+
+    def table(self):
+        return eagle_table(self.dcfg)
+
+    def batch_extra(self, rng: np.random.Generator, batch: int, seq_len: int) -> dict:
+        return {}
+
+    def eval_extra(self, count: int, seq_len: int) -> dict:
+        return {}
+
+    def loss(self, params: dict, target_params: dict, tcfg, tokens: jax.Array, extra: dict):
+        aux, logits = target_features(target_params, tcfg, self.dcfg.aux_layers, tokens)
+        mask = jnp.ones(logits.shape[:2], bool)
+        return ttt_loss(params, self.dcfg, tokens[:, 1:], aux.astype(jnp.float32), logits, mask,
+                        num_steps=self.ttt_steps, step_weight=self.step_weight, label=self.label)
+
+    def estimate(self, metrics: dict) -> float:
+        return chain_accept_estimate(metrics["acc"])
+
+    def full_params(self, trainable: dict, target_params: dict) -> dict:
+        return dict(trainable, embed=target_params["embed"])
+
+    def draft(self, params: dict):
+        return eagle_draft(self.dcfg, params)
+
+    def eval_spec(self, depth: int) -> SpecConfig:
+        return SpecConfig.chain(depth)
+
+    def export(self, path: str, params: dict, target_cfg, dtype: str) -> None:
+        export_eagle3(path, params, self.dcfg, target_num_layers=target_cfg.num_layers, dtype=dtype)
+
+    def describe(self, num_trainable: int) -> str:
+        d = self.dcfg
+        return (f"head: hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads {d.num_heads}/{d.num_kv_heads}, "
+                f"draft vocab {d.draft_vocab_size}/{d.vocab_size}, taps {d.aux_layers}; {num_trainable} trainable params")
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "opt", "k", "weight", "label"),
-                   donate_argnames=("trainable", "opt_state"))
-def draft_train_step(tcfg, dcfg, opt, k, weight, label, trainable, opt_state, frozen, target_params, tokens, lr):
+def _batch_loss(trainable, frozen, target_params, tcfg, method, tokens, extra):
+    return method.loss(dict(trainable, **frozen), target_params, tcfg, tokens, extra)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "method", "opt"), donate_argnames=("trainable", "opt_state"))
+def draft_train_step(tcfg, method, opt, trainable, opt_state, frozen, target_params, tokens, extra, lr):
     (loss, metrics), grads = jax.value_and_grad(_batch_loss, has_aux=True)(
-        trainable, frozen, target_params, tcfg, dcfg, tokens, k, weight, label
+        trainable, frozen, target_params, tcfg, method, tokens, extra
     )
     opt_state = set_lr(opt_state, lr)
     updates, opt_state = opt.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state, loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "k", "weight", "label"))
-def draft_eval_step(tcfg, dcfg, k, weight, label, trainable, frozen, target_params, tokens):
-    return _batch_loss(trainable, frozen, target_params, tcfg, dcfg, tokens, k, weight, label)
+@functools.partial(jax.jit, static_argnames=("tcfg", "method"))
+def draft_eval_step(tcfg, method, trainable, frozen, target_params, tokens, extra):
+    return _batch_loss(trainable, frozen, target_params, tcfg, method, tokens, extra)
 
 
 def greedy_windows(target: Model, stream: np.ndarray, count: int, length: int, prompt_len: int,
@@ -133,8 +178,12 @@ def head_config(target: Model, cfg: DraftTrainConfig) -> EagleConfig:
                              intermediate_size=cfg.intermediate_size)
 
 
+def eagle3_method(target: Model, cfg: DraftTrainConfig) -> Eagle3Method:
+    return Eagle3Method(head_config(target, cfg), cfg.ttt_steps, cfg.step_weight, cfg.label)
+
+
 class DraftTrainer:
-    """Holds the head's params and optimizer state; ``run()`` trains, reports and exports.
+    """Holds the draft's params and optimizer state; ``run()`` trains, reports and exports.
 
     Args:
       target: the loaded target (float32 params recommended for training).
@@ -144,23 +193,27 @@ class DraftTrainer:
       cfg: training settings.
       out_dir: where the exported head goes (config.json + model.safetensors).
       run_dir: checkpoints (resumed automatically when present).
+      method: what is trained and how (``Eagle3Method`` by default, or a
+        ``jaxspec.train.dflash.DFlashMethod``).
     """
 
     def __init__(self, target: Model, train_stream, eval_stream, eval_prompts, cfg: DraftTrainConfig,
-                 out_dir: str, run_dir: str | None = None, log=print):
+                 out_dir: str, run_dir: str | None = None, log=print, method=None):
         self.target, self.cfg, self.out_dir, self.run_dir, self.log = target, cfg, out_dir, run_dir, log
         self.train_stream = np.asarray(train_stream, np.int32)
         self.eval_prompts = list(eval_prompts)
-        self.dcfg = head_config(target, cfg)
-        V, Vd = self.dcfg.vocab_size, self.dcfg.draft_vocab_size
-        self.trainable = init_params(eagle_table(self.dcfg), cfg.seed)  # the embedding is the target's
-        self.frozen = {"embed": jnp.asarray(target.params["embed"], jnp.float32)}
+        self.method = method or eagle3_method(target, cfg)
+        self.dcfg = self.method.dcfg
+        self.trainable = init_params(self.method.table(), cfg.seed)  # the target's arrays are shared, frozen
+        self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+        self.frozen = self.method.full_params({}, self.target_params)
+        self.shared = set(self.frozen)  # the target's own arrays (embedding, head), not the draft's
+        V, Vd = self.dcfg.vocab_size, getattr(self.dcfg, "draft_vocab_size", self.dcfg.vocab_size)
         if Vd != V:
             _, _, hot = build_draft_vocab(token_counts(self.train_stream, V), Vd)
             self.frozen["hot_ids"] = jnp.asarray(hot)
         self.opt = make_optimizer(cfg.optim)
         self.opt_state = self.opt.init(self.trainable)
-        self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
         self.step, self.elapsed = 0, 0.0
         self.history: list[dict] = []
         self.eval_set = None
@@ -202,19 +255,18 @@ class DraftTrainer:
                             dict(step=self.step, elapsed_s=self.elapsed, history=self.history))
 
     def params(self) -> dict:
-        """Full head params (``jaxspec.model.drafts.eagle`` layout), embedding shared with the target."""
+        """Full draft params (its kind's layout), the target's arrays shared."""
         return dict(self.trainable, **{k: v for k, v in self.frozen.items()})
 
     def export(self, dtype: str = "float32") -> None:
-        export_eagle3(self.out_dir, self.params(), self.dcfg, target_num_layers=self.target.config.num_layers,
-                      dtype=dtype)
+        self.method.export(self.out_dir, self.params(), self.target.config, dtype)
 
     def draft(self):
-        """The head as a ``DraftModel`` for ``jaxspec.generate`` (in the target's dtype)."""
+        """The draft as a ``DraftModel`` for ``jaxspec.generate`` (in the target's dtype)."""
         dt = jnp.dtype(self.target.dtype)
-        params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params())
-        params["embed"] = self.target.params["embed"]
-        return eagle_draft(self.dcfg, params)
+        cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        own = {k: v for k, v in self.params().items() if k not in self.shared}
+        return self.method.draft(self.method.full_params(jax.tree.map(cast, own), self.target.params))
 
     # ------------------------------------------------------------------------ reports
     def evaluate(self) -> dict:
@@ -222,20 +274,21 @@ class DraftTrainer:
         cfg = self.cfg
         out: dict = dict(step=self.step)
         if self.eval_set is not None:
-            accs, losses = [], []
+            runs = []
             for i in range(0, len(self.eval_set), cfg.batch):
-                _, m = draft_eval_step(self.target.config, self.dcfg, cfg.ttt_steps, cfg.step_weight, cfg.label,
-                                       self.trainable, self.frozen, self.target_params, self.eval_set[i:i + cfg.batch])
-                accs.append(np.asarray(m["acc"]))
-                losses.append(np.asarray(m["loss"]))
-            acc = np.mean(accs, axis=0)
-            out.update(eval_acc=[round(float(a), 4) for a in acc], eval_loss=[round(float(x), 4) for x in np.mean(losses, 0)],
-                       est_accept_len=round(chain_accept_estimate(acc), 3))
+                tokens = self.eval_set[i:i + cfg.batch]
+                extra = {k: jnp.asarray(v) for k, v in self.method.eval_extra(len(tokens), cfg.seq_len).items()}
+                _, m = draft_eval_step(self.target.config, self.method, self.trainable, self.frozen,
+                                       self.target_params, tokens, extra)
+                runs.append(jax.device_get(m))
+            m = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+            out.update(eval_acc=[round(float(a), 4) for a in m["acc"]], eval_loss=[round(float(x), 4) for x in m["loss"]],
+                       est_accept_len=round(self.method.estimate(m), 3))
         if self.eval_prompts:
             import jaxspec as js
 
             res = js.generate(
-                self.target, self.eval_prompts, draft=self.draft(), spec=js.SpecConfig.chain(cfg.eval_spec_steps),
+                self.target, self.eval_prompts, draft=self.draft(), spec=self.method.eval_spec(cfg.eval_spec_steps),
                 sampling=js.SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=()),
                 engine=js.EngineConfig(page_size=16, max_batch=len(self.eval_prompts),
                                        max_seq_len=max(map(len, self.eval_prompts)) + cfg.eval_max_new_tokens + 16),
@@ -249,11 +302,13 @@ class DraftTrainer:
         ev.update(train_loss=round(float(train_loss), 4), train_acc=[round(float(a), 4) for a in train_acc],
                   seconds=round(self.elapsed, 1))
         self.history.append(ev)
-        msg = f"step {self.step}: train loss {ev['train_loss']:.4f} acc/step {ev['train_acc']}"
+        unit = self.method.metric_unit
+        msg = f"step {self.step}: train loss {ev['train_loss']:.4f} acc/{unit} {ev['train_acc']}"
         if "eval_acc" in ev:
-            msg += f" | held-out acc/step {ev['eval_acc']} (est. accept {ev['est_accept_len']:.2f})"
+            msg += f" | held-out acc/{unit} {ev['eval_acc']} (est. accept {ev['est_accept_len']:.2f})"
         if "accept_len" in ev:
-            msg += f" | generate chain S={self.cfg.eval_spec_steps} mean accept length {ev['accept_len']:.2f}"
+            depth = self.method.eval_spec(self.cfg.eval_spec_steps).num_steps
+            msg += f" | generate chain S={depth} mean accept length {ev['accept_len']:.2f}"
         self.log(msg)
 
     # ------------------------------------------------------------------------ loop
@@ -278,10 +333,11 @@ class DraftTrainer:
         ema_loss, ema_acc = None, None
         while progress() < 1.0:
             tokens = jnp.asarray(self._batch(rng))
+            extra = {k: jnp.asarray(v) for k, v in self.method.batch_extra(rng, len(tokens), cfg.seq_len).items()}
             lr = lr_at(cfg.optim, self.step, progress())
             self.trainable, self.opt_state, loss, metrics = draft_train_step(
-                self.target.config, self.dcfg, self.opt, cfg.ttt_steps, cfg.step_weight, cfg.label,
-                self.trainable, self.opt_state, self.frozen, self.target_params, tokens, jnp.float32(lr),
+                self.target.config, self.method, self.opt, self.trainable, self.opt_state, self.frozen,
+                self.target_params, tokens, extra, jnp.float32(lr),
             )
             self.step += 1
             self.elapsed = time.perf_counter() - t_start

@@ -56,8 +56,8 @@ def dense_forward(
     """Causal forward over whole sequences at positions 0..T-1.
 
     Returns the final normed hidden state (feed it to ``jaxspec.model.layers.lm_head``) and
-    the EAGLE-3 features: the pre-norm residual streams entering ``aux_layers``,
-    concatenated low to high (as ``llama_forward(..., aux_layers=...)``). ``remat``
+    the draft features: the pre-norm residual streams entering ``aux_layers`` (``L``: the final
+    normed state, as HF's last ``hidden_states``), concatenated in that order (as ``llama_forward(..., aux_layers=...)``). ``remat``
     recomputes each layer in the backward pass (less memory, more compute).
     """
     B, T = tokens.shape
@@ -77,7 +77,8 @@ def dense_forward(
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     aux = None
     if aux_layers:
-        aux = jnp.concatenate([inputs[l] for l in aux_layers], axis=-1)  # [B, T, nA*H]
+        taps = [hidden if l == cfg.num_layers else inputs[l] for l in aux_layers]
+        aux = jnp.concatenate(taps, axis=-1)  # [B, T, nA*H]
     return hidden, aux
 
 

@@ -73,6 +73,27 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
 
 
+def dflash_lossless(tp, spec, page):
+    """A DFlash draft (the reference golden's, replicated on every shard) on a TP mesh: speculative
+    greedy == plain greedy on one device, ragged batch of 3."""
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "golden", "dflash")
+    prompts = [[3, 71, 200, 14, 9, 120, 33], [250, 17, 40], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    sampling = js.SamplingParams(max_new_tokens=16, stop_token_ids=())
+    single = js.load_model(os.path.join(root, "target"), dtype="float32", progress=False)
+    want = js.generate(single, prompts, sampling=sampling, engine=engine(page, 4), progress=False).token_ids
+    mesh = js.make_mesh(tensor_parallel=tp)
+    target = js.load_model(os.path.join(root, "target"), dtype="float32", progress=False, mesh=mesh)
+    draft = js.load_draft(os.path.join(root, "dflash"), target)
+    out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
+                      progress=False)
+    lens = [a for s in out.stats for a in s.accept_lens]
+    return dict(equal=out.token_ids == want, plain_equal=None, mean_accept=float(np.mean(lens)),
+                pages_back=out.kv_pages_free == out.kv_pages_total, wo_spec=_spec(target.params),
+                draft_kind=draft.kind)
+
+
 def _spec(params) -> str:
     """The partition spec of the first layer group's output projection (row-parallel: split on its input)."""
     group = params["layers"] if "layers" in params else params.get("moe", params.get("dense"))
@@ -134,6 +155,7 @@ CASES = {
                                                    js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
     "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32),
+    "qwen3_tp2_chain_dflash": lambda: dflash_lossless(2, js.SpecConfig.chain(7), 16),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "errors": errors,

@@ -48,6 +48,7 @@ def case(results, name) -> dict:
     ("deepseek_v32_tp2_tree_mtp", "mtp"),
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
     ("llama_tp2_dp2_ngram", "ngram"),  # the same mesh with n-gram drafting (no params; history per data shard)
+    ("qwen3_tp2_chain_dflash", "dflash"),  # a DFlash block draft (replicated) over a TP=2 Qwen3 target, page 16
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)

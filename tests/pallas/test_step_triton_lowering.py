@@ -1,6 +1,6 @@
 """Whole speculative steps with ``implementation="pallas"`` lowered for CUDA on a CPU machine:
 every kernel call site of the real engine (draft loop, verify, compaction, draft extend,
-prefill; MHA, MLA and MLA+indexer pools; EAGLE-3, frozen-KV and MTP drafts) gets through the
+prefill; MHA, MLA and MLA+indexer pools; EAGLE-3, frozen-KV, MTP and DFlash drafts) gets through the
 Pallas-to-Triton lowering with the shapes the engine gives it, and the static topk=1 path has
 no KV move. The kernel tests cover each kernel alone; this covers how the engine calls them."""
 
@@ -33,6 +33,14 @@ def _llama(kind):
     return make
 
 
+def _dflash(version):
+    def make(tiny_target):
+        from tests.draft.test_dflash import tiny_dflash
+
+        return tiny_target, tiny_dflash(tiny_target, version), None
+    return make
+
+
 def _mtp(tiny_target):
     case, target, draft, _ = golden("deepseek_v3_dense")
     return target, draft, step_prompts(case)
@@ -50,6 +58,10 @@ CASES = [
     # Frozen KV: the seed step is folded into the draft loop; extend only gathers the root and the
     # target's hidden at the last accepted row (the same fused gather as every draft).
     ("frozen_kv-tree", _llama("frozen_kv"), TREE, 4, {"paged_attention", "kv_move", "gather_spec_extras"}),
+    # DFlash: the block forward's full layer through the paged kernel (its sliding layer reads its
+    # window with XLA), the context extend writes only; no fused gather.
+    ("dflash-chain", _dflash(1), CHAIN, 4, {"paged_attention"}),
+    ("dflash2-tree", _dflash(2), TREE, 4, {"paged_attention", "kv_move"}),
     ("mtp_mla-chain", _mtp, js.SpecConfig.chain(2), 4, {"mla_attention", "gather_spec_extras"}),
     ("mtp_mla-tree", _mtp, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 4,
      {"mla_attention", "kv_move", "gather_spec_extras"}),

@@ -1,6 +1,6 @@
 """Draft kinds behind one interface (``base.Draft``): EAGLE-1/2, EAGLE-3, DeepSeek MTP, the
-frozen-KV assistant, standalone LMs, model-free n-gram lookup and the hybrid of a model draft
-with n-gram lookup. Loading and detection: ``jaxspec.model.io.drafts``."""
+frozen-KV assistant, DFlash / DFlash 2 block drafts, standalone LMs, model-free n-gram lookup and the
+hybrid of a model draft with n-gram lookup. Loading and detection: ``jaxspec.model.io.drafts``."""
 
 from jaxspec.model.drafts.assistant import FrozenKVAssistant as FrozenKVAssistant
 from jaxspec.model.drafts.assistant import assistant_draft as assistant_draft
@@ -8,6 +8,9 @@ from jaxspec.model.drafts.base import Draft as Draft
 from jaxspec.model.drafts.base import DraftContext as DraftContext
 from jaxspec.model.drafts.base import DraftModel as DraftModel
 from jaxspec.model.drafts.base import DraftSeed as DraftSeed
+from jaxspec.model.drafts.dflash import DFlash2Draft as DFlash2Draft
+from jaxspec.model.drafts.dflash import DFlashDraft as DFlashDraft
+from jaxspec.model.drafts.dflash import dflash_draft as dflash_draft
 from jaxspec.model.drafts.eagle import Eagle3Draft as Eagle3Draft
 from jaxspec.model.drafts.eagle import EagleDraft as EagleDraft
 from jaxspec.model.drafts.eagle import eagle_draft as eagle_draft

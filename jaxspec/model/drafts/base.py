@@ -15,8 +15,9 @@ same methods, so it never asks which kind it has:
     check_fits       a clear error when it cannot serve a target
     check_spec       a clear error when it cannot propose the verify tree a SpecConfig asks for
     proposer         which draft loop drives it: "recurrent" (token by token, chains and trees),
-                     "lookup" (n-gram matches in the request's own history, no model) or
-                     "hybrid" (a model draft's tree with an n-gram branch grafted on)
+                     "lookup" (n-gram matches in the request's own history, no model),
+                     "hybrid" (a model draft's tree with an n-gram branch grafted on) or
+                     "block" (a whole block of proposals from one forward: DFlash)
 
 Detection and loading from checkpoints live in ``jaxspec.model.io.drafts``.
 
@@ -215,7 +216,7 @@ class Draft(abc.ABC):
                 f"draft was built for target hidden size {self.target_hidden_size}, "
                 f"the target has {target_cfg.hidden_size}"
             )
-        if self.aux_layers and max(self.aux_layers) >= target_cfg.num_layers:
+        if self.aux_layers and max(self.aux_layers) > target_cfg.num_layers:
             raise ValueError(f"draft taps target layers {self.aux_layers}; the target has {target_cfg.num_layers}")
 
     def check_spec(self, spec) -> None:
@@ -241,6 +242,15 @@ class DraftModel:
     @property
     def kind(self) -> str:
         return self.config.kind
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of a block draft (anchor included): ``SpecConfig.chain(block_size - 1)``
+        is its natural shape."""
+        size = getattr(self.config, "block_size", None)
+        if size is None:
+            raise AttributeError(f"a {self.kind} draft proposes token by token; it has no block_size")
+        return size
 
     def __repr__(self) -> str:
         return f"DraftModel(kind={self.kind!r}, path={self.path!r})"

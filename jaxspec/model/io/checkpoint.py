@@ -32,6 +32,21 @@ def rope_fields(rope) -> dict:
     return out
 
 
+def decoder_fields(cfg, num_layers: int) -> dict:
+    """The decoder-shape fields of an HF ``config.json`` (SwiGLU MLP, RMSNorm) for any config
+    with hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim and rms_norm_eps."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+
+
 def write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)

@@ -22,6 +22,7 @@ from jaxspec.model.drafts.eagle import eagle_draft
 from jaxspec.model.drafts.mtp import mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
+from jaxspec.model.io import dflash as dflash_io
 from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, fp8_block_size, read_config, resolve_dtype
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
@@ -108,6 +109,10 @@ def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
     return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path, mesh=target.mesh)
 
 
+def _load_dflash(ckpt, raw, target: Model, dtype, where, path):
+    return dataclasses.replace(dflash_io.load_dflash(ckpt, raw, target, dtype, where), mesh=target.mesh)
+
+
 def _is_lm(names: set[str]) -> bool:
     return any(n.startswith("model.layers.") for n in names) and "fc.weight" not in names and not find_mtp_layers(names)
 
@@ -123,6 +128,11 @@ DRAFT_FORMATS = (
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
     DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
+    DraftFormat("DFlash 2 block draft", ("DFlash2DraftModel",), dflash_io.is_dflash2, (LlamaConfig, DeepseekConfig),
+                _load_dflash),
+    DraftFormat("DFlash block draft", ("DFlashDraftModel",),
+                lambda names: dflash_io.is_dflash(names) and not dflash_io.is_dflash2(names),
+                (LlamaConfig, DeepseekConfig), _load_dflash),
     DraftFormat("standalone LM", LM_ARCHITECTURES, _is_lm, (LlamaConfig, DeepseekConfig, Gemma4Config),
                 _load_standalone),
 )
@@ -150,7 +160,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     """Loads a draft for ``target``; the kind is detected from the checkpoint.
 
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
-    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), a standalone LM of a supported
+    ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), DFlash and DFlash 2 block drafts
+    (z-lab layout; ``block_size`` on the result), a standalone LM of a supported
     family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
     Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3
     target -- the NextN/MTP layer stored in its checkpoint (pass the target's directory).

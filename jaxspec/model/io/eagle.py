@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from jaxspec.model.config import ConfigError, parse_rope
 from jaxspec.model.drafts.eagle import EagleConfig
-from jaxspec.model.io.checkpoint import CheckpointError, resolve_dtype, rope_fields, write_json
+from jaxspec.model.io.checkpoint import CheckpointError, decoder_fields, resolve_dtype, rope_fields, write_json
 from jaxspec.model.io.llama import attention_entries, mlp_entries
 from jaxspec.model.io.tables import (
     LINEAR, Param, Table, export_params, host_rng, init_params, load_params, replicated, shardings_for, under,
@@ -64,8 +64,8 @@ def detect_eagle_version(names) -> int | None:
     """From tensor names: 3 for EAGLE-3 (midlayer.* or a layers.0 with hidden_norm), 1 for
     EAGLE-1 (fc + one layer), None for anything else."""
     names = {strip_model_prefix(n) for n in names}
-    if "fc.weight" not in names:
-        return None
+    if "fc.weight" not in names or "hidden_norm.weight" in names or "layers.1.self_attn.q_proj.weight" in names:
+        return None  # a top-level hidden_norm or a second layer: a DFlash draft, not an EAGLE head
     if any(n.startswith("midlayer.") for n in names) or "layers.0.hidden_norm.weight" in names:
         return 3
     if "layers.0.self_attn.q_proj.weight" in names:
@@ -198,14 +198,7 @@ def eagle3_hf_config(cfg: EagleConfig, *, dtype: str, target_num_layers: int) ->
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
+        **decoder_fields(cfg, 1),
         **rope_fields(cfg.rope),
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,

@@ -9,7 +9,7 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxspec.model.io.checkpoint import resolve_dtype, rope_fields, write_json
+from jaxspec.model.io.checkpoint import decoder_fields, resolve_dtype, rope_fields, write_json
 from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, stacked
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -81,14 +81,7 @@ def llama_hf_config(cfg: LlamaConfig, *, dtype: str, bos_token_id=None, eos_toke
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
+        **decoder_fields(cfg, cfg.num_layers),
         **rope_fields(cfg.rope),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,

@@ -16,9 +16,10 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
-    """hidden: [B, T, H] final normed state; aux: [B, T, nA * H] or None (pre-norm residual
-    streams entering the tapped layers, concatenated low to high); pool: the KV pool with
-    this forward's K/V written."""
+    """hidden: [B, T, H] final normed state; aux: [B, T, nA * H] or None (the residual streams
+    entering the tapped layers, concatenated in ``aux_layers`` order; tap ``L`` is the final
+    normed state, as HF's ``hidden_states[L]``); pool: the KV pool with this forward's K/V
+    written."""
 
     hidden: jax.Array
     aux: jax.Array | None
@@ -27,14 +28,29 @@ class ForwardOutput:
 
 class AuxTaps:
     """Collects the residual stream entering each tapped layer inside a ``lax.scan`` over
-    layers: layer ``l`` writes slot ``tap[l]`` (untapped layers write a dummy slot)."""
+    layers: layer ``l`` writes slot ``tap[l]`` (untapped layers write a dummy slot).
+
+    Tap ``l`` is HF's ``hidden_states[l]``: the stream entering layer ``l``, i.e. the output of
+    layer ``l - 1``, for ``l < L``; tap ``L`` is the last entry of HF's ``hidden_states``, the
+    final *normed* state (transformers returns it there, so drafts trained on HF hidden states,
+    e.g. DFlash's ``target_layer_ids`` containing ``L - 1``, read exactly that), which
+    ``features`` takes after the scan. EAGLE-3 (inputs of layers 2, L//2, L-3) and DFlash
+    (outputs of any layers, ``l + 1``) read the same taps.
+    """
 
     def __init__(self, num_layers: int, aux_layers: tuple[int, ...]):
-        self.num_aux = len(aux_layers)
-        tap = np.full((num_layers,), self.num_aux, np.int32)
-        for i, layer in enumerate(aux_layers):
+        if any(not 0 <= a <= num_layers for a in aux_layers):
+            raise ValueError(f"aux taps {aux_layers} must be layers in [0, {num_layers}]")
+        # A layer may be tapped twice (EAGLE-3's 2, L//2, L-3 on a tiny target): it is recorded
+        # once, in one slot per distinct layer, and repeated when the features are concatenated.
+        distinct = sorted(set(aux_layers))
+        self.num_aux = len(distinct)
+        self.num_layers = num_layers
+        tap = np.full((num_layers + 1,), self.num_aux, np.int32)
+        for i, layer in enumerate(distinct):
             tap[layer] = i
         self.tap = tap
+        self.order = tuple(int(tap[a]) for a in aux_layers)  # slot of every requested tap, in order
 
     def empty(self, x: jax.Array) -> jax.Array | None:  # x [B, T, H] -> [nA + 1, B, T, H]
         return jnp.zeros((self.num_aux + 1,) + x.shape, x.dtype) if self.num_aux else None
@@ -44,10 +60,13 @@ class AuxTaps:
             return None
         return jax.lax.dynamic_update_index_in_dim(aux, x, jnp.asarray(self.tap)[layer], axis=0)
 
-    def features(self, aux: jax.Array | None) -> jax.Array | None:  # -> [B, T, nA * H]
+    def features(self, aux: jax.Array | None, final: jax.Array) -> jax.Array | None:  # -> [B, T, len(aux_layers) * H]
+        """The taps, concatenated in the requested order; ``final`` [B, T, H] is the final normed
+        state (tap ``L``)."""
         if aux is None:
             return None
-        return jnp.concatenate([aux[i] for i in range(self.num_aux)], axis=-1)
+        last = int(self.tap[self.num_layers])
+        return jnp.concatenate([final if i == last else aux[i] for i in self.order], axis=-1)
 
 
 @dataclasses.dataclass(eq=False)

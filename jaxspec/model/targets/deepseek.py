@@ -287,4 +287,4 @@ def deepseek_forward(
 
         (x, pool, aux, layer0), _ = jax.lax.scan(body, (x, pool, aux, layer0), params[group])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=pool)
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=pool)

@@ -140,7 +140,7 @@ def gemma4_forward(
     carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))
     (x, full, window, aux, _), _ = jax.lax.scan(group, carry, xs)
     hidden = norm(x, params["norm"], cfg.rms_norm_eps)
-    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=SplitPool(full=full, window=window))
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=SplitPool(full=full, window=window))
 
 
 def gemma4_logits(cfg: Gemma4Config, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]

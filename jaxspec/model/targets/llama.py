@@ -78,4 +78,4 @@ def llama_forward(
     (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, taps.empty(x), jnp.int32(0)), params["layers"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     pool = part if window is None else SplitPool(full=pool.full, window=part)
-    return ForwardOutput(hidden=hidden, aux=taps.features(aux), pool=pool)
+    return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=pool)

@@ -1,0 +1,86 @@
+"""The block draft loop: one draft forward proposes a whole block (DFlash, DFlash 2).
+
+    prefill   the target's prompt features -> the draft's context KV at positions [0, len)
+    propose   one block forward over [bonus, mask x S] at positions seq_len .. seq_len + S
+              -> the S proposals of a chain, or a tree (the chain plus alternatives per position,
+              ``shape.build_block``); chain sampling draws every proposal from its q
+    extend    the accepted tokens' features -> context KV at [seq_len, seq_len + accept_len)
+
+The draft's pool holds the context K/V of every committed position. The block's own K/V are
+written at the positions the block occupies (``seq_len + j``, the same slots the verify tree
+uses) and overwritten by the next extend, so nothing carries between steps but the pool.
+Any draft with ``proposer = "block"`` runs here: it implements ``block_forward`` (tokens ->
+hidden), ``candidates`` (greedy proposals and alternatives) and ``sample_path``.
+
+Glossary: B rows, S = num_steps proposals, Q = S + 1 block tokens, k = topk, A = S + 1,
+R prefilled rows, T prompt bucket, F target feature width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.draft.plan import KEY_SEED, Plan, StepRows, sub_keys
+from jaxspec.draft.shape import shape_for
+from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
+from jaxspec.model.sampling import uniforms
+
+
+class Block:
+    """Drives any draft that proposes a block of tokens in one forward."""
+
+    @staticmethod
+    def propose(plan: Plan, dparams: dict, rows: StepRows, dpool, ctx: DraftContext):
+        """-> (tree, q f32[B, S, V] for chain sampling else None, dpool)."""
+        draft, shape = plan.draft, shape_for(plan)
+        S = plan.spec.num_steps
+        B = rows.bonus.shape[0]
+        mask = jnp.full((B, S), draft.model.mask_token_id, jnp.int32)
+        tokens = jnp.concatenate([rows.bonus[:, None], mask], axis=1)  # [B, Q]
+        positions = rows.seq_lens[:, None] + jnp.arange(S + 1, dtype=jnp.int32)[None, :]
+        write = jnp.where(rows.active[:, None], positions, -1)
+        attn = AttentionInputs.build(ctx.page_table, rows.seq_lens, write, plan.page_size)
+        with jax.named_scope("draft_block"):
+            hidden, dpool = draft.block_forward(dparams, tokens, positions, dpool, attn,
+                                                implementation=plan.implementation)  # [B, Q, H]
+        hidden = hidden[:, 1:]  # the S proposal positions
+        if plan.draft_samples:
+            u = uniforms(sub_keys(rows.keys, KEY_SEED), (S,))  # [B, S]
+            drafted, q = draft.sample_path(dparams, hidden, rows.bonus, *rows.sampling, u, filtering=plan.filtering)
+            return shape.build_block(rows.bonus, drafted[:, :, None], None, plan), q, dpool
+        tokens, probs = draft.candidates(dparams, hidden, rows.bonus, shape.block_width(plan))  # [B, S, k]
+        return shape.build_block(rows.bonus, tokens, probs, plan), None, dpool
+
+    @staticmethod
+    def feature(plan: Plan, out):
+        return plan.draft.target_feature(out)
+
+    @staticmethod
+    def extend(plan: Plan, dparams: dict, rows: StepRows, predict, feature, accept_lens, dpool, ctx: DraftContext):
+        """Context K/V for the A front rows (the accepted ones are the first ``accept_lens``; the
+        rest sit past the new committed length and are overwritten before anything reads them).
+
+        predict: i32[B, A] accepted tokens then the bonus; feature: [B, A, F].
+        Returns (bonus i32[B], seed, dpool)."""
+        B, A = predict.shape
+        positions = rows.seq_lens[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]
+        write = jnp.where(rows.active[:, None], positions, -1)
+        attn = AttentionInputs.build(ctx.page_table, rows.seq_lens, write, plan.page_size)
+        _, dpool = plan.draft.extend(dparams, predict, feature, positions, dpool, attn, ctx,
+                                     implementation=plan.implementation)
+        bonus = jnp.take_along_axis(predict, (accept_lens - 1)[:, None], axis=1)[:, 0]
+        return bonus, rows.seed, dpool
+
+    @staticmethod
+    def prefill(plan: Plan, dparams: dict, tokens, lens, first, out, dpool, ctx: DraftContext, seed: DraftSeed):
+        """Context K/V of R new prompts (tokens i32[R, T], lens i32[R]) from the target's
+        prefill features; returns (seed, dpool)."""
+        R, T = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+        write = jnp.where(pos < lens[:, None], pos, -1)
+        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+        _, dpool = plan.draft.extend(dparams, tokens, plan.draft.target_feature(out), pos, dpool, attn, ctx,
+                                     implementation=plan.implementation)
+        return seed, dpool
