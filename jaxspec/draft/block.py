@@ -33,7 +33,7 @@ class Block:
 
     @staticmethod
     def propose(plan: Plan, dparams: dict, rows: StepRows, dpool, ctx: DraftContext):
-        """-> (tree, q f32[B, S, V] for chain sampling else None, dpool)."""
+        """-> (tree, q f32[B, S, V] for chain sampling else None, None (the whole block is verified), dpool)."""
         draft, shape = plan.draft, shape_for(plan)
         S = plan.spec.num_steps
         B = rows.bonus.shape[0]
@@ -49,9 +49,9 @@ class Block:
         if plan.draft_samples:
             u = uniforms(sub_keys(rows.keys, KEY_SEED), (S,))  # [B, S]
             drafted, q = draft.sample_path(dparams, hidden, rows.bonus, *rows.sampling, u, filtering=plan.filtering)
-            return shape.build_block(rows.bonus, drafted[:, :, None], None, plan), q, dpool
+            return shape.build_block(rows.bonus, drafted[:, :, None], None, plan), q, None, dpool
         tokens, probs = draft.candidates(dparams, hidden, rows.bonus, shape.block_width(plan))  # [B, S, k]
-        return shape.build_block(rows.bonus, tokens, probs, plan), None, dpool
+        return shape.build_block(rows.bonus, tokens, probs, plan), None, None, dpool
 
     @staticmethod
     def feature(plan: Plan, out):

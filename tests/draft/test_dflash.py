@@ -112,7 +112,6 @@ LOSSLESS = [
     ("dflash", js.SpecConfig(num_steps=7, topk=3, num_draft_tokens=16), 16, 4),
     ("dflash2", js.SpecConfig.chain(5), 16, 4),
     ("dflash2", js.SpecConfig(num_steps=7, topk=4, num_draft_tokens=12), 1, 4),
-    ("dflash_mixed", js.SpecConfig.chain(7), 16, 1),
     ("dflash_mixed", js.SpecConfig(num_steps=7, topk=2, num_draft_tokens=10), 1, 4),
 ]
 

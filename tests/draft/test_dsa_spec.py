@@ -61,9 +61,10 @@ def plain_greedy():
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,page,kind", [
     (js.SpecConfig.chain(3), 1, "mtp"),
-    (js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), 16, "mtp"),
     (js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5), 1, "perturbed"),
-], ids=["mtp-chain3-page1", "mtp-tree-page16", "perturbed-tree-page1"])
+], ids=["mtp-chain3-page1", "perturbed-tree-page1"])
+# The MTP tree at page 16 under sparse attention runs in tests/mesh (deepseek_v32_tp2_tree_mtp: TP=2
+# against one device), which also covers it on one device's numerics; not repeated here for time.
 def test_drafting_under_sparse_attention_is_lossless(spec, page, kind):
     target, mtp = dsa_target_and_mtp()
     assert mtp.kind == "mtp" and mtp.config.model.indexer

@@ -94,7 +94,7 @@ class NgramLookup(Draft):
         del dtype
         return NgramSeed.empty(batch, max_len)
 
-    def create_pool(self, *, num_pages, page_size, dtype):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
         return zero_pool(page_size, dtype)
 
     def forward(self, *args, **kwargs):
@@ -189,8 +189,9 @@ class Hybrid(Draft):
         return HybridSeed(base=self.model.empty_seed(batch, dtype=dtype, max_len=max_len),
                           ngram=self.ngram.empty_seed(batch, dtype=dtype, max_len=max_len))
 
-    def create_pool(self, *, num_pages, page_size, dtype):
-        return self.model.create_pool(num_pages=num_pages, page_size=page_size, dtype=dtype)
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+        return self.model.create_pool(num_pages=num_pages, page_size=page_size, dtype=dtype,
+                                      window_pages=window_pages)
 
     def forward(self, *args, **kwargs):
         return self.model.forward(*args, **kwargs)
