@@ -102,7 +102,8 @@ def test_dflash2_selector_path():
     np.testing.assert_array_equal(np.asarray(tokens[0, :, 0]), g["dflash2/block/selector_path"])
 
 
-@pytest.mark.parametrize("name,block", [(n, "config") for n in TRAINED] + [(TRAINED[-1], 4)])
+@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("block", ["config", 4])
 def test_generate_tokens_and_acceptance_lengths(name, block):
     """Greedy tokens and the accept length of every step whose block the reference ran whole (it
     shrinks the block near ``max_new_tokens``; jaxspec runs full blocks and cuts the output)."""

@@ -43,7 +43,8 @@ def test_dry_run_runs_every_stage(tmp_path):
         "paged_attention/verify/d16/p16", "mla_attention/decode/d32/p16"}
     steps = stages["steps"]["result"]
     assert steps["returncode"] == 0 and "step_timing.py --out" in steps["command"]
-    assert [r["config"] for r in steps["rows"]] == ["plain", "chain S=5", "tree S=5 k=4 n=8"]
+    assert [r["config"] for r in steps["rows"]] == ["plain", "chain S=5", "tree S=5 k=4 n=8",
+                                                  "dflash chain S=15 (block 16)"]
     assert all(r["ms_per_step"] > 0 for r in steps["rows"])
     md = (tmp_path / "gpu_check.md").read_text()
     for name in gpu_check.STAGES:
