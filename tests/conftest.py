@@ -17,6 +17,11 @@ from jaxspec.model.targets import Model
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
+# tests/train runs in a process of its own (tests/test_train_process.py): after the rest of the
+# suite has compiled some thousand programs in one process, XLA:CPU's compiler crashed (SIGSEGV in
+# backend_compile_and_load) on the DFlash training programs twice; in a fresh process they pass.
+collect_ignore = [] if os.environ.get("JAXSPEC_TRAIN_PROCESS") else ["train"]
+
 # Float32 matmuls at full precision so TF32 on GPUs cannot blur exact-token comparisons.
 jax.config.update("jax_default_matmul_precision", "highest")
 
