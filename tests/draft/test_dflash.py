@@ -187,3 +187,31 @@ def test_speculative_sampling_matches_target_distribution(name, sampling):
                       engine=js.EngineConfig(page_size=4, max_batch=64, max_seq_len=32), progress=False)
     lens = np.concatenate([s.accept_lens for s in out.stats])
     assert (lens == 1).any() and (lens > 2).any()  # rejections and acceptances both happen
+
+
+# ----------------------------------------------------------------------------------- Gemma 4 target
+
+
+def test_gemma4_target_tree_past_its_window():
+    """The DFlash draft trained on the Gemma 4 golden target, with the target's sliding layers
+    narrowed to a window of 8 (the window pool returns pages while the requests run): a block tree
+    at page 16 over a ragged batch equals plain greedy, and some proposals are accepted."""
+    import dataclasses
+
+    from tests.model import test_golden_dflash as goldens
+
+    wide = goldens.target("dflash_gemma4")
+    t = dataclasses.replace(wide, config=dataclasses.replace(wide.config, sliding_window=8))
+    d = goldens.draft("dflash", "dflash_gemma4")
+    prompts = goldens.case("dflash", "dflash_gemma4")["prompts"]
+    sampling = js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=())
+    eng = js.EngineConfig(page_size=16, max_batch=4, max_seq_len=80, steps_per_call=4)
+    plain_ids = js.generate(t, prompts, sampling=sampling, engine=eng, progress=False).token_ids
+    wide_ids = [goldens.golden("dflash_gemma4")[f"dflash/generate/p{j}/b8/tokens"].tolist() for j in range(len(prompts))]
+    assert plain_ids != wide_ids  # the narrow window changes the text: it is in force
+    spec = js.SpecConfig(num_steps=7, topk=2, num_draft_tokens=10)
+    out = js.generate(t, prompts, draft=d, spec=spec, sampling=sampling, engine=eng, progress=False)
+    assert out.token_ids == plain_ids
+    assert out.kv_pages_free == out.kv_pages_total
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    assert lens.max() >= 3, lens

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""A DFlash draft on a Gemma 4 target, against the reference ``dflash`` package.
+
+Writes tests/data/golden/dflash_gemma4 (see its README.md). NOT run in CI; the same venv as
+``scripts/make_dflash_golden.py`` (torch, transformers 5.23.0, ``dflash==0.1.0`` with ``--no-deps``):
+
+    VENV/bin/python scripts/make_dflash_gemma4_golden.py
+
+What it writes:
+  target/       a tiny Gemma4ForCausalLM: layers [S, S, F, S, S, F], sliding and full heads of
+                different widths, k = v on full layers, layer scalars, tied head, soft cap 30,
+                embedding scaled by sqrt(64); sliding_window 128 (longer than every sequence here: the
+                reference's HF cache cannot roll back a sliding layer once its window is full)
+  dflash/       DFlashDraftModel, 2 full non-causal layers, block 8, taps [1, 5] (5: the last layer,
+                HF's final normed state), input_embedding_scale 8 (the target's own sqrt(H), which the
+                reference's raw embedding lookup leaves out) and the target's soft cap 30; trained
+                briefly (the training of make_dflash_golden.py) so that acceptance varies
+  golden.npz    block logits for given context features and block tokens; per prompt and block
+                size (8 and 4), ``dflash_generate``'s greedy tokens and per-step acceptance lengths
+  manifest.json versions, prompts, margins
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_dflash_golden as dg  # noqa: E402  (block_golden, generate_golden, training, reinit)
+import make_golden_sliding as sg  # noqa: E402  (the Gemma 4 config and weight init of the sliding goldens)
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Qwen3Config  # noqa: E402
+
+OUT = dg.REPO_ROOT / "tests" / "data" / "golden" / "dflash_gemma4"
+WINDOW = 128
+MIN_MARGIN = 1e-2  # Gemma 4's sandwich norms amplify float32 rounding (the sliding goldens use the same)
+
+
+def make_target(seed: int) -> Gemma4ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Gemma4TextConfig(**dict(sg.GEMMA_TEXT, vocab_size=dg.VOCAB, sliding_window=WINDOW))
+    cfg._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(cfg).eval()
+    sg.gemma_reinit_(model, torch.Generator().manual_seed(seed))
+    return model
+
+
+def draft_config(target) -> Qwen3Config:
+    tc = target.config
+    return Qwen3Config(
+        vocab_size=dg.VOCAB, hidden_size=tc.hidden_size, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        num_target_layers=tc.num_hidden_layers, tie_word_embeddings=False, num_hidden_layers=2,
+        architectures=["DFlashDraftModel"],
+        dflash_config={"block_size": dg.BLOCK, "mask_token_id": dg.MASK, "target_layer_ids": [1, 5],
+                       "input_embedding_scale": float(tc.hidden_size) ** 0.5,
+                       "final_logit_softcapping": tc.final_logit_softcapping})
+
+
+def main() -> None:
+    log = functools.partial(print, flush=True)
+    if OUT.exists():
+        for old in OUT.iterdir():
+            if old.name != "README.md":
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    OUT.mkdir(parents=True, exist_ok=True)
+    target = make_target(seed=1)
+    target.save_pretrained(OUT / "target", safe_serialization=True)
+    prompt_len, total = 8, 56
+    ids, hs = dg.target_data(target, 256, prompt_len, total, torch.Generator().manual_seed(2))
+    cfg = draft_config(target)
+    draft = dg.make_draft("dflash", cfg, seed=10)
+    log("training dflash on the Gemma 4 target")
+    with torch.enable_grad():
+        dg.train_draft(draft, target, ids, hs, prompt_len=prompt_len, steps=dg.TRAIN_STEPS, seed=20, log=log)
+    prompt_gen = torch.Generator().manual_seed(3)
+    block_prompt = torch.randint(0, dg.MASK, (dg.BLOCK_CTX,), generator=prompt_gen).tolist()
+    golden = {f"dflash/block/{k}": v for k, v in dg.block_golden(draft, target, block_prompt).items()}
+    prompts, runs, tries = [], [], 0
+    while len(prompts) < dg.NUM_PROMPTS:
+        tries += 1
+        if tries > 200:
+            raise RuntimeError(f"no prompts with margins >= {MIN_MARGIN}")
+        p = torch.randint(0, dg.MASK, ([5, 11, 17][len(prompts)],), generator=prompt_gen).tolist()
+        try:
+            rec = {bs: dg.generate_golden(draft, target, p, bs) for bs in (draft.block_size, 4)}
+        except AssertionError:  # a near-tie the verify forward rounds the other way: not a usable prompt
+            continue
+        if min(min(r[2], r[3]) for r in rec.values()) < MIN_MARGIN:
+            continue
+        prompts.append(p)
+        runs.append(rec)
+    case = {"name": "dflash", "dir": "dflash", "architecture": "DFlashDraftModel", "trained": True,
+            "block_size": draft.block_size, "target_layer_ids": list(draft.target_layer_ids),
+            "block_prompt": block_prompt, "prompts": prompts, "max_new_tokens": dg.MAX_NEW, "generate": []}
+    for j, rec in enumerate(runs):
+        for bs, (toks, acc, dm, tm) in rec.items():
+            golden[f"dflash/generate/p{j}/b{bs}/tokens"] = np.asarray(toks, np.int32)
+            golden[f"dflash/generate/p{j}/b{bs}/accept"] = np.asarray(acc, np.int32)
+            case["generate"].append({"prompt": j, "block_size": bs, "acceptance_lengths": acc,
+                                     "min_draft_margin": dm, "min_target_margin": tm})
+    log(f"acceptance lengths {[g['acceptance_lengths'] for g in case['generate']]}")
+    draft.save_pretrained(OUT / "dflash", safe_serialization=True)
+    np.savez(OUT / "golden.npz", **golden)
+    manifest = {
+        "generator": "scripts/make_dflash_gemma4_golden.py", "torch_version": torch.__version__,
+        "transformers_version": dg.transformers.__version__, "dflash_version": getattr(dg.dflash, "__version__", "0.1.0"),
+        "target": {"dir": "target", "architecture": "Gemma4ForCausalLM", "num_hidden_layers": target.config.num_hidden_layers,
+                   "vocab_size": dg.VOCAB, "hidden_size": target.config.hidden_size, "sliding_window": WINDOW},
+        "mask_token_id": dg.MASK, "min_margin": MIN_MARGIN, "atol": sg.GEMMA_ATOL, "rtol": sg.GEMMA_RTOL,
+        "cases": [case],
+    }
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(1)
+    main()
