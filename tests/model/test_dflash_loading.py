@@ -16,10 +16,14 @@ from safetensors.numpy import load_file, save_file
 
 import jaxspec as js
 from jaxspec.model.config import ConfigError
-from jaxspec.model.drafts.dflash import default_target_layer_ids
+from jaxspec.model.drafts.dflash import default_target_layer_ids, dflash_config_for
 from jaxspec.model.io.checkpoint import CheckpointError
 from jaxspec.model.io.dflash import export_dflash
-from tests.model.test_golden_dflash import ROOT, draft, target
+from jaxspec.model.io.loader import target_family
+from tests.conftest import DATA
+from tests.model.test_golden_dflash import draft, target
+
+ROOT = os.path.join(DATA, "golden", "dflash")
 
 
 def copy(tmp_path, name: str, drop=(), **config):
@@ -99,3 +103,23 @@ def test_export_round_trips(tmp_path, name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     names = set(load_file(str(tmp_path / name / "model.safetensors")))
     assert not any(n.startswith(("embed", "lm_head", "model.")) for n in names)  # the target's are not written
+
+
+@pytest.mark.parametrize("golden_dir,layout", [
+    ("qwen3", None),  # the target's own heads
+    ("dflash_gemma4/target", (4, 2, 16, 10_000.0)),  # Gemma 4: the sliding layers' heads and RoPE
+    ("deepseek_v3_dense", "hidden / heads"),  # MLA: no head layout to copy
+])
+def test_a_new_draft_has_heads_for_every_target_family(golden_dir, layout):
+    """``dflash_config_for`` (what ``train-draft --method dflash`` builds) for each target family."""
+    with open(os.path.join(DATA, "golden", golden_dir, "config.json")) as f:
+        raw = json.load(f)
+    cfg = target_family(raw, "config.json").parse(raw, "config.json")
+    d = dflash_config_for(cfg, num_layers=2, block_size=8, mask_token_id=1)
+    got = (d.num_heads, d.num_kv_heads, d.head_dim, d.rope.theta)
+    if layout is None:
+        layout = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope.theta)
+    elif layout == "hidden / heads":
+        layout = (cfg.num_heads, cfg.num_heads, cfg.hidden_size // cfg.num_heads, 10_000.0)
+    assert got == layout
+    assert d.hidden_size == cfg.hidden_size and d.num_target_layers == cfg.num_layers

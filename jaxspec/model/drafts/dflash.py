@@ -122,22 +122,37 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
+def draft_attention_layout(target_cfg) -> tuple[int, int, int, RopeConfig]:
+    """(heads, KV heads, head dim, RoPE) of a new draft's Qwen3-style layers for ``target_cfg``:
+    the target's own for Llama-family targets, the sliding layers' for Gemma 4; an MLA target
+    (DeepSeek) has no such heads, so the draft takes ``hidden / heads``-wide heads, all of them KV
+    heads, with default RoPE."""
+    shape = getattr(target_cfg, "sliding", None)  # Gemma 4: per-layer-type attention shapes
+    if shape is not None:
+        return target_cfg.num_heads, shape.num_kv_heads, shape.head_dim, shape.rope
+    if hasattr(target_cfg, "head_dim"):
+        return target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.head_dim, target_cfg.rope
+    heads = target_cfg.num_heads
+    return heads, heads, target_cfg.hidden_size // heads, RopeConfig()
+
+
 def dflash_config_for(target_cfg, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int,
                       intermediate_size: int | None = None, target_layer_ids=None) -> DFlashConfig:
-    """A DFlash 1 draft shaped for ``target_cfg`` (its width and head layout; the reference's
-    default taps for ``num_layers`` draft layers)."""
+    """A DFlash 1 draft shaped for ``target_cfg`` (its width, ``draft_attention_layout``'s heads;
+    the reference's default taps for ``num_layers`` draft layers)."""
     L = target_cfg.num_layers
     ids = tuple(target_layer_ids) if target_layer_ids else default_target_layer_ids(L, num_layers)
+    heads, kv_heads, head_dim, rope = draft_attention_layout(target_cfg)
     return DFlashConfig(
         version=1,
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_layers=num_layers,
-        num_heads=target_cfg.num_heads,
-        num_kv_heads=target_cfg.num_kv_heads,
-        head_dim=target_cfg.head_dim,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=target_cfg.rms_norm_eps,
-        rope=target_cfg.rope,
+        rope=rope,
         vocab_size=target_cfg.vocab_size,
         target_layer_ids=ids,
         num_target_layers=L,
