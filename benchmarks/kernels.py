@@ -11,7 +11,8 @@ must move (unique reads + writes) over the HBM bandwidth of the device (datashee
 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides). Times include the launch, as in the
 engine. The verify-step attention is timed at the Llama-3-8B shape (32 q heads, 8 KV heads,
 D = 128, bf16) for batch 1 and 16, context 1k and 8k, n = 8 and 64 tree nodes; MLA at the
-DeepSeek-V3 shape (128 heads, latent 512 + rope 64).
+DeepSeek-V3 shape (128 heads, latent 512 + rope 64); the DSA indexer scores at DeepSeek-V3.2's
+(64 heads x 128, page 64) for decode and an 8-node verify at 16k and 64k context.
 
 ``--xla-vs-reference`` times, in one run on any device, the XLA path users run
 (``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
@@ -39,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from jaxspec.pallas import dispatch  # noqa: E402
+from jaxspec.pallas.dsa_indexer import index_scores, index_scores_reference  # noqa: E402
 from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
@@ -172,6 +174,48 @@ def mla_fn(s: MLAShape, implementation):
 
 
 @dataclasses.dataclass(frozen=True)
+class IndexerShape:
+    name: str
+    batch: int
+    context: int
+    nodes: int
+    heads: int = 64
+    width: int = 128
+    page_size: int = 64
+    dtype: str = "bfloat16"
+
+
+def indexer_problem(s: IndexerShape, seed: int = 0):
+    """Random index-score step: ``nodes`` rows (a random tree; 1 = decode) after ``context``."""
+    args, _ = attention_problem(AttnShape(s.name, s.batch, s.context, s.nodes, q_heads=1, kv_heads=1, head_dim=1,
+                                          page_size=s.page_size, dtype=s.dtype), seed)
+    table, prefix, mask = args[4], args[5], args[6]
+    N = (table.shape[0] * table.shape[1] + 1) * s.page_size
+    dt = jnp.dtype(s.dtype)
+    kq, kw, kk = jax.random.split(jax.random.PRNGKey(seed + 2), 3)
+    q = jax.random.normal(kq, (s.batch, s.nodes, s.heads, s.width), dt)
+    w = jax.random.normal(kw, (s.batch, s.nodes, s.heads), jnp.float32)
+    pool = jax.random.normal(kk, (1, N, s.width), dt)
+    K = table.shape[1] * s.page_size
+    floor = (s.batch * (s.context + s.nodes) * s.width + q.size) * dt.itemsize + w.size * 4 \
+        + s.batch * s.nodes * K * 4  # visible keys and queries in, f32 scores out
+    return (q, w, pool, jnp.int32(0), table, prefix, None if s.nodes == 1 else mask), floor
+
+
+def indexer_fn(s: IndexerShape, implementation):
+    if callable(implementation):
+        return jax.jit(functools.partial(implementation, page_size=s.page_size))
+    return jax.jit(functools.partial(index_scores, page_size=s.page_size, implementation=implementation))
+
+
+def indexer_shapes(smoke: bool) -> list[IndexerShape]:
+    if smoke:
+        return [IndexerShape("indexer-smoke", 2, 40, 4, heads=4, width=16, page_size=4, dtype="float32")]
+    return [IndexerShape(f"deepseek-v3.2 indexer {'decode' if n == 1 else f'verify n={n}'} B={b} ctx={c}", b, c, n)
+            for c in (16384, 65536) for b, n in ((1, 1), (16, 8))]
+
+
+@dataclasses.dataclass(frozen=True)
 class MoveShape:
     name: str
     layers: int
@@ -297,6 +341,11 @@ def bench(args) -> list[dict]:
         t_p = median_seconds(mla_fn(s, "pallas"), a, **timing)
         t_x = median_seconds(mla_fn(s, "xla"), a, **timing)
         record("mla", s.name, floor, t_p, t_x)
+    for s in indexer_shapes(args.smoke):
+        a, floor = indexer_problem(s)
+        t_p = median_seconds(indexer_fn(s, "pallas"), a, **timing)
+        t_x = median_seconds(indexer_fn(s, "xla"), a, **timing)
+        record("indexer", s.name, floor, t_p, t_x)
     for s in move_shapes(args.smoke):
         (bufs, src, dst), floor = move_problem(s)
         t_p = median_seconds(move_fn("pallas"), (bufs, src, dst), feed_back=True, **timing)
@@ -379,6 +428,17 @@ def check(args) -> list[dict]:
             a, _ = mla_problem(s, seed=1)
             close(mla_fn(s, "pallas")(*a), mla_fn(s, mla_attention_reference)(*a), s.dtype)
         report("mla", s.name, mla)
+    for s in indexer_shapes(True) + ([] if args.smoke else [
+            IndexerShape("check indexer verify B=2 ctx=3000 n=8", 2, 3000, 8),
+            IndexerShape("check indexer decode B=3 ctx=1000 page1 f32", 3, 1000, 1, page_size=1, dtype="float32")]):
+        def indexer(s=s):
+            a, _ = indexer_problem(s, seed=1)
+            got, want = np.asarray(indexer_fn(s, "pallas")(*a)), np.asarray(indexer_fn(s, index_scores_reference)(*a))
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+            scale = float(np.abs(want[np.isfinite(want)]).max())  # scores sum 64 heads: compare at their scale
+            np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=TOL[s.dtype],
+                                       atol=TOL[s.dtype] * scale)
+        report("indexer", s.name, indexer)
     for s in move_shapes(True) + ([] if args.smoke else [
             MoveShape("check mla+indexer", 3, 4096, ((576,), (128,)), 4, 5)]):
         def move(s=s):

@@ -12,7 +12,8 @@
 A shape class is a string ``op/phase/d<head dim>/p<page size>`` for attention (phase:
 decode, prefill, verify, draft; MLA uses the latent width as its head dim),
 ``mla_sparse_attention/<decode|rows>/d<latent>`` for sparse MLA (slots are given: no page
-size), and the op name for the copy kernels. Patterns use ``fnmatch`` wildcards (``paged_attention/*/d512/*``); the
+size), ``dsa_indexer/<decode|rows>/h<heads>d<width>`` for the DSA indexer scores (its tile is
+``IndexerBlocks``, not read from the table), and the op name for the copy kernels. Patterns use ``fnmatch`` wildcards (``paged_attention/*/d512/*``); the
 most specific match wins (fewest ``*``, then longest). What the table does not name falls
 back to the heuristics of ``block_sizes`` (the default entry), and interpret mode always uses
 the heuristics (the CPU runs programs one after another, so it wants few of them).

@@ -15,6 +15,8 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   batch 1 and 32.
 * DeepSeek-V3.2 sparse MLA: the same heads over 2048 slots selected per query row (the
   indexer's top-k), decode at batch 1 and 32, verify n=8 at batch 32.
+* DeepSeek-V3.2 lightning indexer scores: 64 heads x 128 over 64k positions (page 64), decode
+  at batch 1 and tree verify n=8 at batch 32.
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
   512 (full layers, 32 / 4 heads). They need not meet the spill criterion, but then the
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.pallas import block_table
+from jaxspec.pallas.dsa_indexer import index_scores_pallas
 from jaxspec.pallas.gather_extras import gather_spec_extras_pallas
 from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
@@ -118,6 +121,21 @@ def mla_sparse_attention_case(batch: int, rows: int, selected: int = 2048, conte
         return mla_sparse_attention_pallas(ql, qr, kv, layer, slots, sm_scale=(128 + 64) ** -0.5, interpret=False)
 
     return fn, (q_latent, q_rope, pool, _sds((), _I32), slots)
+
+
+def dsa_indexer_case(batch: int, rows: int, context: int = 65536, page_size: int = 64):
+    """DeepSeek-V3.2's lightning indexer scores: 64 heads of width 128 over ``context``
+    positions per request (bf16 indexer keys, 61 layers); ``rows`` > 1 is a tree verify (block mask)."""
+    W = context // page_size
+    index_q = _sds((batch, rows, 64, 128), _BF16)
+    weights = _sds((batch, rows, 64), jnp.float32)
+    pool = _sds((61, (batch * W + 1) * page_size, 128), _BF16)
+    mask = _sds((batch, rows, rows), jnp.bool_) if rows > 1 else None
+
+    def fn(q, w, k, layer, table, prefix, mask):
+        return index_scores_pallas(q, w, k, layer, table, prefix, mask, page_size=page_size, interpret=False)
+
+    return fn, (index_q, weights, pool, _sds((), _I32), _sds((batch, W), _I32), _sds((batch,), _I32), mask)
 
 
 def kv_move_case(layers: int, slots: int, rows: tuple[tuple[int, ...], ...], batch: int, steps: int):
@@ -232,6 +250,10 @@ CASES: list[CompileCase] = [
                 functools.partial(mla_sparse_attention_case, 32, 1)),
     CompileCase("deepseek-v3.2 sparse mla verify n=8 B=32", "mla_sparse_attention",
                 functools.partial(mla_sparse_attention_case, 32, 8)),
+    # DeepSeek-V3.2 lightning indexer scores at 64k context (top-k stays in XLA)
+    CompileCase("deepseek-v3.2 indexer decode B=1 64k", "dsa_indexer", functools.partial(dsa_indexer_case, 1, 1)),
+    CompileCase("deepseek-v3.2 indexer verify n=8 B=32 64k", "dsa_indexer",
+                functools.partial(dsa_indexer_case, 32, 8)),
     # KV move (tree compaction, S = 5 accepted at most) and the fused gather
     CompileCase("kv_move llama3-8b k+v B=32 S=6", "kv_move",
                 functools.partial(kv_move_case, 32, 32 * CTX + 16, ((8, 128), (8, 128)), 32, 6)),

@@ -46,6 +46,17 @@ def test_the_cases_are_sparse():
         assert max(len(p) for p in c["prompts"]) + c["greedy_new_tokens"] > 4 * c["index"]["index_topk"]
 
 
+def test_sparse_prefill_with_the_kernels_matches_hf():
+    """The indexer-score and sparse-MLA Pallas kernels (interpret mode) inside the model: a causal
+    prefill beyond ``index_topk`` matches HF's logits, as the XLA path does."""
+    case, model, ref = load("deepseek_v32_dense")
+    kernels = {"dsa_indexer": "pallas", "mla_sparse_attention": "pallas"}
+    i = max(range(len(case["prompts"])), key=lambda j: len(case["prompts"][j]))
+    assert len(case["prompts"][i]) > 2 * model.config.index_topk
+    logits, _, _ = forward_sequence(model, np.asarray([case["prompts"][i]]), implementation=kernels)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[f"logits_{i}"], atol=case["atol"], rtol=case["rtol"])
+
+
 @pytest.mark.parametrize("name", sorted(PAGE))
 def test_sparse_attention_matches_hf(name):
     case, model, ref = load(name)

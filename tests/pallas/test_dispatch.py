@@ -63,7 +63,7 @@ def test_bad_choices_raise():
         dispatch.choose("kv_move", "cuda", shape_class="kv_move")
     with pytest.raises(NotImplementedError, match="paged_attention: too wide"):
         dispatch.choose("paged_attention", "pallas", shape_class=VERIFY_128, unsupported="too wide")
-    assert set(KERNEL_OPS) == {"paged_attention", "mla_attention", "mla_sparse_attention", "kv_move",
+    assert set(KERNEL_OPS) == {"paged_attention", "mla_attention", "mla_sparse_attention", "dsa_indexer", "kv_move",
                                "gather_spec_extras"}
 
 

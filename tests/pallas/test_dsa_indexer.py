@@ -1,8 +1,10 @@
-"""DSA lightning indexer: index scores (jnp reference and the XLA path) against a float64 numpy
-oracle, and the top-k selection over the positions each row may see (causal prefill rows, tree
+"""DSA lightning indexer: index scores (jnp reference, the XLA path and the Pallas kernel in
+interpret mode) against a float64 numpy oracle, and the top-k selection over the positions each row may see (causal prefill rows, tree
 rows that see the prefix and their own ancestors, never siblings), on fresh random problems."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ from jaxspec.pallas import dsa_indexer
 # Jitted: one compile each instead of op-by-op dispatch (keeps the test short).
 index_scores_reference = jax.jit(dsa_indexer.index_scores_reference, static_argnames="page_size")
 index_scores_xla = jax.jit(dsa_indexer.index_scores_xla, static_argnames="page_size")
+index_scores_pallas = jax.jit(functools.partial(dsa_indexer.index_scores_pallas, interpret=True),
+                              static_argnames=("page_size", "blocks"))
 indexer_top_k = jax.jit(dsa_indexer.indexer_top_k, static_argnames=("page_size", "topk"))
 
 B, Hi, Di, L, P = 2, 3, 8, 2, 4
@@ -89,7 +93,7 @@ def test_index_scores_and_top_k_over_visible_positions(kind):
     args = (jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), jnp.int32(1), jnp.asarray(table), jnp.asarray(pre),
             None if block is None else jnp.asarray(block))
     score, slots = oracle_scores(q, w, k, 1, table, pre, rows)
-    for fn in (index_scores_reference, index_scores_xla):
+    for fn in (index_scores_reference, index_scores_xla, index_scores_pallas):
         got = np.asarray(fn(*args, page_size=P))
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(score), fn.__name__)
         np.testing.assert_allclose(got[np.isfinite(got)], score[np.isfinite(score)], rtol=1e-5, atol=1e-5)
@@ -111,3 +115,35 @@ def test_bad_inputs_are_clear_errors():
         dsa_indexer.indexer_top_k(*args, page_size=P, topk=2 * P + 1)
     with pytest.raises(ValueError, match="weights"):
         dsa_indexer.indexer_top_k(args[0], args[1][:, :, :1], *args[2:], page_size=P, topk=2)
+
+
+@pytest.mark.parametrize("case", [
+    # B, T, Hi, Di, page, W, prefix, block kind, pool dtype, block_k
+    (2, 1, 64, 128, 16, 5, [37, 80], "causal", jnp.bfloat16, 32),  # decode, V3.2's head layout, ragged
+    (1, 4, 5, 24, 4, 6, [9], "tree", jnp.float32, 16),  # padded heads and width, a tile past K
+    (3, 3, 8, 16, 1, 20, [0, 7, 16], "causal", jnp.float32, 8),  # page 1, an empty prefix
+], ids=["decode-h64d128-bf16", "tree-padded", "page1-causal"])
+def test_pallas_index_scores_equal_the_reference(case):
+    """The kernel (interpret mode) on fresh random problems: scores within f32 / bf16 rounding of
+    the reference, -inf exactly where the reference has it, and the same top-k picks."""
+    Bc, T, H, D, page, W, prefix, kind, dtype, bk = case
+    rng = np.random.default_rng(1000 * Bc + 100 * T + H)
+    N = (Bc * W + 1) * page
+    table = (1 + rng.permutation(Bc * W)).reshape(Bc, W).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((Bc, T, H, D)), dtype)
+    w = jnp.asarray(rng.standard_normal((Bc, T, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, N, D)), dtype)
+    mask = None
+    if kind == "tree":
+        mask = jnp.asarray(np.broadcast_to(tree_mask()[:T, :T], (Bc, T, T)))
+    args = (q, w, k, jnp.int32(1), jnp.asarray(table), jnp.asarray(prefix, jnp.int32), mask)
+    want = np.asarray(index_scores_reference(*args, page_size=page))
+    got = np.asarray(index_scores_pallas(*args, page_size=page, blocks=dsa_indexer.IndexerBlocks(block_k=bk)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=tol, atol=tol * np.abs(want[np.isfinite(want)]).max())
+    if dtype == jnp.float32:
+        topk = 6
+        picked = dsa_indexer.indexer_top_k(*args, page_size=page, topk=topk, implementation="pallas")
+        slots = table[:, np.arange(W * page) // page] * page + np.arange(W * page) % page
+        check_selection(picked, want, slots, topk)

@@ -35,8 +35,8 @@ def test_dry_run_runs_every_stage(tmp_path):
     assert stages["pytest"]["result"]["returncode"] == 0
     assert "tests collected" in stages["pytest"]["result"]["summary"]
     check = stages["check"]["result"]
-    assert check["failed"] == 0 and {r["kind"] for r in check["results"]} == {"attention", "mla", "kv_move", "gather"}
-    assert {r["kind"] for r in stages["kernels"]["result"]["results"]} == {"attention", "mla", "kv_move", "gather"}
+    assert check["failed"] == 0 and {r["kind"] for r in check["results"]} == {"attention", "mla", "indexer", "kv_move", "gather"}
+    assert {r["kind"] for r in stages["kernels"]["result"]["results"]} == {"attention", "mla", "indexer", "kv_move", "gather"}
     sweep = stages["sweep"]["result"]
     table = json.loads((tmp_path / "block_table.json").read_text())
     assert set(table[sweep["gpu"]]["blocks"]) == {r["class"] for r in sweep["results"]} == {

@@ -164,8 +164,13 @@ def mla_attention_block(
         # Every model shard selects the same positions (replicated indexer), then attends
         # with its own heads over them.
         index_q, index_w = indexer_query(lp, cfg, h, q_resid, positions, inv_freq)
-        slots = indexer_top_k(index_q, index_w, pool.index_k, layer, attn.page_table, attn.prefix_lens,
-                              attn.block_mask, page_size=pool.page_size, topk=cfg.index_topk)  # i32[B, T, topk]
+        def select(index_q, index_w, index_k, layer, page_table, prefix_lens, block_mask):
+            return indexer_top_k(index_q, index_w, index_k, layer, page_table, prefix_lens, block_mask,
+                                 page_size=pool.page_size, topk=cfg.index_topk, implementation=implementation)
+
+        # Replicated: every model shard runs the whole indexer (a kernel call inside one shard).
+        slots = per_model_shard(select, in_specs=(P(),) * 7, out_specs=P(), shards=cfg.tensor_parallel)(
+            index_q, index_w, pool.index_k, layer, attn.page_table, attn.prefix_lens, attn.block_mask)  # i32[B, T, topk]
 
         def attend_selected(q_latent, q_rope, kv, layer, slots):
             return mla_sparse_attention(q_latent, q_rope, kv, layer, slots, sm_scale=cfg.sm_scale,
