@@ -4,6 +4,7 @@ their compiles."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
@@ -17,10 +18,38 @@ from jaxspec.model.targets import Model
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
-# tests/train runs in a process of its own (tests/test_train_process.py): after the rest of the
-# suite has compiled some thousand programs in one process, XLA:CPU's compiler crashed (SIGSEGV in
-# backend_compile_and_load) on the DFlash training programs twice; in a fresh process they pass.
+# tests/train runs in a process of its own (tests/test_train_process.py), which also keeps its
+# training programs out of this process's memory maps (below).
 collect_ignore = [] if os.environ.get("JAXSPEC_TRAIN_PROCESS") else ["train"]
+
+
+# Every program XLA:CPU compiles keeps about five memory mappings (its JIT code and data) for as
+# long as a jit cache holds it. The suite compiles over ten thousand programs in one process, which
+# passes the kernel's per-process limit (vm.max_map_count, 65530 by default): mmap then fails inside
+# the compiler, which crashes (SIGSEGV in backend_compile_and_load, at the same instruction every
+# time). Between test modules, once the count passes this share of the limit, the jit caches are
+# dropped (the next module recompiles what it needs).
+MAP_SHARE_BEFORE_CLEARING = float(os.environ.get("JAXSPEC_TEST_MAP_SHARE", "0.6"))
+
+
+def memory_map_count() -> tuple[int, int]:
+    """(mappings of this process, the kernel's limit); (0, 0) where /proc does not say."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    count, limit = memory_map_count()
+    if limit and count > MAP_SHARE_BEFORE_CLEARING * limit:
+        jax.clear_caches()
+        gc.collect()
 
 # Float32 matmuls at full precision so TF32 on GPUs cannot blur exact-token comparisons.
 jax.config.update("jax_default_matmul_precision", "highest")
