@@ -171,6 +171,11 @@ def _scores_kernel(
     plgpu.store(out_ref.at[out], jnp.where(visible, score, -jnp.inf), mask=pos < K)
 
 
+def _causal_scores_kernel(layer_ref, table_ref, prefix_ref, *refs, **kw):
+    """The kernel without a block-mask input (causal rows)."""
+    return _scores_kernel(layer_ref, table_ref, prefix_ref, None, *refs, **kw)
+
+
 def indexer_blocks(*, heads: int, width: int) -> IndexerBlocks:
     """Tiles: the Hi x block_k f32 score tile and the block_k x Di keys in registers."""
     block_k = 64 if next_pow2(heads) * next_pow2(width) <= 64 * 128 else 32
@@ -186,8 +191,7 @@ def _scores_call(index_q, weights, index_k_pool, layer, page_table, prefix_lens,
     K = W * page_size
     Wb = 0 if block_mask is None else block_mask.shape[2]
     kernel = functools.partial(
-        _scores_kernel if block_mask is not None else
-        (lambda layer, table, prefix, *rest, **kw: _scores_kernel(layer, table, prefix, None, *rest, **kw)),
+        _scores_kernel if block_mask is not None else _causal_scores_kernel,
         rows=T, heads=Hi, width=Di, page_size=page_size, table_width=W, num_slots=N, block_width=Wb,
         h_pad=max(16, next_pow2(Hi)), d_pad=max(16, next_pow2(Di)), block_k=blocks.block_k)
     ins = [layer, page_table.reshape(B * W), prefix_lens]
