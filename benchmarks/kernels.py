@@ -150,12 +150,20 @@ class MLAShape:
     dtype: str = "bfloat16"
 
 
-def mla_problem(s: MLAShape, seed: int = 0):
-    """Random MLA verify (tree of ``nodes``) or decode step over a prefix of ``context``."""
+def paging_problem(s, seed: int):
+    """The page table, prefix lengths, block mask (a random tree; None for decode) and pool
+    slots N of ``attention_problem`` for a shape with ``name, batch, context, nodes, page_size,
+    dtype`` (the MLA and indexer problems fill their own pools)."""
     args, _ = attention_problem(AttnShape(s.name, s.batch, s.context, s.nodes, q_heads=1, kv_heads=1, head_dim=1,
                                           page_size=s.page_size, dtype=s.dtype), seed)
     table, prefix, mask = args[4], args[5], args[6]
     N = (table.shape[0] * table.shape[1] + 1) * s.page_size
+    return table, prefix, None if s.nodes == 1 else mask, N
+
+
+def mla_problem(s: MLAShape, seed: int = 0):
+    """Random MLA verify (tree of ``nodes``) or decode step over a prefix of ``context``."""
+    table, prefix, mask, N = paging_problem(s, seed)
     dt = jnp.dtype(s.dtype)
     kq, kr, kv = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
     q_latent = jax.random.normal(kq, (s.batch, s.nodes, s.heads, s.latent), dt)
@@ -163,7 +171,7 @@ def mla_problem(s: MLAShape, seed: int = 0):
     pool = jax.random.normal(kv, (1, N, s.latent + s.rope), dt)
     floor = (s.batch * (s.context + s.nodes) * (s.latent + s.rope)  # one latent row per visible position
              + q_latent.size + q_rope.size + q_latent.size) * dt.itemsize  # queries in, output out
-    return (q_latent, q_rope, pool, jnp.int32(0), table, prefix, None if s.nodes == 1 else mask), floor
+    return (q_latent, q_rope, pool, jnp.int32(0), table, prefix, mask), floor
 
 
 def mla_fn(s: MLAShape, implementation):
@@ -187,10 +195,7 @@ class IndexerShape:
 
 def indexer_problem(s: IndexerShape, seed: int = 0):
     """Random index-score step: ``nodes`` rows (a random tree; 1 = decode) after ``context``."""
-    args, _ = attention_problem(AttnShape(s.name, s.batch, s.context, s.nodes, q_heads=1, kv_heads=1, head_dim=1,
-                                          page_size=s.page_size, dtype=s.dtype), seed)
-    table, prefix, mask = args[4], args[5], args[6]
-    N = (table.shape[0] * table.shape[1] + 1) * s.page_size
+    table, prefix, mask, N = paging_problem(s, seed)
     dt = jnp.dtype(s.dtype)
     kq, kw, kk = jax.random.split(jax.random.PRNGKey(seed + 2), 3)
     q = jax.random.normal(kq, (s.batch, s.nodes, s.heads, s.width), dt)
@@ -199,7 +204,7 @@ def indexer_problem(s: IndexerShape, seed: int = 0):
     K = table.shape[1] * s.page_size
     floor = (s.batch * (s.context + s.nodes) * s.width + q.size) * dt.itemsize + w.size * 4 \
         + s.batch * s.nodes * K * 4  # visible keys and queries in, f32 scores out
-    return (q, w, pool, jnp.int32(0), table, prefix, None if s.nodes == 1 else mask), floor
+    return (q, w, pool, jnp.int32(0), table, prefix, mask), floor
 
 
 def indexer_fn(s: IndexerShape, implementation):
