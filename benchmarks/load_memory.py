@@ -44,7 +44,8 @@ model = js.load_model(sys.argv[1], dtype=sys.argv[2], progress=False)
 jax.block_until_ready(model.params)
 seconds = time.perf_counter() - t
 param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
-print(json.dumps(dict(seconds=seconds, param_bytes=param_bytes, rss_before=before, rss_peak=hwm())))
+print(json.dumps(dict(seconds=seconds, param_bytes=param_bytes, rss_before=before, rss_peak=hwm(),
+                      jaxspec=js.__file__)))
 """
 
 
@@ -53,9 +54,13 @@ def measure(path: str, dtype: str, tree: str, warm: bool = False) -> dict:
     thrown away, and the peak is reset before the measured one (for small checkpoints, whose
     data would otherwise be dwarfed by compiler memory)."""
     env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    out = subprocess.run([sys.executable, "-c", CHILD, path, dtype, "warm" if warm else "cold"], env=env,
+    # -P: without it, `-c` puts the working directory first on sys.path, and a jaxspec there
+    # would shadow the tree asked for.
+    out = subprocess.run([sys.executable, "-P", "-c", CHILD, path, dtype, "warm" if warm else "cold"], env=env,
                          capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not os.path.samefile(os.path.dirname(os.path.dirname(r["jaxspec"])), tree):
+        raise RuntimeError(f"measured {r['jaxspec']}, not the jaxspec of {tree}")
     r["rise_ratio"] = (r["rss_peak"] - r["rss_before"]) / r["param_bytes"]
     return r
 
