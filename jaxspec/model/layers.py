@@ -8,6 +8,7 @@ Glossary: B rows, T positions per row, H model width, Hq / Hkv query / KV heads,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -119,11 +120,21 @@ def write_and_attend(
         )
         return o, pool
 
+    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
+
+
+def _per_head_shard(local, tensor_parallel: int):
+    """``local(q, k, v, pool, layer, attn, *whole) -> (o, pool)`` run on each model shard's heads:
+    q/k/v/o and the pool's KV heads split over the model axis; layer, attn and the rest whole."""
     heads = P(None, None, MODEL, None)
-    rep = jax.tree.map(lambda _: P(), attn)
-    fn = per_model_shard(local, in_specs=(heads, heads, heads, jax.tree.map(lambda _: heads, pool), P(), rep),
-                         out_specs=(heads, jax.tree.map(lambda _: heads, pool)), shards=tensor_parallel)
-    return fn(q, k, v, pool, layer, attn)
+
+    def fn(q, k, v, pool, layer, attn, *whole):
+        pool_heads = jax.tree.map(lambda _: heads, pool)
+        in_specs = (heads, heads, heads, pool_heads, P(), jax.tree.map(lambda _: P(), attn)) + (P(),) * len(whole)
+        return per_model_shard(local, in_specs=in_specs, out_specs=(heads, pool_heads),
+                               shards=tensor_parallel)(q, k, v, pool, layer, attn, *whole)
+
+    return fn
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array, tensor_parallel: int = 1) -> jax.Array:
@@ -195,9 +206,12 @@ def window_write_and_attend(
     *,
     window: int,
     sm_scale: float,
+    tensor_parallel: int = 1,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """A sliding-window layer: writes the new K/V through the ring table, then each row at
     position p attends to the keys at positions (p - window, p] that ``attn`` lets it see.
+    With ``tensor_parallel`` shards, heads and the window pool's KV heads are split over the
+    mesh's model axis (the ring table is the same on every shard).
 
     Keys come in two parts. The prefix part: the ``window - 1`` positions before
     ``prefix_lens`` (read from the pool). The block part: for a causal block, this forward's
@@ -206,6 +220,13 @@ def window_write_and_attend(
     block positions read back from the pool after the write. Inside a masked block no window
     test is made: its rows sit at most ``num_steps`` < ``window`` positions from their
     ancestors (``generate`` checks that)."""
+    local = functools.partial(_window_write_and_attend, window=window, sm_scale=sm_scale)
+    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn, query_positions)
+
+
+def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs, query_positions, *,
+                             window: int, sm_scale: float) -> tuple[jax.Array, KVPool]:
+    """``window_write_and_attend`` on one shard's heads."""
     B, T, Hkv, D = k.shape
     ring = attn.window
     slots = ring.slots(attn.write_positions, pool.page_size)  # [B, T]

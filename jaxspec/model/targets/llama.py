@@ -72,7 +72,8 @@ def llama_forward(
                                        tensor_parallel=cfg.tensor_parallel)
         else:
             o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
-                                              sm_scale=1.0 / math.sqrt(cfg.head_dim))
+                                              sm_scale=1.0 / math.sqrt(cfg.head_dim),
+                                              tensor_parallel=cfg.tensor_parallel)
         return (layer_tail(lp, cfg, x, o), part, aux, l + 1), None
 
     (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, taps.empty(x), jnp.int32(0)), params["layers"])

@@ -27,7 +27,7 @@ class LlamaConfig:
       attention_bias: q/k/v projections carry a bias (Qwen2).
       qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
       sliding_window: Mistral's window W (every layer sees keys p-W+1 .. p); None: full attention.
-        Its K/V live in the window pool, which runs on one device (no tensor parallel).
+        Its K/V live in the window pool (split by KV head over the mesh like the full pool).
       tensor_parallel: shards of the mesh's model axis the weights and KV heads are split over
         (1: whole on every device); kv_repeat: copies of each checkpoint KV head (when there are
         more shards than KV heads, ``num_kv_heads`` counts the copies).
@@ -141,8 +141,6 @@ def llama_for_tensor_parallel(cfg: LlamaConfig, shards: int, where: str = "confi
             problems.append(f"num_key_value_heads {kv} neither divides nor is divided by tensor_parallel {shards}")
         else:
             repeat, kv = shards // kv, shards
-    if cfg.sliding_window is not None:
-        problems.append(f"sliding_window {cfg.sliding_window}: the sliding-window KV pool runs on one device")
     if problems:
         raise ConfigError(f"{where}: cannot split the model over the mesh: " + "; ".join(problems))
     return dataclasses.replace(cfg, tensor_parallel=shards, num_kv_heads=kv, kv_repeat=repeat)
