@@ -15,28 +15,30 @@ from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, G
 def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: int, num_heads: int,
                          kv: bool = True) -> list[Param]:
     """One Gemma 4 layer of an attention shape (names relative to the layer); ``kv=False``: a
-    query-only layer (a frozen-KV assistant's)."""
+    query-only layer (a frozen-KV assistant's). Tensor parallel: q/k/v/gate/up column-parallel,
+    o/down row-parallel; each checkpoint KV head repeated ``shape.kv_repeat`` times."""
     H, D = hidden, shape.head_dim
     q, kvs = num_heads * D, shape.num_kv_heads * D
     a = "self_attn."
+    rep = dict(repeat=shape.kv_repeat, unit=D)
     out = [
         Param("attn_norm", "input_layernorm.weight", (H,), init="ones"),
-        Param("wq", a + "q_proj.weight", (H, q), perm=LINEAR),
+        Param("wq", a + "q_proj.weight", (H, q), perm=LINEAR, tp=1),
         Param("q_norm", a + "q_norm.weight", (D,), init="ones"),
     ]
     if kv:
-        out += [Param("wk", a + "k_proj.weight", (H, kvs), perm=LINEAR),
+        out += [Param("wk", a + "k_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep),
                 Param("k_norm", a + "k_norm.weight", (D,), init="ones")]
         if not shape.k_eq_v:
-            out.append(Param("wv", a + "v_proj.weight", (H, kvs), perm=LINEAR))
+            out.append(Param("wv", a + "v_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep))
     return out + [
-        Param("wo", a + "o_proj.weight", (q, H), perm=LINEAR),
+        Param("wo", a + "o_proj.weight", (q, H), perm=LINEAR, tp=0),
         Param("post_attn_norm", "post_attention_layernorm.weight", (H,), init="ones"),
         Param("pre_mlp_norm", "pre_feedforward_layernorm.weight", (H,), init="ones"),
         Param("post_mlp_norm", "post_feedforward_layernorm.weight", (H,), init="ones"),
-        Param("w_gate", "mlp.gate_proj.weight", (H, intermediate), perm=LINEAR),
-        Param("w_up", "mlp.up_proj.weight", (H, intermediate), perm=LINEAR),
-        Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR),
+        Param("w_gate", "mlp.gate_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
+        Param("w_up", "mlp.up_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
+        Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR, tp=0),
         Param("layer_scalar", "layer_scalar", (1,), init="ones"),
     ]
 
@@ -53,14 +55,15 @@ def typed_layers(layer_types, shape_of, prefix: str, **dims) -> Table:
 
 
 def gemma4_table(cfg: Gemma4Config) -> Table:
-    """Every tensor of a Gemma 4 text checkpoint that the decoder uses, in our layout."""
+    """Every tensor of a Gemma 4 text checkpoint that the decoder uses, in our layout (embedding
+    and head vocab-parallel)."""
     H, V, pre = cfg.hidden_size, cfg.vocab_size, cfg.prefix
-    table: Table = [Param("embed", pre + "embed_tokens.weight", (V, H))]
+    table: Table = [Param("embed", pre + "embed_tokens.weight", (V, H), tp=0)]
     table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
                           num_heads=cfg.num_heads)
     table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR))
+        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
     return table
 
 

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import SplitPool
-from jaxspec.model.layers import (apply_rope, gated_mlp, gelu_tanh, lm_head, rms_norm, rope_inv_freq,
-                                  window_write_and_attend, write_and_attend)
+from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, gelu_tanh, lm_head, rms_norm,
+                                  rope_inv_freq, window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 
@@ -107,7 +107,8 @@ def gemma4_forward(
     implementation=None,
 ) -> ForwardOutput:
     """Runs the decoder over T new tokens per request, writing their K/V into both pool parts."""
-    x = params["embed"][tokens] * embed_scale(cfg.hidden_size, params["embed"].dtype)  # [B, T, H]
+    tp = cfg.tensor_parallel
+    x = embed_lookup(params["embed"], tokens, tp) * embed_scale(cfg.hidden_size, params["embed"].dtype)  # [B, T, H]
     p = cfg.period
     pattern = cfg.layer_types[:p]
     counts = {t: pattern.count(t) for t in (SLIDING, FULL)}
@@ -131,9 +132,10 @@ def gemma4_forward(
             kk, v = gemma_key_value(lp, shape, cfg.rms_norm_eps, x, positions, inv_freq[t])
             if t == SLIDING:
                 o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions,
-                                                    window=cfg.sliding_window, sm_scale=1.0)
+                                                    window=cfg.sliding_window, sm_scale=1.0, tensor_parallel=tp)
             else:
-                o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0)
+                o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
+                                           tensor_parallel=tp)
             x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o)
         return (x, full, window, aux, g + 1), None
 

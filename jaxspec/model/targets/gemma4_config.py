@@ -31,12 +31,15 @@ class AttentionShape:
     head_dim: D of this type's q/k/v heads; num_kv_heads: its KV heads.
     rope: its rotary embedding; k_eq_v: no v_proj, V is the raw K projection (full layers with
     ``attention_k_eq_v``).
+    kv_repeat: copies of each checkpoint KV head (on a mesh with more model shards than this
+    type's KV heads, ``num_kv_heads`` counts the copies).
     """
 
     head_dim: int
     num_kv_heads: int
     rope: RopeConfig
     k_eq_v: bool = False
+    kv_repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,8 @@ class Gemma4Config:
       final_logit_softcapping: c in ``c * tanh(logits / c)``, or None.
       prefix: where the text weights sit in the checkpoint ("model." for the causal LM,
         "model.language_model." inside a conditional-generation checkpoint).
+      tensor_parallel: shards of the mesh's model axis the weights and KV heads (of both pools)
+        are split over (1: whole on every device).
     """
 
     arch: str = "gemma4"
@@ -67,6 +72,7 @@ class Gemma4Config:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131072
     prefix: str = "model."
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:
@@ -234,8 +240,25 @@ def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Ge
 
 
 def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "config.json") -> Gemma4Config:
-    """Gemma 4 runs on one model shard: its sliding-window KV pool is not split over a mesh yet."""
-    if shards != 1:
-        raise ConfigError(f"{where}: cannot split a Gemma 4 model over tensor_parallel {shards}: its sliding-window "
-                          f"KV pool runs on one device (tensor parallel for Gemma 4 is not supported yet)")
-    return cfg
+    """The config of ``cfg`` split over ``shards`` model shards (Megatron layout, both KV pools
+    split by KV head), or a clear error naming what does not divide. A layer type's KV heads are
+    replicated when there are fewer than shards."""
+    if shards == 1:
+        return cfg
+    problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
+                for name, n in (("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size),
+                                ("intermediate_size", cfg.intermediate_size)) if n % shards]
+    split = {}
+    for t, name in ((SLIDING, "sliding"), (FULL, "full")):
+        shape = cfg.shape_of(t)
+        kv = shape.num_kv_heads
+        if kv % shards == 0 or not cfg.layers_of(t):
+            split[name] = shape
+        elif shards % kv == 0:
+            split[name] = dataclasses.replace(shape, num_kv_heads=shards, kv_repeat=shards // kv)
+        else:
+            problems.append(f"the {name} layers' {kv} KV heads neither divide nor are divided by "
+                            f"tensor_parallel {shards}")
+    if problems:
+        raise ConfigError(f"{where}: cannot split the model over the mesh: " + "; ".join(problems))
+    return dataclasses.replace(cfg, tensor_parallel=shards, **split)
