@@ -46,11 +46,14 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.kvcache.paging import full_table, window_table
+from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import ConfigError, RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, zero_pool
-from jaxspec.model.layers import attention_over, gather_window, layer_tail, lm_head, project_q, rms_norm, rope_inv_freq
+from jaxspec.model.layers import (attention_over, embed_lookup, gather_window, layer_tail, lm_head, project_q,
+                                  rms_norm, rope_inv_freq)
 from jaxspec.model.targets.gemma4 import GROUPS, gemma_layer_tail, gemma_query, norm
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -71,6 +74,9 @@ class AssistantConfig:
       layer_types, sliding, full: the type and shape of each layer ("gemma4" style).
       embed_scale: factor on the target embedding of the input token.
       num_centroids, centroid_top_k: the ordered-embeddings head (0: a plain head).
+      tensor_parallel: the target's model shards. The assistant's weights are whole on every
+        shard; its attention runs per shard over the shard's KV heads of the target pool (and
+        the matching query heads), and the target embedding it reads is vocab-parallel.
     """
 
     style: str = "llama"
@@ -94,6 +100,7 @@ class AssistantConfig:
     qk_norm: bool = False
     num_centroids: int = 0
     centroid_top_k: int = 0
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.style not in ("llama", "gemma4"):
@@ -143,19 +150,30 @@ def frozen_attention(
     window: int | None,
     sm_scale: float,
     implementation=None,
+    tensor_parallel: int = 1,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Attention of every row over the target's committed K/V of one layer (module docstring)."""
+    """Attention of every row over the target's committed K/V of one layer (module docstring).
+    With ``tensor_parallel`` shards each shard attends with its query heads over its KV heads
+    of the (head-split) target pool."""
     part_name, layer = source
     part = target_pool.part(part_name)
-    layer = jnp.int32(layer)
-    B, T = q.shape[:2]
-    if part_name == "full":
-        nothing = jnp.zeros((B, T, 1), bool)  # no block: only the committed prefix is visible
-        return paged_attention(q, part.k, part.v, layer, full_table(ctx.page_table), ctx.seq_lens, nothing,
-                               page_size=part.page_size, sm_scale=sm_scale, implementation=implementation)
-    k, v, pos = gather_window(part, layer, window_table(ctx.page_table), ctx.seq_lens - (window + 1), window + 1)
-    visible = jnp.broadcast_to(((pos >= 0) & (pos < ctx.seq_lens[:, None]))[:, None, :], (B, T, window + 1))
-    return attention_over(q, k, v, visible, sm_scale)
+    table = full_table(ctx.page_table) if part_name == "full" else window_table(ctx.page_table)
+
+    def local(q, part, table, seq_lens):
+        B, T = q.shape[:2]
+        if part_name == "full":
+            nothing = jnp.zeros((B, T, 1), bool)  # no block: only the committed prefix is visible
+            return paged_attention(q, part.k, part.v, jnp.int32(layer), table, seq_lens, nothing,
+                                   page_size=part.page_size, sm_scale=sm_scale, implementation=implementation)
+        k, v, pos = gather_window(part, jnp.int32(layer), table, seq_lens - (window + 1), window + 1)
+        visible = jnp.broadcast_to(((pos >= 0) & (pos < seq_lens[:, None]))[:, None, :], (B, T, window + 1))
+        return attention_over(q, k, v, visible, sm_scale)
+
+    heads = P(None, None, MODEL, None)
+    fn = per_model_shard(local, in_specs=(heads, jax.tree.map(lambda _: heads, part),
+                                          jax.tree.map(lambda _: P(), table), P()),
+                         out_specs=heads, shards=tensor_parallel)
+    return fn(q, part, table, ctx.seq_lens)
 
 
 def assistant_forward(
@@ -169,7 +187,8 @@ def assistant_forward(
     implementation=None,
 ) -> tuple[jax.Array, jax.Array]:  # next hidden [B, T, Hb], normed output [B, T, H]
     B, T = tokens.shape
-    emb = params["embed"][tokens].astype(hidden.dtype) * jnp.asarray(cfg.embed_scale, hidden.dtype)
+    emb = embed_lookup(params["embed"], tokens, cfg.tensor_parallel).astype(hidden.dtype)
+    emb = emb * jnp.asarray(cfg.embed_scale, hidden.dtype)
     x = jnp.concatenate([emb, hidden], axis=-1) @ params["pre_proj"]  # [B, T, H]
     if positions is None:
         positions = jnp.broadcast_to(jnp.maximum(ctx.seq_lens - 1, 0)[:, None], (B, T))
@@ -178,7 +197,7 @@ def assistant_forward(
         lp = jax.tree.map(lambda a, index=index: a[index], params[group])
         q = cfg.query(lp, i, x, positions)
         o = frozen_attention(q, ctx.target_pool, cfg.kv_sources[i], ctx, window=cfg.window, sm_scale=cfg.sm_scale(q),
-                             implementation=implementation)
+                             implementation=implementation, tensor_parallel=cfg.tensor_parallel)
         x = cfg.tail(lp, x, o)
     y = cfg.final_norm(params, x)
     return y @ params["post_proj"], y
@@ -259,7 +278,7 @@ def assistant_config_for(target: LlamaConfig, *, hidden_size=None, intermediate_
         intermediate_size=intermediate_size or 2 * H,
         num_heads=num_heads or target.num_heads,
         head_dim=target.head_dim,
-        num_kv_heads=target.num_kv_heads,
+        num_kv_heads=target.num_kv_heads // target.kv_repeat,  # the checkpoint's (copies on a mesh)
         rms_norm_eps=target.rms_norm_eps,
         backbone_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
@@ -267,6 +286,7 @@ def assistant_config_for(target: LlamaConfig, *, hidden_size=None, intermediate_
         kv_sources=_sources(target, kv_layers),
         window=target.sliding_window,
         rope=target.rope,
+        tensor_parallel=target.tensor_parallel,
     )
 
 
@@ -282,7 +302,7 @@ def gemma4_assistant_config(target: Gemma4Config, *, hidden_size: int, intermedi
         rms_norm_eps=rms_norm_eps, backbone_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
         kv_layers=kv_layers, kv_sources=_sources(target, kv_layers), window=window, layer_types=tuple(layer_types),
         sliding=sliding, full=full, embed_scale=math.sqrt(target.hidden_size), num_centroids=num_centroids,
-        centroid_top_k=centroid_top_k,
+        centroid_top_k=centroid_top_k, tensor_parallel=target.tensor_parallel,
     )
 
 
@@ -303,21 +323,37 @@ def check_assistant_fits(cfg: AssistantConfig, target, where: str = "assistant")
                         if cfg.style == "llama" else
                         f"the target has no layer of a type the assistant reads ({kind} {list(cfg.layer_types)})")
     elif cfg.style == "llama":
-        if cfg.head_dim != target.head_dim or cfg.num_kv_heads != target.num_kv_heads:
-            problems.append(f"attention reads the target KV ({target.num_kv_heads} heads x {target.head_dim}), "
+        kv = _checkpoint_kv_heads(target.num_kv_heads, target.kv_repeat)
+        if cfg.head_dim != target.head_dim or cfg.num_kv_heads != kv[0]:
+            problems.append(f"attention reads the target KV ({kv[1]} heads x {target.head_dim}), "
                             f"assistant has {cfg.num_kv_heads} x {cfg.head_dim}")
-        if cfg.num_heads % target.num_kv_heads:
-            problems.append(f"num_attention_heads {cfg.num_heads} is not a multiple of the target's KV heads")
+        problems += _head_split_problems(cfg, kv[0], target.tensor_parallel, "")
     else:
         for t in sorted(set(cfg.layer_types)):
             mine, theirs = (cfg.sliding, target.sliding) if t == SLIDING else (cfg.full, target.full)
-            if (mine.head_dim, mine.num_kv_heads) != (theirs.head_dim, theirs.num_kv_heads):
-                problems.append(f"{t} layers read the target KV ({theirs.num_kv_heads} heads x {theirs.head_dim}), "
+            kv = _checkpoint_kv_heads(theirs.num_kv_heads, theirs.kv_repeat)
+            if (mine.head_dim, mine.num_kv_heads) != (theirs.head_dim, kv[0]):
+                problems.append(f"{t} layers read the target KV ({kv[1]} heads x {theirs.head_dim}), "
                                 f"assistant has {mine.num_kv_heads} x {mine.head_dim}")
-            if cfg.num_heads % theirs.num_kv_heads:
-                problems.append(f"num_attention_heads {cfg.num_heads} is not a multiple of the target's {t} KV heads")
+            problems += _head_split_problems(cfg, kv[0], target.tensor_parallel, f"{t} ")
         if SLIDING in cfg.layer_types and cfg.window > target.sliding_window:
             problems.append(f"sliding_window {cfg.window} > the target's {target.sliding_window} (the target keeps "
                             f"only its own window)")
     if problems:
         raise ConfigError(f"{where}: does not fit the target: " + "; ".join(problems))
+
+
+def _checkpoint_kv_heads(pool_heads: int, repeat: int) -> tuple[int, str]:
+    """(the target checkpoint's KV heads, how to name them) from its pool's (copies on a mesh)."""
+    kv = pool_heads // repeat
+    return kv, str(kv) if repeat == 1 else f"{kv} ({pool_heads} on the mesh)"
+
+
+def _head_split_problems(cfg: AssistantConfig, kv_heads: int, shards: int, kind: str) -> list[str]:
+    """The assistant's query heads must group over the target's KV heads, and split over its shards."""
+    out = []
+    if cfg.num_heads % kv_heads:
+        out.append(f"num_attention_heads {cfg.num_heads} is not a multiple of the target's {kind}KV heads")
+    if cfg.num_heads % shards:
+        out.append(f"num_attention_heads {cfg.num_heads} is not divisible by the target's tensor_parallel {shards}")
+    return out

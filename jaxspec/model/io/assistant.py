@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
-
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxspec.model.config import ConfigError, get_field
@@ -40,12 +41,12 @@ def assistant_config_from_hf(raw: dict, target: LlamaConfig, where: str) -> Assi
     try:
         base = assistant_config_for(target, kv_layers=tuple(int(i) for i in raw["kv_layer_map"]))
         cfg = AssistantConfig(**{
-            **{f: getattr(base, f) for f in ("kv_layers", "kv_sources", "window", "rope")},
+            **{f: getattr(base, f) for f in ("kv_layers", "kv_sources", "window", "rope", "tensor_parallel")},
             "hidden_size": int(raw["hidden_size"]),
             "intermediate_size": int(raw["intermediate_size"]),
             "num_heads": int(raw["num_attention_heads"]),
             "head_dim": int(raw.get("head_dim") or target.head_dim),
-            "num_kv_heads": int(raw.get("num_key_value_heads") or target.num_kv_heads),
+            "num_kv_heads": int(raw.get("num_key_value_heads") or base.num_kv_heads),
             "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
             "backbone_hidden_size": int(raw["backbone_hidden_size"]),
             "vocab_size": int(raw["vocab_size"]),
@@ -185,17 +186,23 @@ def token_clusters(ordering: np.ndarray, num_centroids: int, where: str) -> np.n
     return cluster
 
 
-def _finish_gemma4(params: dict, cfg: AssistantConfig, target_params: dict, where: str) -> dict:
+def _finish_gemma4(params: dict, cfg: AssistantConfig, target_params: dict, where: str, mesh=None) -> dict:
     params["embed"] = target_params["embed"]
     if cfg.num_centroids:
-        params["token_cluster"] = jnp.asarray(token_clusters(params["token_ordering"], cfg.num_centroids, where))
+        cluster = token_clusters(params["token_ordering"], cfg.num_centroids, where)
+        params["token_cluster"] = (jnp.asarray(cluster) if mesh is None else
+                                   jax.device_put(cluster, NamedSharding(mesh, PartitionSpec())))
     return params
 
 
-def load_gemma4_assistant_params(ckpt, raw: dict, cfg: AssistantConfig, target_params: dict, dtype) -> dict:
+def load_gemma4_assistant_params(ckpt, raw: dict, cfg: AssistantConfig, target_params: dict, dtype,
+                                 mesh=None) -> dict:
+    """The assistant's tensors (whole on every device of ``mesh``: it is small) and the target's
+    embedding."""
     tied = raw.get("tie_word_embeddings", True) or "lm_head.weight" not in ckpt
-    params = load_params(gemma4_assistant_table(cfg, tied=tied), ckpt, dtype)
-    return _finish_gemma4(params, cfg, target_params, ckpt.path)
+    table = gemma4_assistant_table(cfg, tied=tied)
+    params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=False))
+    return _finish_gemma4(params, cfg, target_params, ckpt.path, mesh)
 
 
 def init_gemma4_assistant_params(cfg: AssistantConfig, seed, target_params: dict, dtype=np.float32,

@@ -63,18 +63,14 @@ def _load_eagle(version: int):
 
 
 def _load_assistant(ckpt, raw, target: Model, dtype, where, path):
-    if axis_size(target.mesh, MODEL) > 1:
-        raise ConfigError(f"{where}: a frozen-KV assistant on a tensor-parallel mesh is not supported yet")
     cfg = assistant_io.assistant_config_from_hf(raw, target.config, where)
     params = assistant_io.load_assistant_params(ckpt, cfg, target.params, dtype, mesh=target.mesh)
     return dataclasses.replace(assistant_draft(cfg, params, path), mesh=target.mesh)
 
 
 def _load_gemma4_assistant(ckpt, raw, target: Model, dtype, where, path):
-    if axis_size(target.mesh, MODEL) > 1:
-        raise ConfigError(f"{where}: a frozen-KV assistant on a tensor-parallel mesh is not supported yet")
     cfg = assistant_io.gemma4_assistant_config_from_hf(raw, target.config, where)
-    params = assistant_io.load_gemma4_assistant_params(ckpt, raw, cfg, target.params, dtype)
+    params = assistant_io.load_gemma4_assistant_params(ckpt, raw, cfg, target.params, dtype, mesh=target.mesh)
     return dataclasses.replace(assistant_draft(cfg, params, path), mesh=target.mesh)
 
 
