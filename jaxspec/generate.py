@@ -200,9 +200,9 @@ def generate(
             f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
             f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
         )
-    if windows and mesh is not None:
-        raise ValueError("sliding-window KV pools run on one device: load a model with sliding-window layers "
-                         "without a mesh")
+    if windows and data_shards > 1:
+        raise ValueError(f"sliding-window KV pools are split over the model axis only: a mesh with data_parallel "
+                         f"{data_shards} is not supported for models with sliding-window layers (use data_parallel 1)")
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
         if total > engine.max_seq_len:
@@ -330,12 +330,12 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, me
 
 def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
     """The live page table, with the window pool's ring table (fixed width) when there is one
-    (one device only: ``generate`` refuses a window pool on a mesh)."""
+    (replicated: ``generate`` refuses a window pool on a mesh with several data shards)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
     if sched.window is None:
         return full
     w = sched.window
-    return PageTables(full=full, window=WindowTable(pages=jnp.asarray(w.pages), first=jnp.asarray(w.first)))
+    return PageTables(full=full, window=WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh)))
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
