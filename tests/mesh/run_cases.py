@@ -94,9 +94,61 @@ def dflash_lossless(tp, spec, page):
                 draft_kind=draft.kind)
 
 
+def sliding_lossless(target_name, tp, spec, page, draft_kind):
+    """A target with sliding-window layers on a TP mesh (both KV pools split by KV head):
+    speculative greedy == HF's greedy tokens (the goldens, which plain greedy on one device
+    reproduces: tests/model/test_golden_sliding.py), ragged batch of 3 running past the window."""
+    from tests.model.sliding_golden import arrays, case, case_dir
+
+    c, ref = case(target_name), arrays(target_name)
+    mesh = js.make_mesh(tensor_parallel=tp)
+    target = js.load_model(case_dir(target_name), dtype="float32", progress=False, mesh=mesh)
+    if draft_kind == "perturbed":  # the target with noise: partial acceptance, compaction in the window pool
+        keys = iter(jax.random.split(jax.random.PRNGKey(5), 256))
+        noisy = jax.tree.map(lambda x: x * (1 + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)),
+                             target.params)
+        draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
+    else:  # an HF-layout Gemma 4 assistant (frozen KV: reads the split target pools)
+        draft = js.load_draft(case_dir(draft_kind), target)
+    sampling = js.SamplingParams(max_new_tokens=c["greedy_new_tokens"], stop_token_ids=())
+    out = js.generate(target, c["prompts"], draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
+                      progress=False)
+    want = [ref[f"greedy_{i}"].tolist() for i in range(len(c["prompts"]))]
+    lens = [a for s in out.stats for a in s.accept_lens]
+    return dict(equal=out.token_ids == want, plain_equal=None, mean_accept=float(np.mean(lens)),
+                pages_back=out.kv_pages_free == out.kv_pages_total,
+                window_pages_back=out.kv_window_pages_free == out.kv_window_pages_total > 0,
+                window_pages_returned=out.kv_window_pages_returned, window_pool_spec=_window_pool_spec(target),
+                wo_spec=_spec(target.params), draft_kind=draft.kind)
+
+
+def _window_pool_spec(target) -> str:
+    """How the engine places the target's window pool on the mesh (its K buffer's spec)."""
+    from jaxspec.engine.placement import create_pool
+    from jaxspec.model.targets import create_target_pool
+
+    pool = create_pool(lambda: create_target_pool(target.config, num_pages=4, page_size=16, dtype=jnp.float32,
+                                                  window_pages=4), True, target.mesh)
+    return str(pool.window.k.sharding.spec)
+
+
+def assistant_golden_on_mesh(name, tp):
+    """A Gemma 4 assistant over a TP mesh target against HF (``check_assistant_steps`` raises on
+    a mismatch): its weights whole on every shard, the target's pools split by KV head."""
+    from tests.model.sliding_golden import assistant_golden_steps, case, case_dir, check_assistant_steps
+
+    mesh = js.make_mesh(tensor_parallel=tp)
+    target = js.load_model(case_dir(case(name)["target"]), dtype="float32", progress=False, mesh=mesh)
+    draft = js.load_draft(case_dir(name), target)
+    hidden, steps = assistant_golden_steps(name, target, draft)
+    check_assistant_steps(name, hidden, steps)
+    specs = {str(x.sharding.spec) for k, x in draft.params.items() if k != "embed" for x in jax.tree.leaves(x)}
+    return dict(steps=len(steps), draft_specs=sorted(specs), embed_spec=str(draft.params["embed"].sharding.spec))
+
+
 def _spec(params) -> str:
     """The partition spec of the first layer group's output projection (row-parallel: split on its input)."""
-    group = params["layers"] if "layers" in params else params.get("moe", params.get("dense"))
+    group = next(params[k] for k in ("layers", "moe", "dense", "sliding") if k in params)
     return str(group["wo"].sharding.spec)
 
 
@@ -134,6 +186,7 @@ def errors():
         "too_many_devices": lambda: js.make_mesh(tensor_parallel=8),
         "heads_not_divisible": lambda: js.load_model(path, dtype="float32", progress=False,
                                                      mesh=js.make_mesh(tensor_parallel=3)),
+        "window_with_data_parallel": _window_with_data_parallel,
     }.items():
         try:
             fn()
@@ -141,6 +194,14 @@ def errors():
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+def _window_with_data_parallel():
+    from tests.model.sliding_golden import case_dir
+
+    target = js.load_model(case_dir("gemma4_text"), dtype="float32", progress=False,
+                           mesh=js.make_mesh(tensor_parallel=2, data_parallel=2))
+    js.generate(target, [[1, 2, 3]], sampling=js.SamplingParams(max_new_tokens=2), progress=False)
 
 
 CASES = {
@@ -156,6 +217,15 @@ CASES = {
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
     "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32),
     "qwen3_tp2_chain_dflash": lambda: dflash_lossless(2, js.SpecConfig.chain(7), 16),
+    "gemma4_tp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 1,
+                                                           "gemma4_assistant"),
+    "gemma4_tp2_tree_assistant_plain": lambda: sliding_lossless(
+        "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "gemma4_assistant_plain"),
+    "gemma4_tp2_tree_perturbed": lambda: sliding_lossless(
+        "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed"),
+    "mistral_swa_tp2_tree_perturbed": lambda: sliding_lossless(
+        "mistral_swa", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "errors": errors,

@@ -49,6 +49,12 @@ def case(results, name) -> dict:
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
     ("llama_tp2_dp2_ngram", "ngram"),  # the same mesh with n-gram drafting (no params; history per data shard)
     ("qwen3_tp2_chain_dflash", "dflash"),  # a DFlash block draft (replicated) over a TP=2 Qwen3 target, page 16
+    # Sliding-window targets, both KV pools split by KV head (Gemma 4's full layers: 1 KV head, repeated),
+    # every request running past the window (goldens: tests/data/golden/sliding_window):
+    ("gemma4_tp2_chain_assistant", "frozen_kv"),  # HF-layout assistant reading the split pools, chain, page 1
+    ("gemma4_tp2_tree_assistant_plain", "frozen_kv"),  # the plain-head assistant, tree, page 16
+    ("gemma4_tp2_tree_perturbed", "standalone"),  # partly accepted tree: compaction in both split pools, page 1
+    ("mistral_swa_tp2_tree_perturbed", "standalone"),  # all layers sliding (a zero-layer full part), page 16
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
@@ -57,8 +63,11 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     assert r["equal"], "speculative greedy on the mesh differs from plain greedy on one device"
     assert r["pages_back"]
     assert r["wo_spec"] == "P(None, 'model', None)"  # row-parallel output projection, stacked over layers
-    if name == "llama_tp4_tree_perturbed":
+    if name.endswith("_perturbed"):
         assert 1.3 < r["mean_accept"] < 4.0, r["mean_accept"]  # trees accepted partly: paths get compacted
+    if "window_pool_spec" in r:  # pages over data, KV heads over model; every window page came back
+        assert r["window_pool_spec"] == "P(None, 'data', 'model', None)"
+        assert r["window_pages_back"]
     if name == "llama_tp2_dp2_ngram":
         assert r["mean_accept"] > 1.0, r["mean_accept"]  # some looked-up tokens verified and accepted on the mesh
 
@@ -85,8 +94,19 @@ def test_collectives_are_those_of_the_megatron_layout(results, name):
     assert sorted(r["all_gather_shapes"]) == ["f32[2,2]{0,1}", "s32[2,2]{0,1}"]
 
 
+def test_gemma4_assistant_on_a_mesh_matches_hf(results):
+    """The HF-layout assistant given a TP=2 target's split pools: logits and returned hidden
+    against HF (tests/model/test_golden_sliding.py's check), its own weights whole on every shard."""
+    r = case(results, "gemma4_assistant_tp2_golden")
+    assert r["steps"] == 4
+    assert all("model" not in spec for spec in r["draft_specs"]), r["draft_specs"]
+    assert r["embed_spec"] == "P('model', None)"  # the target's vocab-parallel embedding, read per shard
+
+
 def test_bad_meshes_are_refused_before_device_work(results):
     r = case(results, "errors")
     assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
     assert "num_attention_heads 4 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
     assert "vocab_size 256 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
+    assert "a mesh with data_parallel 2 is not supported for models with sliding-window layers" in \
+        r["window_with_data_parallel"]

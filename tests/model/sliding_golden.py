@@ -7,11 +7,14 @@ import functools
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
+from jaxspec.engine.placement import create_pool, run_context
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
+from jaxspec.model.drafts.assistant import assistant_forward, assistant_logits
 from jaxspec.model.drafts.base import DraftContext
 from jaxspec.model.targets import create_target_pool, target_forward
 from tests.model.golden import GOLDEN
@@ -47,16 +50,71 @@ def assistant(name: str) -> js.DraftModel:
 
 
 def prefill_context(model: js.Model, prompt: list[int]) -> tuple[DraftContext, jnp.ndarray]:
-    """The target over one prompt (fresh pools, one page per pool): the draft context an
-    assistant reads (committed length = the prompt) and the final hidden [1, T, H]."""
+    """The target over one prompt (fresh pools, one page per pool; on its mesh when it has one):
+    the draft context an assistant reads (committed length = the prompt) and the final hidden
+    [1, T, H]."""
     T = len(prompt)
-    pool = create_target_pool(model.config, num_pages=2, page_size=T, dtype=jnp.float32)
-    pages = jnp.ones((1, 1), jnp.int32)
-    tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((1,), jnp.int32)))
-    pos = jnp.arange(T, dtype=jnp.int32)[None]
-    out = target_forward(model.config, model.params, jnp.asarray([prompt], jnp.int32), pos, pool,
-                         AttentionInputs.build(tables, jnp.zeros((1,), jnp.int32), pos, T))
+    tp = getattr(model.config, "tensor_parallel", 1)
+    with run_context(model.mesh):
+        pool = create_pool(lambda: create_target_pool(model.config, num_pages=2, page_size=T, dtype=jnp.float32),
+                           tp > 1, model.mesh)
+        pages = jnp.ones((1, 1), jnp.int32)
+        tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((1,), jnp.int32)))
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        out = _forward(model.config, model.params, jnp.asarray([prompt], jnp.int32), pos, pool,
+                       AttentionInputs.build(tables, jnp.zeros((1,), jnp.int32), pos, T))
     return DraftContext(tables, jnp.array([T], jnp.int32), out.pool), out.hidden
+
+
+_forward = jax.jit(target_forward, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def assistant_step(params, cfg, tokens, hidden, ctx, positions):  # one compiled draft step
+    h_out, y = assistant_forward(params, cfg, tokens, hidden, ctx, positions=positions)
+    return h_out, assistant_logits(params, cfg, y)
+
+
+def assistant_golden_steps(name: str, model: js.Model, draft: js.DraftModel) -> tuple[np.ndarray, list]:
+    """HF's recipe on the longest golden prompt (its window layers see only their window): the
+    target over the prompt, then the golden's draft steps at position T, each fed the golden
+    token and hidden. Returns (the target's last hidden [H], [(returned hidden [Hb], logits
+    [V]) per step])."""
+    c, ref = case(name), arrays(name)
+    i = len(c["prompts"]) - 1
+    prompt = c["prompts"][i]
+    ctx, hidden = prefill_context(model, prompt)
+    T = len(prompt)
+    steps = []
+    with run_context(model.mesh):
+        for j in range(c["draft_steps"]):
+            tok = jnp.asarray([[int(ref[f"tokens_{i}"][j])]], jnp.int32)
+            h_in = jnp.asarray(ref[f"hidden_in_{i}"][j])[None, None]
+            h_out, logits = assistant_step(draft.params, draft.config.model, tok, h_in, ctx,
+                                           jnp.full((1, 1), T, jnp.int32))
+            steps.append((np.asarray(h_out)[0, 0], np.asarray(logits)[0, 0]))
+    return np.asarray(hidden)[0, -1], steps
+
+
+def check_assistant_steps(name: str, hidden_in: np.ndarray, steps: list) -> None:
+    """``assistant_golden_steps`` against HF: the target's hidden, the selected logits, the
+    selection and the returned hidden; the fill outside the selected clusters is -inf where HF
+    writes min(selected) - 1."""
+    c, ref = case(name), arrays(name)
+    i = len(c["prompts"]) - 1
+    tol = dict(atol=c["atol"], rtol=c["rtol"])
+    np.testing.assert_allclose(hidden_in, ref[f"hidden_in_{i}"][0], **tol)
+    assert len(steps) == c["draft_steps"]
+    for j, (h_out, logits) in enumerate(steps):
+        hf = ref[f"logits_{i}"][j]
+        picked = np.isfinite(logits)
+        if c["use_ordered_embeddings"]:
+            assert picked.sum() == c["centroid_intermediate_top_k"] * len(hf) // c["num_centroids"]
+            assert (hf[~picked] == hf.min()).all() and (hf[picked] > hf.min()).all()
+        else:
+            assert picked.all()
+        np.testing.assert_allclose(logits[picked], hf[picked], **tol)
+        np.testing.assert_allclose(h_out, ref[f"hidden_out_{i}"][j], **tol)
 
 
 def tiny_gemma4(*, vocab: int, window: int, seed: int = 0, scale: float = 0.3):

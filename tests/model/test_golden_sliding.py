@@ -13,20 +13,14 @@ import pytest
 
 import jaxspec as js
 from jaxspec.model.config import ConfigError
-from jaxspec.model.drafts.assistant import assistant_forward, assistant_logits
 from jaxspec.model.targets import forward_sequence
 from jaxspec.model.targets.gemma4_config import gemma4_config_from_hf
 from tests.conftest import engine
-from tests.model.sliding_golden import arrays, assistant, case, case_dir, prefill_context, target
+from tests.model.sliding_golden import (arrays, assistant, assistant_golden_steps, case, case_dir,
+                                       check_assistant_steps, target)
 
 TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa"]
 ASSISTANTS = ["gemma4_assistant", "gemma4_assistant_plain"]
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def assistant_step(params, cfg, tokens, hidden, ctx, positions):  # one compiled draft step
-    h_out, y = assistant_forward(params, cfg, tokens, hidden, ctx, positions=positions)
-    return h_out, assistant_logits(params, cfg, y)
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -55,31 +49,10 @@ def test_greedy_tokens_past_the_window_match_hf(name, page_size):
 
 @pytest.mark.parametrize("name", ASSISTANTS)
 def test_assistant_matches_hf_given_the_target_kv(name):
-    """HF's recipe: the target over the prompt, then 4 draft steps at position T fed the golden
-    token and hidden; the selected logits, the selection and the returned hidden match, the
-    fill outside the selected clusters is -inf where HF writes min(selected) - 1."""
-    c, draft, ref = case(name), assistant(name), arrays(name)
-    model, cfg = target(c["target"]), assistant(name).config.model
-    i = len(c["prompts"]) - 1  # the longest prompt (17 tokens): the window layers see only their window
-    prompt = c["prompts"][i]
-    ctx, hidden = prefill_context(model, prompt)
-    np.testing.assert_allclose(np.asarray(hidden[0, -1]), ref[f"hidden_in_{i}"][0], atol=c["atol"], rtol=c["rtol"])
-    T = len(prompt)
-    for j in range(c["draft_steps"]):
-        tok = jnp.asarray([[int(ref[f"tokens_{i}"][j])]], jnp.int32)
-        h_in = jnp.asarray(ref[f"hidden_in_{i}"][j])[None, None]
-        h_out, logits = assistant_step(draft.params, cfg, tok, h_in, ctx, jnp.full((1, 1), T, jnp.int32))
-        logits = np.asarray(logits)[0, 0]
-        hf = ref[f"logits_{i}"][j]
-        picked = np.isfinite(logits)
-        if c["use_ordered_embeddings"]:
-            assert picked.sum() == c["centroid_intermediate_top_k"] * 256 // c["num_centroids"]
-            assert (hf[~picked] == hf.min()).all() and (hf[picked] > hf.min()).all()
-        else:
-            assert picked.all()
-        np.testing.assert_allclose(logits[picked], hf[picked], atol=c["atol"], rtol=c["rtol"])
-        np.testing.assert_allclose(np.asarray(h_out[0, 0]), ref[f"hidden_out_{i}"][j], atol=c["atol"],
-                                   rtol=c["rtol"])
+    """HF's recipe (``assistant_golden_steps``): the target over the prompt, then 4 draft steps
+    at position T fed the golden token and hidden, against HF's logits and returned hidden."""
+    c = case(name)
+    check_assistant_steps(name, *assistant_golden_steps(name, target(c["target"]), assistant(name)))
 
 
 def test_assistant_detection_and_fit():
@@ -137,14 +110,23 @@ def test_features_of_other_sizes_are_refused_by_name(field, value, message):
         gemma4_config_from_hf(absent)
 
 
-def test_sliding_window_models_are_refused_on_a_tensor_parallel_mesh():
-    """The window pool runs on one device: Gemma 4 and Mistral with a window say so at load."""
+def test_sliding_window_models_split_over_a_tensor_parallel_mesh():
+    """Both pools split by KV head: a layer type with fewer KV heads than shards repeats them
+    (gemma4_text: sliding 2, full 1 KV heads); a count that neither divides nor is divided by
+    the shards is refused by name. The lossless runs on a mesh are in tests/mesh."""
     from jaxspec.model.targets.gemma4_config import gemma4_for_tensor_parallel
     from jaxspec.model.targets.llama_config import llama_for_tensor_parallel
 
     gemma, mistral = target("gemma4_text").config, target("mistral_swa").config
     assert gemma4_for_tensor_parallel(gemma, 1) is gemma
-    with pytest.raises(ConfigError, match="Gemma 4 model over tensor_parallel 2"):
-        gemma4_for_tensor_parallel(gemma, 2)
-    with pytest.raises(ConfigError, match="sliding_window 6: the sliding-window KV pool runs on one device"):
-        llama_for_tensor_parallel(mistral, 2)
+    for shards, sliding, full in ((2, (2, 1), (2, 2)), (4, (4, 2), (4, 4))):  # (KV heads on the mesh, repeat)
+        cfg = gemma4_for_tensor_parallel(gemma, shards)
+        assert cfg.tensor_parallel == shards
+        assert (cfg.sliding.num_kv_heads, cfg.sliding.kv_repeat) == sliding
+        assert (cfg.full.num_kv_heads, cfg.full.kv_repeat) == full
+    with pytest.raises(ConfigError, match="num_attention_heads 4 is not divisible by tensor_parallel 3; .*; the "
+                                          "sliding layers' 2 KV heads neither divide nor are divided by "
+                                          "tensor_parallel 3$"):  # (the full layers' 1 KV head repeats)
+        gemma4_for_tensor_parallel(gemma, 3)
+    split = llama_for_tensor_parallel(mistral, 2)
+    assert (split.tensor_parallel, split.num_kv_heads, split.sliding_window) == (2, 2, 6)
