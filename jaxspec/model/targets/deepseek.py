@@ -125,19 +125,14 @@ def uses_sparse_attention(cfg: DeepseekConfig, lp: dict, attn: AttentionInputs, 
     return "idx_wq_b" in lp and attn.page_table.shape[1] * page_size > cfg.index_topk
 
 
-def mla_attention_block(
-    lp: dict,
-    cfg: DeepseekConfig,
-    h: jax.Array,  # [B, T, H] (after input_layernorm)
-    positions: jax.Array,  # i32[B, T]
-    pool: MLAPool,
-    layer: jax.Array,  # i32[] pool layer
-    attn: AttentionInputs,
-    *,
-    implementation: str | None,
-) -> tuple[jax.Array, MLAPool]:  # [B, T, H], new pool
-    """Writes this forward's latent (and indexer key) into ``pool`` first, then attends
-    through the page table (absorbed MLA)."""
+def mla_projections(
+    lp: dict, cfg: DeepseekConfig, h: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Absorbed-MLA projections of ``h: [B, T, H]`` (after ``input_layernorm``): the queries in
+    latent space ``q_latent [B, T, Hq, C]`` (``q_nope @ w_uk``) and ``q_rope [B, T, Hq, R]``, the
+    pool's row for each token ``[B, T, C + R]`` (normed latent, roped shared key), and the q-LoRA
+    residual ``[B, T, Rq]`` the indexer reads (None without q LoRA). A query at t scores key s as
+    ``(q_latent[t] . row[s, :C] + q_rope[t] . row[s, C:]) * sm_scale``."""
     B, T, _ = h.shape
     Hq, Dn, R, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     inv_freq = cfg.rope.inv_freq(R)
@@ -154,10 +149,29 @@ def mla_attention_block(
     latent = rms_norm(kv[..., :C], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, C]
     k_rope = _rope(kv[:, :, None, C:], positions, cfg.rope, inv_freq, cfg.rope.interleave)[:, :, 0]  # [B, T, R]
     row = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C + R]
+    q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
+    return q_latent, q_rope, row, q_resid
+
+
+def mla_attention_block(
+    lp: dict,
+    cfg: DeepseekConfig,
+    h: jax.Array,  # [B, T, H] (after input_layernorm)
+    positions: jax.Array,  # i32[B, T]
+    pool: MLAPool,
+    layer: jax.Array,  # i32[] pool layer
+    attn: AttentionInputs,
+    *,
+    implementation: str | None,
+) -> tuple[jax.Array, MLAPool]:  # [B, T, H], new pool
+    """Writes this forward's latent (and indexer key) into ``pool`` first, then attends
+    through the page table (absorbed MLA)."""
+    B, T, _ = h.shape
+    inv_freq = cfg.rope.inv_freq(cfg.qk_rope_head_dim)
+    q_latent, q_rope, row, q_resid = mla_projections(lp, cfg, h, positions)
     index_k = indexer_key(lp, cfg, h, positions, inv_freq) if "idx_wk" in lp else None
     slots = attn.write_slots.reshape(B * T)
     pool = pool.write(layer, slots, row.reshape(B * T, -1), None if index_k is None else index_k.reshape(B * T, -1))
-    q_latent = jnp.einsum("bthd,hdc->bthc", q_nope, lp["w_uk"])  # [B, T, Hq, C]
     heads = P(None, None, MODEL, None)
 
     if uses_sparse_attention(cfg, lp, attn, pool.page_size):
@@ -187,7 +201,7 @@ def mla_attention_block(
 
         o = per_model_shard(attend, in_specs=(heads, heads, P(), P(), jax.tree.map(lambda _: P(), attn)),
                             out_specs=heads, shards=cfg.tensor_parallel)(q_latent, q_rope, pool.kv, layer, attn)
-    o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, Hq * cfg.v_head_dim)
+    o = jnp.einsum("bthc,hcv->bthv", o, lp["w_uv"]).reshape(B, T, cfg.num_heads * cfg.v_head_dim)
     return o @ lp["wo"], pool
 
 
