@@ -200,9 +200,6 @@ def generate(
             f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
             f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
         )
-    if windows and data_shards > 1:
-        raise ValueError(f"sliding-window KV pools are split over the model axis only: a mesh with data_parallel "
-                         f"{data_shards} is not supported for models with sliding-window layers (use data_parallel 1)")
     for i, (p, s) in enumerate(zip(ids, sampling)):
         total = len(p) + s.max_new_tokens
         if total > engine.max_seq_len:
@@ -226,8 +223,8 @@ def generate(
                                (batch // data_shards) * width + 1)
     step_growth = engine.steps_per_call * plan.max_accept
     window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
-                              ahead=step_growth + plan.lookahead) if windows else None
-    window_pages = window.allocator.num_pages if window is not None else None
+                              ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
+    window_pages = window.num_pages if window is not None else None
     sched = Scheduler(
         requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
         lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
@@ -315,7 +312,7 @@ def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dpara
         steps_per_call=adaptive.history if adaptive else [],
         kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
         **({} if sched.window is None else dict(
-            kv_window_pages_free=sched.window.allocator.num_free, kv_window_pages_total=sched.window.allocator.capacity,
+            kv_window_pages_free=sched.window.num_free, kv_window_pages_total=sched.window.capacity,
             kv_window_pages_returned=sched.window.returned_early)),
     )
 
@@ -330,7 +327,7 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, me
 
 def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
     """The live page table, with the window pool's ring table (fixed width) when there is one
-    (replicated: ``generate`` refuses a window pool on a mesh with several data shards)."""
+    (both with their rows split over the data shards)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
     if sched.window is None:
         return full

@@ -44,15 +44,15 @@ class Scheduler:
     With ``data_shards`` > 1 the rows and the KV pool are split evenly over the data axis of a
     mesh: rows ``[d * B/D, (d + 1) * B/D)`` run on shard ``d`` and hold pages of that shard's own
     range, granted by its own allocator; the page table stores shard-local page ids (page 0 of
-    every shard is its scratch page). ``window``: the sliding-window pool's allocator and ring
-    table (one data shard only)."""
+    every shard is its scratch page). ``window``: the sliding-window pool's allocators and ring
+    table, split over the same data shards."""
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
                  lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
-        if window is not None and data_shards > 1:
-            raise ValueError(f"a sliding-window KV pool runs on one data shard, not {data_shards}")
+        if window is not None and len(window.allocators) != data_shards:
+            raise ValueError(f"the window pool has {len(window.allocators)} data shards, the full pool {data_shards}")
         self.page_size = page_size
         self.lookahead = lookahead
         self.step_growth = step_growth  # positions a decode call may advance a request
@@ -65,7 +65,7 @@ class Scheduler:
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
         self.reserved = [0] * data_shards
-        self.reserved_window = 0
+        self.reserved_window = [0] * data_shards
         capacity = self.allocators[0].capacity
         for r in requests:
             total = len(r.prompt) + r.sampling.max_new_tokens + lookahead
@@ -102,7 +102,8 @@ class Scheduler:
         for a in self.allocators:
             a.check()
         if self.window is not None:
-            self.window.allocator.check()
+            for a in self.window.allocators:
+                a.check()
 
     def admit(self) -> list[Request]:
         """Moves waiting requests into free rows while their worst case fits in the row's shard."""
@@ -114,11 +115,12 @@ class Scheduler:
             req = self.waiting[0]
             if self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
                 continue
-            if self.window is not None and self.reserved_window + req.worst_window_pages > self.window.allocator.capacity:
-                break
+            if (self.window is not None
+                    and self.reserved_window[d] + req.worst_window_pages > self.window.allocators[d].capacity):
+                continue
             self.waiting.popleft()
             self.reserved[d] += req.worst_pages
-            self.reserved_window += req.worst_window_pages
+            self.reserved_window[d] += req.worst_window_pages
             req.row = row
             req.t_admit = time.perf_counter()
             self.rows[row] = req
@@ -153,7 +155,7 @@ class Scheduler:
         self.reserved[self.shard_of(row)] -= req.worst_pages
         if self.window is not None:
             self.window.release(row, req.index)
-            self.reserved_window -= req.worst_window_pages
+            self.reserved_window[self.shard_of(row)] -= req.worst_window_pages
         self.page_table[row] = 0
         self.rows[row] = None
         self.done.append(req)

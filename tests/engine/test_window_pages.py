@@ -65,17 +65,22 @@ def test_many_requests_return_pages_while_running_and_leak_none():
     assert pool.returned_early > 100 and held_max == R
 
 
-def test_scheduler_reserves_and_returns_both_pools():
-    P, lookahead, growth = 2, 3, 4
+@pytest.mark.parametrize("shards", [1, 2])
+def test_scheduler_reserves_and_returns_both_pools(shards):
+    """Over data shards each row takes window pages from its own shard's allocator (shard-local
+    ids, page 0 of each shard its scratch), as the full pool does."""
+    P, lookahead, growth, batch = 2, 3, 4, 2 * shards
+    shapes = [(3, 40), (25, 5), (9, 30), (2, 2), (30, 30), (7, 20), (12, 12)]
     reqs = [Request(i, [1] * n, SamplingParams(max_new_tokens=m), (), np.zeros(2, np.uint32))
-            for i, (n, m) in enumerate([(3, 40), (25, 5), (9, 30), (2, 2), (30, 30)])]
+            for i, (n, m) in enumerate(shapes)]
     R = ring_pages(retain=5, ahead=growth + lookahead, page_size=P)
-    window = WindowPages(batch=2, ring=R, num_pages=2 * R + 1, page_size=P, retain=5)
-    sched = Scheduler(reqs, batch=2, width=64, num_pages=80, page_size=P, lookahead=lookahead, step_growth=growth,
-                      window=window)
-    assert [r.worst_window_pages for r in reqs] == [min(R, pages_needed(n + m + lookahead, P))
-                                                    for n, m in [(3, 40), (25, 5), (9, 30), (2, 2), (30, 30)]]
-    seq = np.zeros(2, np.int32)
+    window = WindowPages(batch=batch, ring=R, num_pages=shards * (2 * R + 1), page_size=P, retain=5,
+                         data_shards=shards)
+    sched = Scheduler(reqs, batch=batch, width=64, num_pages=80 * shards, page_size=P, lookahead=lookahead,
+                      step_growth=growth, data_shards=shards, window=window)
+    assert [r.worst_window_pages for r in reqs] == [min(R, pages_needed(n + m + lookahead, P)) for n, m in shapes]
+    seq = np.zeros(batch, np.int32)
+    used = [set() for _ in range(shards)]
     while not sched.finished:
         for r in sched.admit():
             seq[r.row] = len(r.prompt)
@@ -83,14 +88,20 @@ def test_scheduler_reserves_and_returns_both_pools():
         for row, r in enumerate(sched.rows):
             if r is None:
                 continue
-            assert len(window.allocator.pages_of(r.index)) <= r.worst_window_pages
+            d = sched.shard_of(row)
+            held = window.allocators[d].pages_of(r.index)
+            assert len(held) <= r.worst_window_pages
+            assert sorted(int(p) for p in window.pages[row] if p) == sorted(held)
+            assert all(window.allocators[e].pages_of(r.index) == [] for e in range(shards) if e != d)
+            used[d].update(held)
             seq[row] += 3  # a decode call
             if seq[row] >= len(r.prompt) + r.sampling.max_new_tokens:
                 sched.retire(row, [], [])
         sched.check()
-    assert sched.reserved == [0] and sched.reserved_window == 0
-    assert window.allocator.num_free == window.allocator.capacity and window.returned_early > 0
+    assert sched.reserved == [0] * shards and sched.reserved_window == [0] * shards
+    assert window.num_free == window.capacity and window.returned_early > 0
     assert sched.num_free == sched.capacity
+    assert all(used) and max(max(u) for u in used) <= 2 * R  # shard-local ids: within one shard's pages
 
 
 def test_a_window_pool_too_small_is_refused_without_side_effects():
