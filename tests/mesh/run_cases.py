@@ -94,14 +94,15 @@ def dflash_lossless(tp, spec, page):
                 draft_kind=draft.kind)
 
 
-def sliding_lossless(target_name, tp, spec, page, draft_kind):
-    """A target with sliding-window layers on a TP mesh (both KV pools split by KV head):
-    speculative greedy == HF's greedy tokens (the goldens, which plain greedy on one device
-    reproduces: tests/model/test_golden_sliding.py), ragged batch of 3 running past the window."""
+def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
+    """A target with sliding-window layers on a mesh (both KV pools split by KV head over model,
+    and by pages over data): speculative greedy == HF's greedy tokens (the goldens, which plain
+    greedy on one device reproduces: tests/model/test_golden_sliding.py), ragged batch of 3
+    running past the window."""
     from tests.model.sliding_golden import arrays, case, case_dir
 
     c, ref = case(target_name), arrays(target_name)
-    mesh = js.make_mesh(tensor_parallel=tp)
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
     target = js.load_model(case_dir(target_name), dtype="float32", progress=False, mesh=mesh)
     if draft_kind == "perturbed":  # the target with noise: partial acceptance, compaction in the window pool
         keys = iter(jax.random.split(jax.random.PRNGKey(5), 256))
@@ -186,7 +187,6 @@ def errors():
         "too_many_devices": lambda: js.make_mesh(tensor_parallel=8),
         "heads_not_divisible": lambda: js.load_model(path, dtype="float32", progress=False,
                                                      mesh=js.make_mesh(tensor_parallel=3)),
-        "window_with_data_parallel": _window_with_data_parallel,
     }.items():
         try:
             fn()
@@ -194,14 +194,6 @@ def errors():
         except ValueError as e:
             out[name] = str(e)
     return out
-
-
-def _window_with_data_parallel():
-    from tests.model.sliding_golden import case_dir
-
-    target = js.load_model(case_dir("gemma4_text"), dtype="float32", progress=False,
-                           mesh=js.make_mesh(tensor_parallel=2, data_parallel=2))
-    js.generate(target, [[1, 2, 3]], sampling=js.SamplingParams(max_new_tokens=2), progress=False)
 
 
 CASES = {
@@ -225,6 +217,10 @@ CASES = {
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed"),
     "mistral_swa_tp2_tree_perturbed": lambda: sliding_lossless(
         "mistral_swa", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    "gemma4_tp2_dp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 16,
+                                                               "gemma4_assistant", dp=2),
+    "gemma4_tp2_dp2_tree_perturbed": lambda: sliding_lossless(
+        "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),

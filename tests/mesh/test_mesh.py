@@ -55,6 +55,9 @@ def case(results, name) -> dict:
     ("gemma4_tp2_tree_assistant_plain", "frozen_kv"),  # the plain-head assistant, tree, page 16
     ("gemma4_tp2_tree_perturbed", "standalone"),  # partly accepted tree: compaction in both split pools, page 1
     ("mistral_swa_tp2_tree_perturbed", "standalone"),  # all layers sliding (a zero-layer full part), page 16
+    # TP=2 x DP=2: each data shard's rows take window pages from the shard's own allocator
+    ("gemma4_tp2_dp2_chain_assistant", "frozen_kv"),  # the assistant over split pools, chain, page 16
+    ("gemma4_tp2_dp2_tree_perturbed", "standalone"),  # partly accepted tree, compaction per data shard, page 1
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
@@ -108,5 +111,3 @@ def test_bad_meshes_are_refused_before_device_work(results):
     assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
     assert "num_attention_heads 4 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
     assert "vocab_size 256 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
-    assert "a mesh with data_parallel 2 is not supported for models with sliding-window layers" in \
-        r["window_with_data_parallel"]
