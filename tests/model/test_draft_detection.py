@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import jaxspec as js
 from jaxspec.model.config import ConfigError
@@ -84,3 +84,22 @@ def test_tensors_of_no_known_format_are_refused(tmp_path):
     save_file({"something.weight": np.zeros((2, 2), np.float32)}, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"architectures \(none\) claim: EAGLE-3 head or .* standalone LM; but"):
         js.load_draft(d, _target())
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("llama3", ""),
+    ("deepseek_v32_dense", r" It holds no MTP \(NextN\) layer: no model\.layers\.3\.\* tensors"),
+])
+def test_a_target_is_not_its_own_draft(tmp_path, name, hint):
+    """The target's own directory with no MTP layer (HF save_pretrained drops it) would otherwise load
+    as a standalone LM drafting for itself: refused, naming the missing layer for DeepSeek."""
+    d = _copy(tmp_path, name)
+    st = d / "model.safetensors"
+    if hint:  # the MTP layer stored after the 3 main layers goes
+        save_file({k: v for k, v in load_file(str(st)).items() if not k.startswith("model.layers.3.")}, str(st))
+    target = js.load_model(d, dtype="float32", progress=False)
+    with pytest.raises(ConfigError, match="is the target's own checkpoint, and a model cannot be its own draft\\." + hint):
+        js.load_draft(d, target)
+    if hint:  # with its MTP layer, the same directory is the MTP draft
+        original = case_dir(next(c for c in cases() if c["name"] == name))
+        assert js.load_draft(original, js.load_model(original, dtype="float32", progress=False)).kind == "mtp"

@@ -86,7 +86,18 @@ def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(mtp_draft(cfg, params, path), mesh=target.mesh)
 
 
+def _same_checkpoint(path: str, target: Model) -> bool:
+    return target.path is not None and os.path.exists(target.path) and os.path.samefile(path, target.path)
+
+
 def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
+    if _same_checkpoint(path, target):
+        # A model drafting for itself costs a full target forward per draft token; what the user
+        # meant is the MTP layer that DeepSeek checkpoints store after the main layers.
+        hint = (f" It holds no MTP (NextN) layer: no model.layers.{target.config.num_layers}.* tensors "
+                f"(HF save_pretrained drops them; the released DeepSeek checkpoints keep them)."
+                if isinstance(target.config, DeepseekConfig) else "")
+        raise ConfigError(f"{path} is the target's own checkpoint, and a model cannot be its own draft.{hint}")
     family = target_family(raw, where)
     cfg = family.parse(raw, where)
     if cfg.vocab_size != target.config.vocab_size:
