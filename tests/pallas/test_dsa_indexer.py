@@ -108,6 +108,45 @@ def test_index_scores_and_top_k_over_visible_positions(kind):
             assert sibling_slot not in picked[b, 1] and sibling_slot not in picked[b, 3]
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("kind", ["causal", "tree"])
+def test_exact_ties_go_to_the_lower_position(kind, implementation):
+    """Scores tying exactly at 0 (every head's ReLU zero, as random checkpoints often give) are
+    picked lowest position first, the rule plain decode, prefill and tree verify rows share (tree
+    nodes sit after the prefix with ancestors before descendants), so speculative output equals
+    plain output under ties. Here every weight is negative and a random half of the keys is zero:
+    each row's best score is an exact 0, shared by more positions than it picks."""
+    if kind == "causal":
+        T, prefix, block, rows = 6, [11, 5], None, (lambda t: range(t + 1))
+    else:
+        T, prefix, block = 5, [13, 9], np.broadcast_to(tree_mask(), (B, 5, 5))
+        rows = lambda t: np.nonzero(tree_mask()[t])[0]  # noqa: E731
+    W, layer, topk = 5, 1, 4
+    q, w, k, table, pre = problem(21 if kind == "causal" else 22, T, prefix, W)
+    w = -np.abs(w)
+    rng = np.random.default_rng(23)
+    pos = np.arange(W * P)
+    slots = table[:, pos // P] * P + pos % P  # [B, K]
+    for b in range(B):
+        k[layer, slots[b, rng.random(W * P) < 0.5]] = 0.0
+    score, slots = oracle_scores(q, w, k, layer, table, pre, rows)
+    args = (jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), jnp.int32(layer), jnp.asarray(table), jnp.asarray(pre),
+            None if block is None else jnp.asarray(block))
+    picked = np.asarray(jax.jit(dsa_indexer.indexer_top_k, static_argnames=("page_size", "topk", "implementation"))(
+        *args, page_size=P, topk=topk, implementation=implementation))
+    tied_rows = 0
+    for b in range(B):
+        for t in range(T):
+            row = score[b, t]
+            assert row.max() == 0
+            tied_rows += (row == 0).sum() > topk
+            best = np.argsort(-row, kind="stable")[: min(topk, np.isfinite(row).sum())]  # ties: position order
+            want = np.full(topk, -1)
+            want[: len(best)] = slots[b, best]
+            np.testing.assert_array_equal(np.sort(picked[b, t]), np.sort(want), f"row {b}, {t}")
+    assert tied_rows >= B * T // 2  # the ties are real: more zero-score positions than picks
+
+
 def test_bad_inputs_are_clear_errors():
     q, w, k, table, pre = problem(0, 2, [1, 1], 2)
     args = [jnp.asarray(a) for a in (q, w, k)] + [jnp.int32(0), jnp.asarray(table), jnp.asarray(pre), None]
