@@ -61,10 +61,11 @@ torch.set_grad_enabled(False)
 class IndexProbe:
     """Forward hooks on every ``DeepseekV32Indexer`` (no-cache calls only): recomputes HF's index scores
     from the hook's inputs, checks that the module's own top-k equals the top-k of those scores, and
-    records the smallest k-th minus (k+1)-th score gap of any row seeing more than ``topk`` positions."""
+    records the smallest k-th minus (k+1)-th score gap of any row seeing more than ``topk`` positions
+    (``min_margin``), and the smallest one that is not an exact tie (``min_nonzero_margin``)."""
 
     def __init__(self, modules):
-        self.min_margin = float("inf")
+        self.min_margin = self.min_nonzero_margin = float("inf")
         self.sparse_rows = 0
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in modules
                         if isinstance(m, DeepseekV32Indexer)]
@@ -93,6 +94,8 @@ class IndexProbe:
                 self.sparse_rows += 1
                 gap = float(v[mod.index_topk - 1] - v[mod.index_topk])
                 self.min_margin = min(self.min_margin, gap)
+                if gap > 0:
+                    self.min_nonzero_margin = min(self.min_nonzero_margin, gap)
                 if gap > 1e-6:  # at a tie either pick is HF's
                     want = set(vis[order[: mod.index_topk]].tolist())
                     assert set(picked[b, t].tolist()) == want, "the probe's scores do not reproduce HF's pick"
