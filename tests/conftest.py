@@ -15,6 +15,7 @@ import jaxspec as js
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.io.llama import init_llama_params
 from jaxspec.model.targets import Model
+from tests.background import Job
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -52,6 +53,21 @@ def pytest_runtest_teardown(item, nextitem):
     if limit and count > share * limit:
         jax.clear_caches()
         gc.collect()
+
+def pytest_collection_finish(session):
+    """Starts the subprocess workloads of the selected test modules (``tests/background.py``)."""
+    if session.config.option.collectonly:
+        return
+    for module in dict.fromkeys(getattr(item, "module", None) for item in session.items):
+        job = getattr(module, "BACKGROUND_JOB", None)
+        if job is not None:
+            job.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for job in Job.started:  # a run stopped early (-x, Ctrl-C) leaves no worker behind
+        job.stop()
+
 
 # Float32 matmuls at full precision so TF32 on GPUs cannot blur exact-token comparisons.
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.background import ROOT, Job
+
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Started when collection selects this module (tests/conftest.py): it runs beside the rest of the suite.
+BACKGROUND_JOB = Job([sys.executable, "-m", "tests.mesh.run_cases"], timeout=1500, env=dict(
+    os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "tests.mesh.run_cases"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1500)
+    proc = BACKGROUND_JOB.result()
     out = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

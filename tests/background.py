@@ -1,0 +1,57 @@
+"""Subprocess workloads of the suite (the mesh worker, the training tests), started as soon as
+collection has selected their test (``tests/conftest.py``) so that they run beside this process,
+which compiles one XLA:CPU program at a time and leaves part of a 2-core machine idle. A test
+module names its workload ``BACKGROUND_JOB = Job(...)`` and its test waits for ``result()``; run
+alone, the test starts the job itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Job:
+    """One command run once per pytest session, its output kept in temporary files (a pipe
+    nobody reads until the end could fill and stall the child)."""
+
+    started: list[Job] = []
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, timeout: float):
+        self.args, self.env, self.timeout = args, env, timeout
+        self._proc = self._result = None
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._deadline = time.monotonic() + self.timeout
+        self._proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._out, stderr=self._err,
+                                      text=True)
+        Job.started.append(self)
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Waits for the command (starting it if collection did not) and returns its exit status
+        and output; raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds from its start."""
+        if self._result is None:
+            self.start()
+            try:
+                code = self._proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            outputs = []
+            for f in (self._out, self._err):
+                f.seek(0)
+                outputs.append(f.read())
+                f.close()
+            self._result = subprocess.CompletedProcess(self.args, code, *outputs)
+        return self._result
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
