@@ -7,6 +7,7 @@ alone, the test starts the job itself."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -16,17 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class Job:
     """One command run once per pytest session, its output kept in temporary files (a pipe
-    nobody reads until the end could fill and stall the child)."""
+    nobody reads until the end could fill and stall the child). ``{tmp}`` in ``args`` becomes a
+    fresh directory (``self.tmp``), removed when the session ends."""
 
     started: list[Job] = []
 
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, timeout: float):
         self.args, self.env, self.timeout = args, env, timeout
-        self._proc = self._result = None
+        self._proc = self._result = self.tmp = None
 
     def start(self) -> None:
         if self._proc is not None:
             return
+        if any("{tmp}" in a for a in self.args):
+            self.tmp = tempfile.mkdtemp(prefix="jaxspec-test-")
+            self.args = [a.replace("{tmp}", self.tmp) for a in self.args]
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self._deadline = time.monotonic() + self.timeout
         self._proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._out, stderr=self._err,
@@ -52,6 +57,9 @@ class Job:
         return self._result
 
     def stop(self) -> None:
+        """Kills the command if it still runs and removes its directory."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
