@@ -54,6 +54,7 @@ def pytest_runtest_teardown(item, nextitem):
         jax.clear_caches()
         gc.collect()
 
+
 def pytest_collection_finish(session):
     """Starts the subprocess workloads of the selected test modules (``tests/background.py``)."""
     if session.config.option.collectonly:
