@@ -1,9 +1,8 @@
 """Subprocess workloads of the suite (the mesh worker, the training tests, the gpu_check dry
-run), started as soon as
-collection has selected their test (``tests/conftest.py``) so that they run beside this process,
-which compiles one XLA:CPU program at a time and leaves part of a 2-core machine idle. A test
-module names its workload ``BACKGROUND_JOB = Job(...)`` and its test waits for ``result()``; run
-alone, the test starts the job itself."""
+run), started as soon as collection has selected their test (``tests/conftest.py``) so that they
+run beside this process, which compiles one XLA:CPU program at a time and leaves part of a 2-core
+machine idle. A test module names its workload ``BACKGROUND_JOB = Job(...)`` and its test waits
+for ``result()``; run alone, the test starts the job itself."""
 
 from __future__ import annotations
 
