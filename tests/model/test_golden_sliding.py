@@ -92,6 +92,22 @@ def test_config_forms_parse_identically():
     assert gemma4_config_from_hf(no_global).full.head_dim == 512  # HF's default, even in a tiny config
 
 
+@pytest.mark.parametrize("per_layer_config, full_shape", [
+    # transformers 5 saves only what differs from the global head_dim (16) / num_key_value_heads (2)
+    ({}, (16, 2)),
+    ({"2": {"num_key_value_heads": 1}, "5": {"num_key_value_heads": 1}}, (16, 1)),
+    ({"2": {"head_dim": 32}, "5": {"head_dim": 32}}, (32, 2)),
+])
+def test_per_layer_config_holds_only_differences(per_layer_config, full_shape):
+    """An empty or partial per_layer_config keeps the global fields for what it leaves out (HF reloads it
+    so); only the published form, with no per_layer_config at all, defaults full layers to 512."""
+    raw = _text_config("gemma4_text")
+    raw["per_layer_config"] = per_layer_config
+    cfg = gemma4_config_from_hf(raw)
+    assert (cfg.full.head_dim, cfg.full.num_kv_heads) == full_shape
+    assert (cfg.sliding.head_dim, cfg.sliding.num_kv_heads) == (16, 2)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
     ("num_kv_shared_layers", 2, "KV sharing across layers"),

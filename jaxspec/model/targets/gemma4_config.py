@@ -119,7 +119,9 @@ def _per_type_overrides(text: dict, layer_types, where: str) -> dict[str, dict]:
     ``global_head_dim`` / ``num_global_key_value_heads`` (published checkpoints)."""
     out: dict[str, dict] = {SLIDING: {}, FULL: {}}
     per_layer = text.get("per_layer_config")
-    if per_layer:
+    # transformers 5 writes only what differs from the global fields: an empty per_layer_config means
+    # every layer has head_dim / num_key_value_heads, not the published form's 512-wide full layers.
+    if per_layer is not None:
         if not isinstance(per_layer, dict):
             raise ConfigError(f"{where}: per_layer_config must be an object, got {per_layer!r}")
         seen: dict[str, dict] = {}
