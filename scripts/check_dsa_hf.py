@@ -28,43 +28,16 @@ HF, an exact-ties case from HF with lower-position ties, or a speculative run fr
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_check import REPO, arguments, make_and_run, prompts_differing, speculative_equals_plain  # noqa: E402
+
 MIN_INDEX_GAP = 1e-6
 MIN_LOGIT_MARGIN = 1e-4
-
-JAXSPEC_SIDE = r"""
-import json, sys
-import jax
-import jaxspec as js
-results = {}
-for case_dir in sys.argv[1:]:
-    meta = json.load(open(f"{case_dir}/check.json"))
-    target = js.load_model(case_dir, dtype="float32", progress=False)
-    sampling = js.SamplingParams(max_new_tokens=meta["new_tokens"], stop_token_ids=())
-    runs = {
-        "plain/p16": (16, {}),
-        "ngram chain/p1": (1, dict(draft=js.NgramDraft(max_ngram=3), spec=js.SpecConfig.chain(4))),
-        "ngram tree/p16": (16, dict(draft=js.NgramDraft(max_ngram=3),
-                                    spec=js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6))),
-    }
-    results[case_dir] = {}
-    for name, (page, kw) in runs.items():
-        out = js.generate(target, meta["prompts"], sampling=sampling, engine=js.EngineConfig(page_size=page),
-                          progress=False, **kw)
-        results[case_dir][name] = [list(map(int, t)) for t in out.token_ids]
-    del target
-    jax.clear_caches()  # each case compiles new programs; XLA:CPU's code mappings go with the cache
-json.dump(results, sys.stdout)
-"""
 
 
 def draw_config(rng: random.Random):
@@ -202,29 +175,8 @@ def make_case(case_dir: Path, seed: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jaxspec-python", required=True)
-    ap.add_argument("--cases", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0, help="case i uses seed + i")
-    ap.add_argument("--keep", type=Path, help="keep the checkpoints in this folder")
-    args = ap.parse_args()
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = args.keep or Path(tmp)
-        dirs, metas = [], []
-        for i in range(args.cases):
-            d = root / f"case{args.seed + i}"
-            metas.append(make_case(d, args.seed + i))
-            dirs.append(str(d))
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        run = subprocess.run([args.jaxspec_python, "-c", JAXSPEC_SIDE, *dirs], check=True, env=env,
-                             stdout=subprocess.PIPE, text=True)
-        results = json.loads(run.stdout)
-
-    def prompts_differing(tokens: dict, want: list) -> str:
-        bad = {name: [i for i, (a, b) in enumerate(zip(toks, want)) if a != b] for name, toks in tokens.items()}
-        bad = {k: v for k, v in bad.items() if v}
-        return "equal" if not bad else "differ (" + ", ".join(f"{k} prompts {v}" for k, v in bad.items()) + ")"
+    args = arguments(__doc__, default_cases=20).parse_args()
+    dirs, metas, results = make_and_run(args, lambda d, seed, i: make_case(d, seed))
 
     bad_clean = bad_low = bad_lossless = n_clean = n_low = 0
     print(f"{'case':>5} {'topk':>4} {'idx heads':>9} {'moe':>3} {'init':>4} {'index gap':>9} {'logit margin':>12} "
@@ -237,7 +189,7 @@ def main() -> None:
         low = (meta["min_nonzero_index_gap_low_ties"] > MIN_INDEX_GAP
                and meta["min_logit_margin_low_ties"] > MIN_LOGIT_MARGIN)
         vs_hf, vs_low = prompts_differing(tokens, meta["greedy"]), prompts_differing(tokens, meta["greedy_low_ties"])
-        lossless = all(toks == tokens["plain/p16"] for toks in tokens.values())  # spec == plain, any case
+        lossless = speculative_equals_plain(tokens)  # any case, tied or not
         n_clean, n_low = n_clean + clean, n_low + low
         bad_clean += clean and vs_hf != "equal"
         bad_low += low and vs_low != "equal"

@@ -1,0 +1,179 @@
+"""Random checkpoints of every target family built with HF, greedy output compared with jaxspec's at
+contexts longer than the goldens' (not run in CI: needs torch + transformers).
+
+    python3.11 scripts/check_targets_hf.py --jaxspec-python .venv/bin/python [--cases 24] [--seed 0]
+                                           [--families llama,gemma4]
+
+Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, in turn) and a config
+(layers, widths, heads and KV heads, RoPE kind, tied head; Mistral and Gemma 4 windows of 5-16
+positions and Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
+LoRA ranks, dense or MoE layers and YaRN), saves an HF model with weights drawn as the goldens' are,
+and a one-layer model of the same family and vocabulary as its standalone draft. HF's greedy
+continuation of three prompts of 12-120 tokens is the reference (HF's cached loop, checked against a
+teacher-forced forward and ``generate()``). jaxspec then runs the three prompts as one ragged batch:
+plain (page 16), n-gram chain (page 1), n-gram tree (page 16), draft chain (page 4) and draft tree
+(page 16).
+
+A case whose smallest top-1 minus top-2 logit margin over HF's greedy steps is below 1e-4 is a
+near-tie (float32 rounding may pick either token) and is reported but not failed against HF; in
+every case the speculative runs must equal the plain one. Exit status 1 when a case free of
+near-ties differs from HF or a speculative run from plain.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_check import arguments, make_and_run, prompts_differing, speculative_equals_plain  # noqa: E402
+
+MIN_LOGIT_MARGIN = 1e-4
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma4", "deepseek_v3")
+S, F = "sliding_attention", "full_attention"
+
+
+def _heads(rng: random.Random, hidden: int) -> tuple[int, int]:
+    heads = rng.choice([h for h in (2, 4, 8) if hidden % h == 0])
+    return heads, rng.choice([k for k in (1, 2, heads) if heads % k == 0])
+
+
+def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
+    """An HF config of ``family`` with ``layers`` layers and ``vocab`` tokens, the rest drawn."""
+    import transformers as tf
+
+    hidden = rng.choice([32, 64, 96])
+    heads, kv_heads = _heads(rng, hidden)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  tie_word_embeddings=rng.random() < 0.3)
+    rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 5e5])}
+    if family == "llama":
+        if rng.random() < 0.5:
+            rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return tf.LlamaConfig(**common, rope_parameters=rope, rms_norm_eps=1e-5)
+    if family == "mistral":
+        window = rng.choice([None, rng.randint(5, 16)])  # above the deepest SpecConfig here (4)
+        return tf.MistralConfig(**common, rope_parameters=rope, sliding_window=window, rms_norm_eps=1e-5)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, rope_parameters=rope, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, rope_parameters=rope, head_dim=rng.choice([8, 16, 32]), rms_norm_eps=1e-6)
+    if family == "gemma4":
+        types = [rng.choice([S, S, F]) for _ in range(layers - 1)] + [F]
+        k_eq_v = rng.random() < 0.5
+        return tf.Gemma4TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=rng.choice([8, 16]),
+            global_head_dim=rng.choice([16, 32]), num_global_key_value_heads=1 if k_eq_v else kv_heads,
+            attention_k_eq_v=k_eq_v, layer_types=types, sliding_window=rng.randint(5, 16),
+            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+            final_logit_softcapping=rng.choice([None, 30.0]))
+    if family == "deepseek_v3":
+        rope_dim, moe = rng.choice([4, 8, 16]), rng.random() < 0.5
+        if rng.random() < 0.5:
+            rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": heads,  # YaRN: factor x original positions
+               "max_position_embeddings": 256 if rope["rope_type"] == "yarn" else 512},
+            q_lora_rank=rng.choice([None, 16, 32]),
+            kv_lora_rank=rng.choice([16, 32]), qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rope_dim,
+            v_head_dim=rng.choice([8, 16]), n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            first_k_dense_replace=rng.randint(0, layers - 1) if moe else layers, rope_parameters=rope)
+    raise ValueError(family)
+
+
+def build(family: str, cfg, seed: int):
+    """An HF causal LM for ``cfg`` with the goldens' weight draws (peaky logits, non-trivial norms)."""
+    import torch
+    import transformers as tf
+    from make_golden import reinit_
+    from make_golden_sliding import gemma_reinit_
+
+    cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+           "qwen3": tf.Qwen3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
+           "deepseek_v3": tf.DeepseekV3ForCausalLM}[family]
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    gemma_reinit_(model, gen) if family == "gemma4" else reinit_(model, gen)
+    model.generation_config.eos_token_id = None  # continue through any token, as jaxspec is told to
+    return model
+
+
+def _attr(cfg, name: str):
+    """``cfg.name``, or "per layer" where the config (Gemma 4) holds one value per layer type."""
+    try:
+        return getattr(cfg, name)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return "per layer"
+
+
+def make_case(case_dir: Path, family: str, seed: int) -> dict:
+    """Saves a random target, its one-layer draft and HF's greedy continuations; returns check.json."""
+    import torch
+    import transformers
+    from make_golden import greedy
+
+    transformers.utils.logging.disable_progress_bar()
+
+    rng = random.Random(seed)
+    vocab = rng.choice([256, 512])
+    cfg = draw_config(family, rng, vocab, layers=rng.randint(2, 4))
+    model = build(family, cfg, seed)
+    model.save_pretrained(case_dir)
+    build(family, draw_config(family, rng, vocab, layers=1), seed + 1).save_pretrained(case_dir / "draft")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (rng.randint(12, 120),), generator=g).tolist() for _ in range(3)]
+    new_tokens = rng.choice([24, 40])
+    with torch.no_grad():
+        runs = [greedy(model, p, new_tokens) for p in prompts]
+    meta = dict(seed=seed, family=family, prompts=prompts, new_tokens=new_tokens, greedy=[t for t, _ in runs],
+                min_logit_margin=min(m for _, m in runs),
+                config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                            heads=f"{cfg.num_attention_heads}/{_attr(cfg, 'num_key_value_heads')}",
+                            window=_attr(cfg, "sliding_window") if family in ("mistral", "gemma4") else None,
+                            rope=_attr(cfg, "rope_parameters").get("rope_type", "per layer")
+                            if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings))
+    (case_dir / "check.json").write_text(json.dumps(meta))
+    return meta
+
+
+def main() -> None:
+    ap = arguments(__doc__, default_cases=24)
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated, taken in turn")
+    args = ap.parse_args()
+    families = args.families.split(",")
+    if unknown := set(families) - set(FAMILIES):
+        ap.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+    dirs, metas, results = make_and_run(
+        args, lambda d, seed, i: make_case(d, families[i % len(families)], seed))
+
+    bad_hf = bad_lossless = n_clean = 0
+    print(f"{'case':>5} {'family':>12} {'layers':>6} {'heads':>6} {'window':>6} {'rope':>14} {'prompt lens':>12} "
+          f"{'logit margin':>12} {'spec==plain':>11}  vs HF")
+    for d, meta in zip(dirs, metas):
+        tokens = results[d]
+        clean = meta["min_logit_margin"] > MIN_LOGIT_MARGIN
+        vs_hf = prompts_differing(tokens, meta["greedy"])
+        lossless = speculative_equals_plain(tokens)
+        n_clean += clean
+        bad_hf += clean and vs_hf != "equal"
+        bad_lossless += not lossless
+        c = meta["config"]
+        lens = "/".join(str(len(p)) for p in meta["prompts"])
+        print(f"{meta['seed']:>5} {meta['family']:>12} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
+              f"{c['rope']:>14} {lens:>12} {meta['min_logit_margin']:>12.2g} {'yes' if lossless else 'NO':>11}  "
+              f"{vs_hf}{'' if clean else ' (near-tie)'}")
+    print(f"{n_clean} of {len(metas)} cases free of near-ties: {bad_hf} differ from HF. Speculative != plain in "
+          f"{bad_lossless} of {len(metas)} cases.")
+    sys.exit(1 if bad_hf or bad_lossless else 0)
+
+
+if __name__ == "__main__":
+    main()
