@@ -107,7 +107,7 @@ def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: 
     if cfg.get("head_dim") is None and hidden % heads:
         raise ConfigError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
     bias_default = arch == "qwen2"
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+    sliding = _sliding_window(cfg, arch, get_field(cfg, "num_hidden_layers", int, where=where), where)
     return LlamaConfig(
         arch=arch,
         vocab_size=get_field(cfg, "vocab_size", int, where=where),
@@ -125,6 +125,30 @@ def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: 
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         sliding_window=int(sliding) if sliding else None,
     )
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int, where: str) -> int | None:
+    """The window every layer slides over, or None when no layer slides. Mistral slides on every layer
+    when ``sliding_window`` is set; Qwen2/Qwen3 (as HF builds their ``layer_types``) only on layers
+    ``i >= max_window_layers`` and only with ``use_sliding_window``, so a config whose window starts
+    past the last layer has none. A mix of sliding and full layers is refused."""
+    window = cfg.get("sliding_window")
+    if arch == "mistral":  # HF's Mistral ignores layer_types and has no use_sliding_window
+        return int(window) if window else None
+    if not cfg.get("use_sliding_window", False) or not window:
+        return None
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+        for i in range(num_layers)]
+    sliding = [t == "sliding_attention" for t in types]
+    if all(sliding):
+        return int(window)
+    if not any(sliding):
+        return None
+    raise ConfigError(
+        f"{where}: {sum(sliding)} of {num_layers} layers slide over {window} positions and the others attend "
+        "fully (use_sliding_window with max_window_layers or layer_types); a mix of sliding and full layers "
+        "is supported for Gemma 4 only")
 
 
 def llama_for_tensor_parallel(cfg: LlamaConfig, shards: int, where: str = "config.json") -> LlamaConfig:

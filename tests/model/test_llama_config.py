@@ -1,0 +1,50 @@
+"""Which layers of a Llama-family config slide (jaxspec/model/targets/llama_config.py), as HF builds
+them: Mistral from ``sliding_window`` alone, Qwen2/Qwen3 from ``use_sliding_window`` and
+``max_window_layers`` (or the ``layer_types`` transformers 5 writes)."""
+
+import json
+
+import pytest
+
+from jaxspec.model.config import ConfigError
+from jaxspec.model.targets.llama_config import llama_config_from_hf
+from tests.model.golden import GOLDEN
+
+S, F = "sliding_attention", "full_attention"
+_DROP = object()  # a config change that removes the key
+
+
+def _config(name: str, **changes) -> dict:
+    with open(f"{GOLDEN}/{name}/config.json") as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    return {k: v for k, v in cfg.items() if v is not _DROP}
+
+
+# (case, config changes, window or the error) over 2-layer goldens
+WINDOWS = [
+    ("qwen2", {}, None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=_DROP), 8),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2, layer_types=_DROP), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=_DROP, layer_types=_DROP), None),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=8, max_window_layers=0, layer_types=_DROP), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=[S, S]), 8),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=[F, F], max_window_layers=0), None),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=_DROP),
+     "1 of 2 layers slide over 8 positions"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=[S, F]), "1 of 2 layers slide"),
+    ("mistral", dict(sliding_window=6), 6),
+    ("mistral", dict(sliding_window=6, layer_types=[F, F]), 6),  # HF's Mistral ignores layer_types
+    ("mistral", dict(sliding_window=None), None),
+    ("llama2", dict(sliding_window=8), None),
+]
+
+
+@pytest.mark.parametrize("name, changes, want", WINDOWS)
+def test_sliding_window_follows_hf_layer_types(name, changes, want):
+    raw = _config(name, **changes)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            llama_config_from_hf(raw)
+    else:
+        assert llama_config_from_hf(raw).sliding_window == want
