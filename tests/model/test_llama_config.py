@@ -48,3 +48,22 @@ def test_sliding_window_follows_hf_layer_types(name, changes, want):
             llama_config_from_hf(raw)
     else:
         assert llama_config_from_hf(raw).sliding_window == want
+
+
+@pytest.mark.parametrize("name, changes, want", [
+    ("qwen2", {}, True),
+    ("qwen2", dict(attention_bias=False), True),  # HF's Qwen2 has no switch: q/k/v biases always
+    ("mistral", dict(attention_bias=True), False),  # HF's Mistral has none
+    ("llama2", dict(attention_bias=True), "attention_bias=true \\(llama: q/k/v and o_proj biases\\)"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=true \\(qwen3"),
+    ("llama2", dict(mlp_bias=True), "mlp_bias=true"),
+    ("llama2", dict(attention_bias=False, mlp_bias=False), False),
+])
+def test_projection_biases_follow_hf_or_are_refused(name, changes, want):
+    """Biases HF would add and jaxspec would not load (o_proj, MLP) are refused, not dropped."""
+    raw = _config(name, **changes)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            llama_config_from_hf(raw)
+    else:
+        assert llama_config_from_hf(raw).attention_bias is want

@@ -24,7 +24,7 @@ class LlamaConfig:
     Attributes:
       arch: "llama" | "mistral" | "qwen2" | "qwen3".
       head_dim: per-head width D (Qwen3 sets it explicitly; else hidden / heads).
-      attention_bias: q/k/v projections carry a bias (Qwen2).
+      attention_bias: q/k/v projections carry a bias (Qwen2, always, as in HF).
       qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
       sliding_window: Mistral's window W (every layer sees keys p-W+1 .. p); None: full attention.
         Its K/V live in the window pool (split by KV head over the mesh like the full pool).
@@ -106,7 +106,13 @@ def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: 
         raise ConfigError(f"{where}: head_dim must be a positive int, got {head_dim!r}")
     if cfg.get("head_dim") is None and hidden % heads:
         raise ConfigError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
-    bias_default = arch == "qwen2"
+    # As HF builds the projections: Qwen2's q/k/v always carry a bias (its config has no switch),
+    # Mistral's never; Llama's and Qwen3's attention_bias also puts one on o_proj, which is not loaded.
+    if arch in ("llama", "qwen3") and cfg.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias=true ({arch}: q/k/v and o_proj biases) is not supported; "
+                          "q/k/v biases are, for Qwen2")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias=true (biases on gate/up/down_proj) is not supported")
     sliding = _sliding_window(cfg, arch, get_field(cfg, "num_hidden_layers", int, where=where), where)
     return LlamaConfig(
         arch=arch,
@@ -120,7 +126,7 @@ def llama_config_from_hf(cfg: dict[str, Any], where: str = "config.json", arch: 
         rms_norm_eps=float(get_field(cfg, "rms_norm_eps", float, default=1e-6, where=where)),
         rope=parse_rope(cfg, where),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", bias_default)),
+        attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         sliding_window=int(sliding) if sliding else None,
