@@ -182,7 +182,7 @@ def main() -> None:
     print(f"{'case':>5} {'topk':>4} {'idx heads':>9} {'moe':>3} {'init':>4} {'index gap':>9} {'logit margin':>12} "
           f"{'dense differs':>13} {'spec==plain':>11}  vs HF | vs HF with lower-position ties")
     for d, meta in zip(dirs, metas):
-        tokens = results[d]
+        tokens = results[d]["tokens"]
         # Tie-free: HF's own top-k is defined, so jaxspec must give HF's tokens.
         clean = meta["min_index_gap"] > MIN_INDEX_GAP and meta["min_logit_margin"] > MIN_LOGIT_MARGIN
         # Exact ties only: with the same tie rule as XLA's top_k, jaxspec must give HF's tokens.

@@ -6,13 +6,17 @@ contexts longer than the goldens' (not run in CI: needs torch + transformers).
 
 Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, in turn) and a config
 (layers, widths, heads and KV heads, RoPE kind, tied head; Mistral and Gemma 4 windows of 5-16
-positions and Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
+positions, Qwen2/Qwen3 ``use_sliding_window`` with a ``max_window_layers`` that makes every layer or
+none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
 LoRA ranks, dense or MoE layers and YaRN), saves an HF model with weights drawn as the goldens' are,
-and a one-layer model of the same family and vocabulary as its standalone draft. HF's greedy
-continuation of three prompts of 12-120 tokens is the reference (HF's cached loop, checked against a
-teacher-forced forward and ``generate()``). jaxspec then runs the three prompts as one ragged batch:
-plain (page 16), n-gram chain (page 1), n-gram tree (page 16), draft chain (page 4) and draft tree
-(page 16).
+and as its standalone draft a copy whose every weight is scaled by 1 + s N(0, 1), s of 0.005, 0.02 or
+0.08 (accepted often, not always). A DeepSeek-V3 case also stores a random MTP layer after its main
+layers, a Gemma 4 case a random assistant (frozen-KV MTP, ordered embeddings or not) reading its K/V;
+random MTP layers and assistants are rarely accepted. HF's greedy continuation of three prompts of
+12-120 tokens is the reference (HF's cached loop, checked against a teacher-forced forward and
+``generate()``). jaxspec then runs the three prompts as one ragged batch: plain (page 16), n-gram chain
+(page 1), n-gram tree (page 16), and each draft as a chain of 3 (page 4, the second draft page 1) and
+a tree of 8 tokens (3 steps, top-3; page 16), and reports each draft's mean accept length.
 
 A case whose smallest top-1 minus top-2 logit margin over HF's greedy steps is below 1e-4 is a
 near-tie (float32 rounding may pick either token) and is reported but not failed against HF; in
@@ -58,10 +62,15 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
     if family == "mistral":
         window = rng.choice([None, rng.randint(5, 16)])  # above the deepest SpecConfig here (4)
         return tf.MistralConfig(**common, rope_parameters=rope, sliding_window=window, rms_norm_eps=1e-5)
-    if family == "qwen2":
-        return tf.Qwen2Config(**common, rope_parameters=rope, rms_norm_eps=1e-6)
-    if family == "qwen3":
-        return tf.Qwen3Config(**common, rope_parameters=rope, head_dim=rng.choice([8, 16, 32]), rms_norm_eps=1e-6)
+    if family in ("qwen2", "qwen3"):
+        # HF slides layers i >= max_window_layers when use_sliding_window: all of them, or none
+        slides = rng.choice([None, "every layer", "no layer"])
+        window = dict(use_sliding_window=True, sliding_window=rng.randint(5, 16),
+                      max_window_layers=0 if slides == "every layer" else layers) if slides else {}
+        if family == "qwen2":
+            return tf.Qwen2Config(**common, rope_parameters=rope, rms_norm_eps=1e-6, **window)
+        return tf.Qwen3Config(**common, rope_parameters=rope, head_dim=rng.choice([8, 16, 32]), rms_norm_eps=1e-6,
+                              **window)
     if family == "gemma4":
         types = [rng.choice([S, S, F]) for _ in range(layers - 1)] + [F]
         k_eq_v = rng.random() < 0.5
@@ -106,12 +115,88 @@ def build(family: str, cfg, seed: int):
     return model
 
 
+def perturbed_copy(model, noise: float, seed: int):
+    """``model`` (a fresh build of the target) with every weight scaled by 1 + noise * N(0, 1): a
+    standalone draft that agrees with the target often but not always, so verify accepts paths of
+    every length and compaction moves them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():  # tied parameters are listed once
+        p.mul_(1.0 + noise * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def add_mtp_layer(case_dir: Path, model, seed: int) -> None:
+    """Appends a random DeepSeek MTP (NextN) layer after the main layers of the saved checkpoint (HF's
+    model holds none), weights drawn as the goldens' are; ``load_draft(case_dir, target)`` loads it."""
+    import torch
+    from make_golden import ds_block_state_for_disk, reinit_
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg, gen = model.config, torch.Generator().manual_seed(seed)
+    n, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    block = DeepseekV3DecoderLayer(cfg, layer_idx=n).eval()
+    reinit_(block, gen)
+    pfx = f"model.layers.{n}."
+    path = case_dir / "model.safetensors"
+    state = load_file(path)
+    state.update(ds_block_state_for_disk(block, pfx))
+    state.update({
+        pfx + "enorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        pfx + "hnorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        pfx + "eh_proj.weight": 1.5 / (2 * hidden) ** 0.5 * torch.randn(hidden, 2 * hidden, generator=gen),
+        pfx + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        pfx + "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+    })
+    save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(path), metadata={"format": "pt"})
+
+
+def build_assistant(target, rng: random.Random, seed: int):
+    """A random Gemma 4 assistant (frozen-KV MTP: no K/V of its own) for ``target``: its layers take the
+    target's per-type K/V shapes, its hidden size and depth are drawn, ordered embeddings or not."""
+    import torch
+    import transformers as tf
+    from make_golden_sliding import gemma_reinit_  # also lets HF build an all-shared assistant
+
+    tc = target.config
+    shape = {t: tc.per_layer_config[tc.layer_types.index(t)] for t in set(tc.layer_types)}
+    types = [rng.choice(sorted(shape)) for _ in range(rng.randint(0, 2))] + [F]
+    kv = {t: shape[t].num_key_value_heads for t in shape}
+    text = tf.Gemma4TextConfig(
+        vocab_size=tc.vocab_size, hidden_size=rng.choice([32, 64]), intermediate_size=64,
+        num_hidden_layers=len(types), num_attention_heads=2 * max(kv.values()),
+        num_key_value_heads=kv.get(S, kv[F]), head_dim=shape.get(S, shape[F]).head_dim,
+        global_head_dim=shape[F].head_dim, num_global_key_value_heads=kv[F], attention_k_eq_v=tc.attention_k_eq_v,
+        layer_types=types, sliding_window=tc.sliding_window, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, max_position_embeddings=512)
+    ordered = rng.random() < 0.5
+    cfg = tf.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
+                                   use_ordered_embeddings=ordered,
+                                   **(dict(num_centroids=16, centroid_intermediate_top_k=4) if ordered else {}))
+    torch.manual_seed(seed)
+    model = tf.Gemma4AssistantForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    gemma_reinit_(model, gen)
+    if ordered:
+        model.masked_embedding.token_ordering.copy_(torch.randperm(tc.vocab_size, generator=gen))
+    return model
+
+
 def _attr(cfg, name: str):
     """``cfg.name``, or "per layer" where the config (Gemma 4) holds one value per layer type."""
     try:
         return getattr(cfg, name)
     except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
         return "per layer"
+
+
+def _window(family: str, cfg) -> str | int | None:
+    """The window the case's layers slide over, as HF builds them ("none" for a window no layer uses)."""
+    if family in ("qwen2", "qwen3") and cfg.sliding_window is not None:
+        return cfg.sliding_window if "sliding_attention" in cfg.layer_types else "none"
+    return _attr(cfg, "sliding_window") if family in ("mistral", "gemma4", "qwen2", "qwen3") else None
 
 
 def make_case(case_dir: Path, family: str, seed: int) -> dict:
@@ -127,17 +212,26 @@ def make_case(case_dir: Path, family: str, seed: int) -> dict:
     cfg = draw_config(family, rng, vocab, layers=rng.randint(2, 4))
     model = build(family, cfg, seed)
     model.save_pretrained(case_dir)
-    build(family, draw_config(family, rng, vocab, layers=1), seed + 1).save_pretrained(case_dir / "draft")
+    noise = rng.choice([0.005, 0.02, 0.08])
+    perturbed_copy(build(family, cfg, seed), noise, seed + 1).save_pretrained(case_dir / "draft")
+    drafts = {"draft": "draft"}
+    if family == "deepseek_v3":
+        add_mtp_layer(case_dir, model, seed + 2)
+        drafts["mtp"] = "."
+    if family == "gemma4":
+        build_assistant(model, rng, seed + 2).save_pretrained(case_dir / "assistant")
+        drafts["assistant"] = "assistant"
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (rng.randint(12, 120),), generator=g).tolist() for _ in range(3)]
     new_tokens = rng.choice([24, 40])
     with torch.no_grad():
         runs = [greedy(model, p, new_tokens) for p in prompts]
-    meta = dict(seed=seed, family=family, prompts=prompts, new_tokens=new_tokens, greedy=[t for t, _ in runs],
-                min_logit_margin=min(m for _, m in runs),
+    meta = dict(seed=seed, family=family, prompts=prompts, new_tokens=new_tokens, drafts=drafts,
+                greedy=[t for t, _ in runs],
+                min_logit_margin=min(m for _, m in runs), draft_noise=noise,
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                             heads=f"{cfg.num_attention_heads}/{_attr(cfg, 'num_key_value_heads')}",
-                            window=_attr(cfg, "sliding_window") if family in ("mistral", "gemma4") else None,
+                            window=_window(family, cfg),
                             rope=_attr(cfg, "rope_parameters").get("rope_type", "per layer")
                             if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings))
     (case_dir / "check.json").write_text(json.dumps(meta))
@@ -156,9 +250,9 @@ def main() -> None:
 
     bad_hf = bad_lossless = n_clean = 0
     print(f"{'case':>5} {'family':>12} {'layers':>6} {'heads':>6} {'window':>6} {'rope':>14} {'prompt lens':>12} "
-          f"{'logit margin':>12} {'spec==plain':>11}  vs HF")
+          f"{'logit margin':>12} {'spec==plain':>11} {'noise: accept (chain/tree)':>40}  vs HF")
     for d, meta in zip(dirs, metas):
-        tokens = results[d]
+        tokens = results[d]["tokens"]
         clean = meta["min_logit_margin"] > MIN_LOGIT_MARGIN
         vs_hf = prompts_differing(tokens, meta["greedy"])
         lossless = speculative_equals_plain(tokens)
@@ -167,8 +261,11 @@ def main() -> None:
         bad_lossless += not lossless
         c = meta["config"]
         lens = "/".join(str(len(p)) for p in meta["prompts"])
+        acc = results[d]["accept"]
+        accept = f"{meta['draft_noise']:g}: " + " ".join(f"{name} " + "/".join(f"{v:.1f}" for k, v in acc.items() if k.startswith(name + " "))
+                          for name in meta["drafts"])
         print(f"{meta['seed']:>5} {meta['family']:>12} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
-              f"{c['rope']:>14} {lens:>12} {meta['min_logit_margin']:>12.2g} {'yes' if lossless else 'NO':>11}  "
+              f"{c['rope']:>14} {lens:>12} {meta['min_logit_margin']:>12.2g} {'yes' if lossless else 'NO':>11} {accept:>40}  "
               f"{vs_hf}{'' if clean else ' (near-tie)'}")
     print(f"{n_clean} of {len(metas)} cases free of near-ties: {bad_hf} differ from HF. Speculative != plain in "
           f"{bad_lossless} of {len(metas)} cases.")

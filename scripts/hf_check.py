@@ -1,8 +1,9 @@
 """What the random-checkpoint checks against HF share (``check_targets_hf.py``, ``check_dsa_hf.py``):
 the jaxspec side, run in the project's own venv on the saved cases, and the per-prompt comparison.
 
-Each case directory holds an HF checkpoint and a ``check.json`` with ``prompts`` and ``new_tokens``;
-a ``draft/`` folder in it, when present, is a standalone draft checkpoint for that target.
+Each case directory holds an HF checkpoint and a ``check.json`` with ``prompts``, ``new_tokens`` and
+optionally ``drafts`` ({name: checkpoint folder relative to the case, "." for the target's own MTP
+layer}); each draft runs a chain and a tree beside the plain and n-gram runs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Run by the jaxspec venv's python with the case directories as arguments; prints
-# {case_dir: {run name: [token ids per prompt]}}. All prompts of a case go in one batch (ragged).
+# Run by the jaxspec venv's python with the case directories as arguments; prints {case_dir: {"tokens":
+# {run name: [token ids per prompt]}, "accept": {run name: mean accept length}}}. All prompts of a case
+# go in one batch (ragged).
 JAXSPEC_SIDE = r"""
 import json, os, sys
 import jax
@@ -34,24 +36,27 @@ for case_dir in sys.argv[1:]:
         "ngram chain/p1": (1, dict(draft=ngram, spec=js.SpecConfig.chain(4))),
         "ngram tree/p16": (16, dict(draft=ngram, spec=js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6))),
     }
-    if os.path.isdir(f"{case_dir}/draft"):
-        draft = js.load_draft(f"{case_dir}/draft", target, dtype="float32")
-        runs["draft chain/p4"] = (4, dict(draft=draft, spec=js.SpecConfig.chain(3)))
-        runs["draft tree/p16"] = (16, dict(draft=draft, spec=js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)))
+    for i, (name, where) in enumerate(meta.get("drafts", {}).items()):  # "." is the target's own dir (MTP)
+        draft = js.load_draft(os.path.join(case_dir, where), target, dtype="float32")
+        chain_page = (4, 1)[i % 2]
+        runs[f"{name} chain/p{chain_page}"] = (chain_page, dict(draft=draft, spec=js.SpecConfig.chain(3)))
+        runs[f"{name} tree/p16"] = (16, dict(draft=draft, spec=js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)))
     sampling = js.SamplingParams(max_new_tokens=meta["new_tokens"], stop_token_ids=())
-    results[case_dir] = {}
+    results[case_dir] = {"tokens": {}, "accept": {}}
     for name, (page, kw) in runs.items():
         out = js.generate(target, meta["prompts"], sampling=sampling, engine=js.EngineConfig(page_size=page),
                           progress=False, **kw)
-        results[case_dir][name] = [list(map(int, t)) for t in out.token_ids]
+        results[case_dir]["tokens"][name] = [list(map(int, t)) for t in out.token_ids]
+        results[case_dir]["accept"][name] = sum(s.mean_accept_len for s in out.stats) / len(out.stats)
     del target
     jax.clear_caches()  # each case compiles new programs; XLA:CPU's code mappings go with the cache
 json.dump(results, sys.stdout)
 """
 
 
-def run_jaxspec(python: str, case_dirs: list[str]) -> dict[str, dict[str, list[list[int]]]]:
-    """Greedy tokens of every jaxspec run of every case (plain first), from ``python`` (the jaxspec venv)."""
+def run_jaxspec(python: str, case_dirs: list[str]) -> dict[str, dict]:
+    """Greedy tokens and mean accept lengths of every jaxspec run of every case (plain first), from
+    ``python`` (the jaxspec venv)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     run = subprocess.run([python, "-c", JAXSPEC_SIDE, *case_dirs], check=True, env=env, stdout=subprocess.PIPE,
                          text=True)
