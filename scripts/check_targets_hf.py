@@ -5,7 +5,7 @@ contexts longer than the goldens' (not run in CI: needs torch + transformers).
                                            [--families llama,gemma4]
 
 Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, in turn) and a config
-(layers, widths, heads and KV heads, RoPE kind, tied head; Mistral and Gemma 4 windows of 5-16
+(layers, widths, heads and KV heads, RoPE kind (Llama's ``llama3``, Qwen's YaRN), tied head; Mistral and Gemma 4 windows of 5-16
 positions, Qwen2/Qwen3 ``use_sliding_window`` with a ``max_window_layers`` that makes every layer or
 none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
 LoRA ranks, dense or MoE layers and YaRN), saves an HF model with weights drawn as the goldens' are,
@@ -54,6 +54,9 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=rng.random() < 0.3)
     rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 5e5])}
+    if family in ("qwen2", "qwen3") and rng.random() < 0.4:  # their documented long-context setting
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128}
+        common["max_position_embeddings"] = 512
     if family == "llama":
         if rng.random() < 0.5:
             rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,

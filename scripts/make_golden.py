@@ -10,7 +10,7 @@ CI; it needs torch + transformers. Set-up used to produce the committed files (a
 (The committed files were made with transformers 5.23.0; the exact versions are in manifest.json.)
 
 Cases (see tests/data/golden/README.md for the file layout and array shapes):
-  targets   llama3, llama2, qwen2, qwen3, mistral      HF *ForCausalLM, logits / greedy / hidden goldens
+  targets   llama3, llama2, qwen2, qwen2_yarn, qwen3, mistral   HF *ForCausalLM, logits / greedy / hidden goldens
   MLA       deepseek_v3_dense, deepseek_v3_moe           the same, plus an MTP (NextN) layer and its golden
   drafts    eagle3_midlayer, eagle3_layers0, eagle1      our own small PyTorch re-implementation of the
                                                          published EAGLE-3 / EAGLE-1 heads (no HF class)
@@ -381,6 +381,19 @@ TARGETS = {
         notes=["head_dim 32 != hidden/heads (16): q_proj [128, 64], k/v_proj [64, 64], o_proj [64, 128].",
                "q_norm/k_norm ([head_dim]) are per-head RMSNorms applied after the head reshape, before RoPE; "
                "randomised (not ones). tie_word_embeddings true."],
+    ),
+    "qwen2_yarn": dict(
+        cls=Qwen2ForCausalLM, seed=3500, rope_form="classic", shard=None,
+        config=lambda: Qwen2Config(
+            **{**COMMON, "max_position_embeddings": 256}, num_hidden_layers=2, num_key_value_heads=2,
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64}),
+        notes=["YaRN RoPE in the classic form Qwen2.5 documents for long context: rope_scaling {type: yarn, "
+               "factor 4, original_max_position_embeddings 64} (max_position_embeddings 256 = factor x original).",
+               "HF _compute_yarn_parameters: frequencies blended between 1/theta^(2j/D) and that / factor over the "
+               "beta_fast 32 .. beta_slow 1 correction band; cos and sin scaled by attention_factor = "
+               "0.1 ln(4) + 1 = 1.1386."],
     ),
     "mistral": dict(
         cls=MistralForCausalLM, seed=5000, rope_form="rope_parameters", shard="200KB",
@@ -1016,9 +1029,21 @@ def make_eagle1_case(out: Path, name: str, target_dir: Path, *, seed: int) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--cases", help="comma-separated target cases to (re)build alone; the others stay as they are")
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.cases:
+        only = args.cases.split(",")
+        if unknown := set(only) - set(TARGETS):
+            ap.error(f"--cases takes Llama-family target cases ({', '.join(TARGETS)}); got {sorted(unknown)}")
+        cases = []
+        for name in only:
+            shutil.rmtree(out / name, ignore_errors=True)
+            cases.append(make_target_case(out, name, TARGETS[name]))
+            print(f"{name}: seed {cases[-1]['seed']}, min greedy margin {cases[-1]['min_greedy_margin']:.4f}")
+        write_manifest(out, cases, "scripts/make_golden.py")
+        return
     names = list(TARGETS) + list(DS_CASES) + ["eagle3_midlayer", "eagle3_layers0", "eagle1"]
     for n in names:
         if (out / n).exists():

@@ -39,28 +39,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:  # f32[dim // 2]
-    """Inverse frequencies, including linear and llama3 scaling (computed once, host side)."""
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
-    if rope.kind == "linear":
-        inv = inv / np.float32(rope.factor)
-    elif rope.kind == "llama3":
-        old = rope.original_max_position_embeddings
-        low_wavelen = old / rope.low_freq_factor
-        high_wavelen = old / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled).astype(np.float32)
-    elif rope.kind == "proportional":
-        rotated = int(rope.partial_rotary_factor * dim // 2)  # frequencies that rotate (HF's rounding)
-        inv = np.where(np.arange(dim // 2) < rotated, inv, np.float32(0.0)).astype(np.float32)
-        inv = (inv / np.float32(rope.factor)).astype(np.float32)
-    elif rope.kind != "default":
-        raise ValueError(f"unsupported rope kind {rope.kind!r}")
-    return inv
+    """Inverse frequencies of ``rope`` over ``dim`` dims (computed once, host side)."""
+    return rope.inv_freq(dim)
 
 
 def apply_rope(
@@ -264,7 +244,7 @@ def project_q(
     q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq)
+    return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale)  # scale: YaRN's attention factor
 
 
 def project_kv(
@@ -278,7 +258,7 @@ def project_kv(
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(k, positions, inv_freq), v
+    return apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale), v
 
 
 def attention_qkv(

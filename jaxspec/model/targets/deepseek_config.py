@@ -8,12 +8,9 @@ Configs are frozen and hashable: they ride in jit static arguments (see
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import numpy as np
-
-from jaxspec.model.config import ConfigError, get_field
+from jaxspec.model.config import ConfigError, RopeConfig, get_field, parse_yarn, yarn_mscale
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
@@ -22,66 +19,17 @@ MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 # ------------------------------------------------------------------------------------ config
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not scaled)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MLARope:
-    """RoPE of the decoupled rope dims (default or YaRN, HF ``_compute_yarn_parameters``).
+class MLARope(RopeConfig):
+    """RoPE of the decoupled rope dims: default or YaRN (``RopeConfig``), pairs rotated
+    interleaved.
 
     interleave: rotate interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek; HF
       ``rope_interleave``, default true) instead of rotate-half halves.
-    mscale / mscale_all_dim: YaRN magnitude parameters; 0 means "not given".
-    attention_factor: explicit cos/sin scale; None derives it from factor and the mscales.
     """
 
-    theta: float = 10000.0
-    kind: str = "default"
-    factor: float = 1.0
     original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
     interleave: bool = True
-
-    @property
-    def cos_sin_scale(self) -> float:
-        """Factor applied to cos and sin (YaRN ``attention_factor``; 1 for default RoPE)."""
-        if self.kind == "default":
-            return 1.0
-        if self.attention_factor is not None:
-            return float(self.attention_factor)
-        if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
-        return yarn_mscale(self.factor)
-
-    def inv_freq(self, dim: int) -> np.ndarray:  # f32[dim // 2]
-        """Inverse frequencies over ``dim`` rope dims (host side, float32 like HF)."""
-        pos_freqs = np.float32(self.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
-        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
-        if self.kind == "default":
-            return extrapolation
-        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
-
-        def correction_dim(rotations):
-            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(self.theta)
-            )
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-        ramp = ramp.astype(np.float32)  # 1 = interpolate, 0 = extrapolate
-        return (interpolation * ramp + extrapolation * (np.float32(1) - ramp)).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,29 +176,7 @@ def parse_mla_rope(raw: dict, where: str = "config.json") -> MLARope:
         return MLARope(theta=float(theta), interleave=interleave)
     if kind != "yarn":
         raise ConfigError(f"{where}: unsupported rope scaling type {kind!r} for DeepSeek (supported: default, yarn)")
-    w = f"{where} (yarn rope scaling)"
-    factor = merged.get("factor")
-    orig = merged.get("original_max_position_embeddings")
-    if factor is None and orig and raw.get("max_position_embeddings"):
-        factor = raw["max_position_embeddings"] / orig
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-        raise ConfigError(f"{w}: 'factor' must be a positive number, got {factor!r}")
-    if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
-        raise ConfigError(f"{w}: 'original_max_position_embeddings' must be a positive int, got {orig!r}")
-    attention_factor = merged.get("attention_factor")
-    return MLARope(
-        theta=float(theta),
-        kind="yarn",
-        factor=float(factor),
-        original_max_position_embeddings=orig,
-        beta_fast=float(merged.get("beta_fast") or 32),
-        beta_slow=float(merged.get("beta_slow") or 1),
-        mscale=_opt_float(merged, "mscale", w, 0.0),
-        mscale_all_dim=_opt_float(merged, "mscale_all_dim", w, 0.0),
-        attention_factor=None if attention_factor is None else _opt_float(merged, "attention_factor", w, 1.0),
-        truncate=bool(merged.get("truncate", True)),
-        interleave=interleave,
-    )
+    return parse_yarn(merged, raw, where, float(theta), cls=MLARope, interleave=interleave)
 
 
 def _num_dense_layers(raw: dict, num_layers: int, where: str) -> int:

@@ -146,7 +146,10 @@ def _rope_for(text: dict, layer_type: str, where: str) -> RopeConfig:
     if not isinstance(params, dict):
         raise ConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
     entry = params.get(layer_type, _DEFAULT_ROPE[layer_type])
-    return parse_rope({"rope_parameters": entry}, f"{where} rope_parameters[{layer_type!r}]")
+    rope = parse_rope({"rope_parameters": entry}, f"{where} rope_parameters[{layer_type!r}]")
+    if rope.kind == "yarn":  # Gemma 4's own attention applies no cos/sin scale
+        raise ConfigError(f"{where}: yarn RoPE is not supported for Gemma 4 {layer_type} layers")
+    return rope
 
 
 def _refuse(text: dict, where: str) -> None:
