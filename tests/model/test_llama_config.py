@@ -1,12 +1,14 @@
-"""Which layers of a Llama-family config slide (jaxspec/model/targets/llama_config.py), as HF builds
-them: Mistral from ``sliding_window`` alone, Qwen2/Qwen3 from ``use_sliding_window`` and
-``max_window_layers`` (or the ``layer_types`` transformers 5 writes)."""
+"""Llama-family configs read as HF builds the model (jaxspec/model/targets/llama_config.py): which
+layers slide (Mistral from ``sliding_window`` alone, Qwen2/Qwen3 from ``use_sliding_window`` and
+``max_window_layers`` or the ``layer_types`` transformers 5 writes), which projections carry biases,
+and RoPE settings written by an export and read back."""
 
 import json
 
 import pytest
 
-from jaxspec.model.config import ConfigError
+from jaxspec.model.config import ConfigError, RopeConfig, parse_rope
+from jaxspec.model.io.checkpoint import rope_fields
 from jaxspec.model.targets.llama_config import llama_config_from_hf
 from tests.model.golden import GOLDEN
 
@@ -67,3 +69,21 @@ def test_projection_biases_follow_hf_or_are_refused(name, changes, want):
             llama_config_from_hf(raw)
     else:
         assert llama_config_from_hf(raw).attention_bias is want
+
+
+@pytest.mark.parametrize("rope", [
+    RopeConfig(theta=5e5),
+    RopeConfig(theta=1e4, kind="linear", factor=2.0),
+    RopeConfig(theta=5e5, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=8192),
+    RopeConfig(theta=1e6, kind="yarn", factor=4.0, original_max_position_embeddings=32768),
+    RopeConfig(theta=1e4, kind="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=16.0,
+               mscale=1.0, mscale_all_dim=0.5, truncate=False),
+    RopeConfig(theta=1e4, kind="yarn", factor=2.0, original_max_position_embeddings=64, attention_factor=1.25),
+], ids=lambda r: r.kind)
+def test_rope_round_trips_through_the_hf_fields_an_export_writes(rope):
+    """What export_llama / an exported EAGLE-3 head writes reads back as the same RoPE (a YaRN head
+    trained for a Qwen long-context target keeps its scaling)."""
+    assert parse_rope(rope_fields(rope)) == rope
+    with pytest.raises(ValueError, match="cannot write 'proportional' RoPE"):
+        rope_fields(RopeConfig(kind="proportional", partial_rotary_factor=0.25))

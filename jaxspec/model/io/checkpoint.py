@@ -29,6 +29,17 @@ def rope_fields(rope) -> dict:
             "high_freq_factor": rope.high_freq_factor,
             "original_max_position_embeddings": rope.original_max_position_embeddings,
         }
+    elif rope.kind == "yarn":
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": rope.factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+            "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow, "truncate": rope.truncate,
+            **({"mscale": rope.mscale} if rope.mscale else {}),
+            **({"mscale_all_dim": rope.mscale_all_dim} if rope.mscale_all_dim else {}),
+            **({"attention_factor": rope.attention_factor} if rope.attention_factor is not None else {}),
+        }
+    elif rope.kind != "default":
+        raise ValueError(f"cannot write {rope.kind!r} RoPE as HF Llama-style config fields")
     return out
 
 
