@@ -26,7 +26,7 @@ from jaxspec.model.io import dflash as dflash_io
 from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, fp8_block_size, read_config, resolve_dtype
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
-from jaxspec.model.io.loader import TARGET_FAMILIES, target_family
+from jaxspec.model.io.loader import TARGET_FAMILIES, target_family, warn_unread
 from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
 from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.targets import Model
@@ -111,6 +111,7 @@ def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
     except ConfigError:
         split = False
     table = family.table(cfg, ckpt)
+    warn_unread(family, cfg, table, ckpt, path)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=split),
                          fp8_block=fp8_block_size(raw, where))
     return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path, mesh=target.mesh)

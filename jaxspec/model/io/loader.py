@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 
 from jaxspec.mesh import MODEL, axis_size
@@ -16,7 +17,7 @@ from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, r
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.io.gemma4 import gemma4_table
 from jaxspec.model.io.llama import llama_table
-from jaxspec.model.io.tables import load_params, shardings_for
+from jaxspec.model.io.tables import load_params, shardings_for, unread_tensors
 from jaxspec.model.io.tokenizer import load_tokenizer
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import deepseek_config as ds
@@ -32,6 +33,14 @@ class TargetFamily:
     parse: Callable  # (raw config, where) -> config
     table: Callable  # (config, checkpoint) -> parameter table
     for_mesh: Callable  # (config, model-axis shards, where) -> the config split over them (or an error)
+    # (checkpoint tensor name, config) -> True for what the family leaves unread on purpose
+    leaves_unread: Callable = lambda name, cfg: False
+
+
+def _mtp_layer(name: str, cfg) -> bool:
+    """DeepSeek's MTP (NextN) layers, stored after the main layers; ``load_draft`` reads them."""
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers
 
 
 TARGET_FAMILIES = (
@@ -40,11 +49,25 @@ TARGET_FAMILIES = (
                  lambda cfg, ckpt: llama_table(cfg, kv_repeat=cfg.kv_repeat), llama.llama_for_tensor_parallel),
     TargetFamily("deepseek", tuple(ds.ARCHITECTURES), tuple(ds.MODEL_TYPES), ds.deepseek_config_from_hf,
                  lambda cfg, ckpt: deepseek_table(cfg, fused_experts=has_fused_experts(ckpt, cfg)),
-                 ds.deepseek_for_tensor_parallel),
+                 ds.deepseek_for_tensor_parallel, leaves_unread=_mtp_layer),
     TargetFamily("gemma4", gemma4.ARCHITECTURES, gemma4.MODEL_TYPES, gemma4.gemma4_config_from_hf,
                  lambda cfg, ckpt: gemma4_table(cfg),  # text weights only (CondGen towers ignored)
-                 gemma4.gemma4_for_tensor_parallel),
+                 gemma4.gemma4_for_tensor_parallel,
+                 leaves_unread=lambda name, cfg: not name.startswith(cfg.prefix)),  # vision / audio towers
 )
+
+
+def warn_unread(family: TargetFamily, cfg, table, ckpt, path: str) -> None:
+    """Warns about checkpoint tensors that nothing reads: weights the model would run without
+    (a bias or a norm of a variant jaxspec does not know), so its output would differ from the
+    checkpoint's own model."""
+    unread = [n for n in unread_tensors(table, ckpt.keys())
+              if not n.endswith("rotary_emb.inv_freq") and not family.leaves_unread(n, cfg)]
+    if unread:
+        shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        warnings.warn(f"{path}: {len(unread)} checkpoint tensor(s) are not read by jaxspec's {family.name} "
+                      f"model, which runs without them, so its output may differ from the checkpoint's: {shown}",
+                      stacklevel=3)
 
 
 def target_family(raw: dict, where: str) -> TargetFamily:
@@ -88,6 +111,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
     cfg = family.for_mesh(family.parse(raw, where), axis_size(mesh, MODEL), where)
     ckpt = SafetensorsCheckpoint(path)
     table = family.table(cfg, ckpt)
+    warn_unread(family, cfg, table, ckpt, path)
     params = load_params(table, ckpt, np_dtype, sharding_of=shardings_for(table, mesh, split=True),
                          fp8_block=fp8_block, progress=progress, desc="loading")
     tokenizer = load_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None

@@ -185,6 +185,13 @@ def _names(e: Entry) -> Iterator[tuple[tuple[int, ...], str]]:
             yield idx, name
 
 
+def unread_tensors(table: Table, names) -> list[str]:
+    """The checkpoint tensor ``names`` no entry of ``table`` reads (an FP8 weight's
+    ``_scale_inv`` counts as read with it), sorted."""
+    read = {name for e in table for _, name in _names(e)}
+    return sorted(n for n in names if n not in read and n.removesuffix("_scale_inv") not in read)
+
+
 def _shapes(e: Entry) -> list[tuple[str, tuple[int, ...]]]:
     if isinstance(e, SplitParam):
         return [(p, e.part_stacked_shape(s)) for p, s in e.parts]
