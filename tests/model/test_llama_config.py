@@ -39,6 +39,7 @@ WINDOWS = [
     ("mistral", dict(sliding_window=6, layer_types=[F, F]), 6),  # HF's Mistral ignores layer_types
     ("mistral", dict(sliding_window=None), None),
     ("llama2", dict(sliding_window=8), None),
+    ("llama2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), None),
 ]
 
 

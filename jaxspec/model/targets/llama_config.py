@@ -141,8 +141,8 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int, where: str)
     window = cfg.get("sliding_window")
     if arch == "mistral":  # HF's Mistral ignores layer_types and has no use_sliding_window
         return int(window) if window else None
-    if not cfg.get("use_sliding_window", False) or not window:
-        return None
+    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window", False) or not window:
+        return None  # HF's Llama has no sliding window at all
     types = cfg.get("layer_types") or [
         "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
         for i in range(num_layers)]
