@@ -33,6 +33,16 @@ def get_field(cfg: dict[str, Any], key: str, kind=None, default=dataclasses.MISS
     return value
 
 
+def optional_number(raw: dict[str, Any], key: str, where: str, default):
+    """``raw[key]`` as a float (bools refused), ``default`` when absent or null."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not scaled)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -134,20 +144,13 @@ def parse_yarn(merged: dict[str, Any], raw: dict[str, Any], where: str, theta: f
         raise ConfigError(f"{w}: 'factor' must be a positive number, got {factor!r}")
     if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
         raise ConfigError(f"{w}: 'original_max_position_embeddings' must be a positive int, got {orig!r}")
-
-    def number(key: str, default):
-        value = merged.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{w}: field {key!r} must be a number, got {value!r}")
-        return float(value)
-
     return (cls or RopeConfig)(
         theta=float(theta), kind="yarn", factor=float(factor), original_max_position_embeddings=orig,
         beta_fast=float(merged.get("beta_fast") or 32), beta_slow=float(merged.get("beta_slow") or 1),
-        mscale=number("mscale", 0.0), mscale_all_dim=number("mscale_all_dim", 0.0),
-        attention_factor=number("attention_factor", None), truncate=bool(merged.get("truncate", True)), **extra,
+        mscale=optional_number(merged, "mscale", w, 0.0),
+        mscale_all_dim=optional_number(merged, "mscale_all_dim", w, 0.0),
+        attention_factor=optional_number(merged, "attention_factor", w, None),
+        truncate=bool(merged.get("truncate", True)), **extra,
     )
 
 

@@ -43,14 +43,18 @@ WINDOWS = [
 ]
 
 
-@pytest.mark.parametrize("name, changes, want", WINDOWS)
-def test_sliding_window_follows_hf_layer_types(name, changes, want):
-    raw = _config(name, **changes)
+def _parsed_field_or_refusal(raw: dict, field: str, want) -> None:
+    """``want`` a str: parsing ``raw`` is refused with that message; else the parsed ``field`` is ``want``."""
     if isinstance(want, str):
         with pytest.raises(ConfigError, match=want):
             llama_config_from_hf(raw)
     else:
-        assert llama_config_from_hf(raw).sliding_window == want
+        assert getattr(llama_config_from_hf(raw), field) == want
+
+
+@pytest.mark.parametrize("name, changes, want", WINDOWS)
+def test_sliding_window_follows_hf_layer_types(name, changes, want):
+    _parsed_field_or_refusal(_config(name, **changes), "sliding_window", want)
 
 
 @pytest.mark.parametrize("name, changes, want", [
@@ -64,12 +68,7 @@ def test_sliding_window_follows_hf_layer_types(name, changes, want):
 ])
 def test_projection_biases_follow_hf_or_are_refused(name, changes, want):
     """Biases HF would add and jaxspec would not load (o_proj, MLP) are refused, not dropped."""
-    raw = _config(name, **changes)
-    if isinstance(want, str):
-        with pytest.raises(ConfigError, match=want):
-            llama_config_from_hf(raw)
-    else:
-        assert llama_config_from_hf(raw).attention_bias is want
+    _parsed_field_or_refusal(_config(name, **changes), "attention_bias", want)
 
 
 @pytest.mark.parametrize("rope", [

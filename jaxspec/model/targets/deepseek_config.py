@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspec.model.config import ConfigError, RopeConfig, get_field, parse_yarn, yarn_mscale
+from jaxspec.model.config import ConfigError, RopeConfig, get_field, optional_number, parse_yarn, yarn_mscale
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
@@ -145,15 +145,6 @@ def _opt_int(raw: dict, key: str, where: str, default=None, minimum: int = 1):
     return value
 
 
-def _opt_float(raw: dict, key: str, where: str, default: float) -> float:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
 def parse_mla_rope(raw: dict, where: str = "config.json") -> MLARope:
     """RoPE from the transformers-5 ``rope_parameters`` dict or the classic ``rope_theta`` +
     ``rope_scaling`` form (``type`` or ``rope_type``: default | yarn)."""
@@ -216,7 +207,7 @@ def _parse_moe(raw: dict, where: str) -> MoEConfig | None:
         moe_intermediate_size=get_field(raw, "moe_intermediate_size", int, where=where),
         n_shared_experts=_opt_int(raw, "n_shared_experts", where, default=0, minimum=0),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        routed_scaling_factor=_opt_float(raw, "routed_scaling_factor", where, 1.0),
+        routed_scaling_factor=optional_number(raw, "routed_scaling_factor", where, 1.0),
     )
     if moe.num_experts % moe.n_group:
         raise ConfigError(f"{where}: n_routed_experts={moe.num_experts} is not a multiple of n_group={moe.n_group}")
@@ -277,7 +268,7 @@ def deepseek_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> 
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
             v_head_dim=get_field(raw, "v_head_dim", int, where=where),
-            rms_norm_eps=_opt_float(raw, "rms_norm_eps", where, 1e-6),
+            rms_norm_eps=optional_number(raw, "rms_norm_eps", where, 1e-6),
             rope=parse_mla_rope(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=_opt_int(raw, "max_position_embeddings", where, default=4096),
