@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
+from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.draft.plan import Plan
 from jaxspec.engine.state import DecodeState
@@ -85,10 +86,7 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     table = jnp.asarray(table)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
-    req = dict(max_new=jnp.full((batch,), out_width - plan.max_accept, jnp.int32),
-               stop_ids=jnp.full((batch, 1), -1, jnp.int32), temperature=jnp.zeros((batch,), jnp.float32),
-               top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,), jnp.float32),
-               keys=jnp.zeros((batch, 2), jnp.uint32))
+    req = request_arrays(batch, max_new=out_width - plan.max_accept)
     state, tpool, dpool = prefill_program(plan, target.params, dparams, state, tpool, dpool, table,
                                           jnp.arange(batch, dtype=jnp.int32), tokens,
                                           jnp.full((batch,), context, jnp.int32), req)

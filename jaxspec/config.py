@@ -170,14 +170,28 @@ class SpecConfig:
 class SamplingParams:
     """How to pick tokens for one request (or for every request of a call).
 
-    The target distribution is ``top_p(top_k(softmax(logits / temperature)))``;
-    ``temperature == 0`` is greedy.
+    vLLM's names, meanings and order: the target's logits get the logit bias, then the
+    repetition / presence / frequency penalties; greedy (``temperature == 0``) takes their
+    argmax, sampling draws from ``top_p(top_k(min_p(softmax(logits / temperature))))``. Every
+    control holds exactly under speculation, for chains and trees (each tree node is judged with
+    the token counts of its own path).
 
     Attributes:
       temperature: 0 for greedy, else > 0.
       top_k: keep the k most likely tokens; 0 disables.
       top_p: keep the smallest prefix of the sorted distribution with mass >= top_p;
         in (0, 1], 1 disables.
+      min_p: in [0, 1]: drop tokens whose probability is below ``min_p`` times the most likely
+        one's (after temperature, before top-k / top-p); 0 disables.
+      repetition_penalty: > 0, 1 disables. Over prompt and output tokens: a positive logit is
+        divided by it, any other multiplied.
+      presence_penalty, frequency_penalty: in [-2, 2], 0 disables. Over output tokens: the logit
+        loses ``presence * (count > 0) + frequency * count``.
+      logit_bias: token id -> value added to its logit (a mapping, or (id, value) pairs; stored
+        as sorted pairs so the params stay hashable).
+      logprobs: None (off), 0 (the log-probability of each emitted token), or 1..20 (also the
+        ``logprobs`` most likely tokens'), under the target's raw distribution (log-softmax of
+        its logits before any control, vLLM's default).
       max_new_tokens: most tokens generated (stop token excluded).
       stop_token_ids: tokens that end the request (not emitted). None: the model's eos ids.
       seed: per-request PRNG seed; None derives one from ``generate(seed=...)`` and the
@@ -187,6 +201,12 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    logprobs: int | None = None
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
@@ -211,10 +231,67 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", ids)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             raise ValueError(f"SamplingParams.seed must be an int in [0, 2**32) or None, got {self.seed!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {value!r}")
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Logit bias or a repetition / presence / frequency penalty is on (the logits are
+        processed with the row's token counts)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    @property
+    def filters(self) -> bool:
+        """Sampling keeps only part of the distribution (top-k, top-p or min-p)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+# Most top log-probabilities a request may ask for (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _normalize_logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """A mapping or (id, value) pairs -> sorted (int id, float value) pairs (None when empty)."""
+    if value is None:
+        return None
+    try:
+        pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+    except TypeError:
+        raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {value!r}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got the entry {pair!r}")
+        token, bias = pair
+        if isinstance(token, str) and token.strip().isdigit():  # JSON objects key by strings
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not _finite(bias):
+            raise ValueError(f"SamplingParams.logit_bias[{token}] must be a finite number, got {bias!r}")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items())) or None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxspec.config import EngineConfig, SamplingParams, SpecConfig
+from jaxspec.config import MAX_LOGPROBS, EngineConfig, SamplingParams, SpecConfig
 from jaxspec.draft.plan import Plan
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context
+from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
@@ -41,10 +41,17 @@ class RequestStats:
 
 @dataclasses.dataclass
 class GenerateOutput:
+    """token_ids: generated tokens per request (stop token excluded); texts: decoded, when a
+    tokenizer is known; stats: per request. logprobs[i]: the raw log-probability of each emitted
+    token of request i, top_logprobs[i]: a ``{token_id: logprob}`` dict of its ``logprobs`` most
+    likely tokens per emitted token (both None for a request that did not ask)."""
+
     token_ids: list[list[int]]
     texts: list[str] | None
     stats: list[RequestStats]
     wall_seconds: float
+    logprobs: list[list[float] | None] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[dict[int, float]] | None] = dataclasses.field(default_factory=list)
     kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
     kv_pages_total: int = 0
     # The sliding-window pool (targets with sliding-window layers): free / total pages after the
@@ -104,6 +111,18 @@ def _sampling_list(sampling, n: int) -> list[SamplingParams]:
     if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
         raise ValueError(f"sampling must be a SamplingParams or a list of {n} SamplingParams")
     return sampling
+
+
+def _check_sampling_fits(sampling: list[SamplingParams], vocab_size: int) -> None:
+    """What ``SamplingParams`` cannot check alone: token ids and counts against the vocabulary."""
+    for i, s in enumerate(sampling):
+        bad = [t for t, _ in s.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias of request {i} names token id {bad[0]} outside the "
+                             f"vocabulary [0, {vocab_size})")
+        if s.logprobs is not None and s.logprobs > vocab_size:
+            raise ValueError(f"SamplingParams.logprobs of request {i} asks for {s.logprobs} top tokens of a "
+                             f"vocabulary of {vocab_size}")
 
 
 @jax.jit
@@ -171,6 +190,7 @@ def generate(
         draft.config.check_spec(spec)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
+    _check_sampling_fits(sampling, target.config.vocab_size)
     adaptive = None
     if spec is not None and spec.adaptive_steps:
         adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
@@ -187,7 +207,10 @@ def generate(
         page_size=engine.page_size,
         steps_per_call=engine.steps_per_call,
         greedy_only=all(s.is_greedy for s in sampling),
-        filtering=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling if not s.is_greedy),
+        filtering=any(s.filters for s in sampling),
+        controls=any(s.uses_penalties for s in sampling),
+        logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
+                  if any(s.logprobs is not None for s in sampling) else None),
         implementation=engine.implementation,
         data_shards=data_shards,
     )
@@ -242,8 +265,10 @@ def generate(
                             draft.config.tensor_parallel > 1, mesh)
     dparams = None if draft is None else draft.params
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
+    control_vocab = target.config.vocab_size if plan.controls else 0
     state = create_state(lambda: DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed,
-                                                   hidden_dtype=dtype), mesh)
+                                                   hidden_dtype=dtype, control_vocab=control_vocab,
+                                                   top_logprobs=plan.logprobs), mesh)
     with run_context(mesh):
         return _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dparams, sampling, num_stop,
                     engine, progress)
@@ -282,10 +307,14 @@ def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dpara
         seq_lens = np.array(host["seq_lens"])
         finished_rows = [row for row, r in enumerate(sched.rows) if r is not None and not host["active"][row]]
         if finished_rows:
-            out = jax.device_get(dict(tokens=state.out_tokens, log=state.accept_log, nv=state.num_verify))
+            out = jax.device_get(dict(tokens=state.out_tokens, log=state.accept_log, nv=state.num_verify,
+                                      lp=state.logprobs if plan.logprobs is not None else None))
             for row in finished_rows:
                 n_out = int(host["out_lens"][row])
-                sched.retire(row, out["tokens"][row, :n_out].tolist(), out["log"][row, : int(out["nv"][row])].tolist())
+                req = sched.retire(row, out["tokens"][row, :n_out].tolist(),
+                                   out["log"][row, : int(out["nv"][row])].tolist())
+                if req.sampling.logprobs is not None:
+                    _take_logprobs(req, out["lp"], row, n_out)
         if not bar.disable:
             emitted = sum(len(r.tokens) for r in sched.done) + sum(
                 int(host["out_lens"][row]) for row, r in enumerate(sched.rows) if r is not None
@@ -309,12 +338,21 @@ def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dpara
     texts = [target.tokenizer.decode(t) for t in token_ids] if target.tokenizer is not None else None
     return GenerateOutput(
         token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
+        logprobs=[r.logprobs for r in done], top_logprobs=[r.top_logprobs for r in done],
         steps_per_call=adaptive.history if adaptive else [],
         kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
         **({} if sched.window is None else dict(
             kv_window_pages_free=sched.window.num_free, kv_window_pages_total=sched.window.capacity,
             kv_window_pages_returned=sched.window.returned_early)),
     )
+
+
+def _take_logprobs(req: Request, lp, row: int, n_out: int) -> None:
+    """Request ``req``'s log-probabilities from the fetched ``TokenLogprobs`` (row ``row``)."""
+    k = req.sampling.logprobs
+    req.logprobs = lp.chosen[row, :n_out].tolist()
+    ids, vals = lp.top_ids[row, :n_out, :k].tolist(), lp.top[row, :n_out, :k].tolist()
+    req.top_logprobs = [dict(zip(i, v)) for i, v in zip(ids, vals)]
 
 
 def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, mesh) -> jax.Array:  # i32[B, w]
@@ -347,11 +385,8 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     tokens = np.zeros((R, T), np.int32)
     lens = np.zeros(R, np.int32)
     rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
-    req: dict[str, Any] = dict(
-        max_new=np.zeros(R, np.int32), stop_ids=np.full((R, num_stop), -1, np.int32),
-        temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32),
-        top_p=np.ones(R, np.float32), keys=np.zeros((R, 2), np.uint32),
-    )
+    V = target.config.vocab_size if plan.controls else 0
+    req = request_arrays(R, num_stop=num_stop, control_vocab=V)
     for d, rs in enumerate(by_shard):
         for j, r in enumerate(rs):
             i = d * Rs + j
@@ -363,7 +398,13 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
             req["temperature"][i] = r.sampling.temperature
             req["top_k"][i] = r.sampling.top_k
             req["top_p"][i] = r.sampling.top_p
+            req["min_p"][i] = r.sampling.min_p
             req["keys"][i] = r.key
+            if V:
+                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+                    req[name][i] = getattr(r.sampling, name)
+                for t, b in r.sampling.logit_bias or ():
+                    req["logit_bias"][i, t] = b
     mesh = target.mesh
     return prefill_program(
         plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh),

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from jaxspec.config import SpecConfig
+from jaxspec.model.controls import Controls
 from jaxspec.model.drafts.base import DraftSeed
 
 
@@ -21,9 +22,11 @@ class Plan:
 
     target: the target's model config. draft: the draft kind (a ``Draft``) or None (plain
     decoding, a one-node verify per step). greedy_only: no row samples, so the sampling
-    machinery is compiled out. filtering: some row uses top_k or top_p (else the sorts are
-    compiled out). implementation: kernels ("pallas" | "xla" | None | a per-op mapping).
-    data_shards: shards of a mesh's data axis the rows and pool slots are split over.
+    machinery is compiled out. filtering: some sampled row uses top_k, top_p or min_p (else
+    they are compiled out). controls: some row uses a logit bias or a penalty (else the
+    processing is compiled out). logprobs: top log-probabilities computed per emitted token
+    (0: none are reported). implementation: kernels ("pallas" | "xla" | None | a per-op
+    mapping). data_shards: shards of a mesh's data axis the rows and pool slots are split over.
     """
 
     target: Any
@@ -33,6 +36,8 @@ class Plan:
     steps_per_call: int = 8
     greedy_only: bool = True
     filtering: bool = False
+    controls: bool = False
+    logprobs: int | None = None
     implementation: Any = None
     data_shards: int = 1
 
@@ -82,7 +87,8 @@ class StepRows:
     seq_lens: i32[B] committed KV positions (the root token is not yet in the KV).
     bonus: i32[B] root of this step's tree = the last emitted token.
     active: bool[B] rows that generate.
-    temperature, top_p: f32[B]; top_k: i32[B] sampling parameters.
+    temperature, top_p, min_p: f32[B]; top_k: i32[B] sampling parameters.
+    controls: logit bias, penalties and the token counts they read (``Controls``).
     keys: key[B] this step's PRNG key of each row (split further with ``sub_keys``).
     seed: the draft's seed from the previous step's extend (or the prefill).
     """
@@ -93,6 +99,8 @@ class StepRows:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
+    controls: Controls
     keys: jax.Array
     seed: DraftSeed
 

@@ -31,8 +31,8 @@ def broadcast_rows(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def _target_p(plan: Plan, rows: StepRows, logits: jax.Array) -> jax.Array:  # f32[B, n, V]
     lead = logits.shape[:-1]
-    t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)
-    return target_probs(logits, t, k, p, plan.filtering)
+    t, k, p, min_p = (broadcast_rows(x, lead) for x in (*rows.sampling, rows.min_p))
+    return target_probs(logits, t, k, p, plan.filtering, min_p)
 
 
 class Root:
@@ -54,7 +54,7 @@ class Root:
     def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
         B = logits.shape[0]
         predict = pick_tokens(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.keys, plan.greedy_only,
-                              plan.filtering)[:, None]
+                              plan.filtering, rows.min_p)[:, None]
         return jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), predict
 
     @staticmethod

@@ -31,7 +31,9 @@ from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.proposers import proposer_for
 from jaxspec.draft.shape import Root, shape_for
+from jaxspec.draft.verify import emitted_tokens
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.controls import TokenLogprobs, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.targets import target_forward, target_logits
 
@@ -41,12 +43,14 @@ from jaxspec.model.targets import target_forward, target_logits
 class StepOutput:
     """emitted: i32[B, A] accepted tokens then the bonus (valid up to accept_lens);
     accept_lens: i32[B] tokens emitted (accepted drafts + 1); bonus: i32[B] the root of the
-    next step; seed: the draft's seed for the next step."""
+    next step; seed: the draft's seed for the next step; logprobs: the emitted tokens' raw
+    log-probabilities ([B, A], top [B, A, k]) or None when the plan reports none."""
 
     emitted: jax.Array
     accept_lens: jax.Array
     bonus: jax.Array
     seed: DraftSeed
+    logprobs: TokenLogprobs | None = None
 
 
 def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_table: jax.Array, *, shape=None):
@@ -65,18 +69,25 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
 
 
 def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of):
-    """verify -> accept -> compact under ``shape``. Returns (accept_lens i32[B], predict i32[B, a]
-    emitted tokens front-compacted, the draft's feature [B, a, F] or None, tpool); a = 1 for
-    the root alone, else S + 1."""
+    """verify -> accept -> compact under ``shape``. Every node is judged by its logits processed
+    with the row's controls over its own path. Returns (accept_lens i32[B], predict i32[B, a]
+    emitted tokens front-compacted, the draft's feature [B, a, F] or None, the emitted tokens'
+    raw ``TokenLogprobs`` [B, a] or None, tpool); a = 1 for the root alone, else S + 1."""
     logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table, shape=shape)
-    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, logits, q_all)
+    processed = apply_controls(logits, rows.controls, tree.tokens, tree.mask)
+    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, processed, q_all)
+    logprobs = None
+    if plan.logprobs is not None:  # from the raw logits of the nodes each emitted token follows
+        node = jnp.maximum(accept_index, 0)  # [B, a]
+        logprobs = token_logprobs(jnp.take_along_axis(logits, node[:, :, None], axis=1),
+                                  emitted_tokens(predict, accept_index), plan.logprobs)
     tpool, predict, feature = shape.compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict,
                                             feature_of(out))
-    return accept_lens, predict, feature, tpool
+    return accept_lens, predict, feature, logprobs, tpool
 
 
-def _pad_rows(x: jax.Array | None, rows: int) -> jax.Array | None:  # [B, a, ...] -> [B, rows, ...]
-    return None if x is None else jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+def _pad_rows(x, rows: int):  # every leaf [B, a, ...] -> [B, rows, ...] (None stays None)
+    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), x)
 
 
 def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_table: jax.Array):
@@ -95,18 +106,18 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
         else:
             sub_shape, sub_tree = shape, tree_lib.truncate(tree, m)
             sub_q = None if q_all is None else q_all[:, : m - 1]
-        accept_lens, predict, feature, tpool = verify_and_accept(plan, sub_shape, tparams, rows, sub_tree, sub_q,
-                                                                 tpool, page_table, feature_of)
-        return accept_lens, _pad_rows(predict, plan.max_accept), _pad_rows(feature, plan.max_accept), tpool
+        accept_lens, *outs, tpool = verify_and_accept(plan, sub_shape, tparams, rows, sub_tree, sub_q, tpool,
+                                                      page_table, feature_of)
+        return accept_lens, *(_pad_rows(x, plan.max_accept) for x in outs), tpool
 
     if prefix is None:
-        accept_lens, predict, feature, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all, tpool,
-                                                                 page_table, feature_of)
+        accept_lens, predict, feature, logprobs, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all,
+                                                                           tpool, page_table, feature_of)
     else:
         need = jnp.max(jnp.where(rows.active, prefix.wanted, 1))
         branch = jnp.sum(jnp.asarray(prefix.sizes[:-1], jnp.int32) < need)  # the smallest size >= need
         branches = [functools.partial(verify_first, m) for m in prefix.sizes]
-        accept_lens, predict, feature, tpool = jax.lax.switch(branch, branches, tpool)
+        accept_lens, predict, feature, logprobs, tpool = jax.lax.switch(branch, branches, tpool)
     bonus, seed, dpool = proposer.extend(plan, dparams, rows, predict, feature, accept_lens, dpool,
                                          DraftContext(page_table, rows.seq_lens, tpool))
-    return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed), tpool, dpool
+    return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed, logprobs=logprobs), tpool, dpool

@@ -11,14 +11,30 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.draft.plan import Plan
 from jaxspec.draft.proposers import proposer_for
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.controls import Controls, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext
 from jaxspec.model.sampling import pick_tokens
 from jaxspec.model.targets import target_forward, target_logits
+
+
+def request_arrays(rows: int, *, max_new: int = 0, num_stop: int = 1, control_vocab: int = 0) -> dict[str, np.ndarray]:
+    """The per-row request parameters ``prefill`` takes, for ``rows`` rows, every control at its
+    default (greedy, no stop id, no penalty): the caller fills in what differs. ``control_vocab``:
+    the logit bias's width (0 when the plan has no controls)."""
+    R = rows
+    return dict(
+        max_new=np.full(R, max_new, np.int32), stop_ids=np.full((R, num_stop), -1, np.int32),
+        temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
+        min_p=np.zeros(R, np.float32), keys=np.zeros((R, 2), np.uint32),
+        repetition_penalty=np.ones(R, np.float32), presence_penalty=np.zeros(R, np.float32),
+        frequency_penalty=np.zeros(R, np.float32), logit_bias=np.zeros((R, control_vocab), np.float32),
+    )
 
 
 def prefill(
@@ -32,7 +48,8 @@ def prefill(
     rows: jax.Array,  # i32[R] batch rows to fill (>= B: padding)
     tokens: jax.Array,  # i32[R, T] prompts, right-padded
     lens: jax.Array,  # i32[R] prompt lengths (0 for padding rows)
-    request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, keys u32[R, 2]
+    request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, min_p,
+    #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2]
 ):
     """Prefills R new requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
     R, T = tokens.shape
@@ -48,13 +65,20 @@ def prefill(
     last = jnp.maximum(lens - 1, 0)
     h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [R, H]
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(request["keys"]), jnp.zeros((R,), jnp.int32))
-    first = pick_tokens(target_logits(plan.target, tparams, h_last), request["temperature"], request["top_k"],
-                        request["top_p"], keys, plan.greedy_only, plan.filtering)
+    logits = target_logits(plan.target, tparams, h_last)  # [R, V]
+    controls = Controls.for_prompts(tokens, lens, request, request["logit_bias"].shape[-1])
+    processed = apply_controls(logits[:, None], controls, None, None)[:, 0]
+    first = pick_tokens(processed, request["temperature"], request["top_k"], request["top_p"], keys, plan.greedy_only,
+                        plan.filtering, request["min_p"])
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
     seed, dpool = proposer_for(plan).prefill(plan, dparams, tokens, lens, first, out, dpool,
                                              DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool), empty)
     stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
     out_width = state.out_tokens.shape[1]
+    logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)
+    if plan.logprobs is not None:  # the first token's, in column 0
+        first_lp = token_logprobs(logits[:, None], first[:, None], plan.logprobs)
+        logprobs = jax.tree.map(lambda buf, new: buf.at[:, :1].set(new), logprobs, first_lp)
     row = dict(
         seq_lens=lens,
         bonus=first,
@@ -66,6 +90,9 @@ def prefill(
         temperature=request["temperature"],
         top_k=request["top_k"],
         top_p=request["top_p"],
+        min_p=request["min_p"],
+        controls=controls.count(first[:, None], (~stop)[:, None]),
+        logprobs=logprobs,
         keys=request["keys"],
         steps=jnp.ones((R,), jnp.int32),
         num_verify=jnp.zeros((R,), jnp.int32),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxspec.draft.plan import StepRows
 from jaxspec.draft.step import StepOutput
+from jaxspec.model.controls import Controls, TokenLogprobs
 from jaxspec.model.drafts.base import DraftSeed
 
 
@@ -28,9 +29,14 @@ class DecodeState:
       out_tokens: i32[B, M] emitted tokens; out_lens: i32[B] how many.
       max_new: i32[B] per-request token limit.
       stop_ids: i32[B, NS] stop tokens (-1 padded).
-      temperature, top_p: f32[B]; top_k: i32[B] sampling parameters.
+      temperature, top_p, min_p: f32[B]; top_k: i32[B] sampling parameters.
+      controls: logit bias, penalties and the output-token counts they read (``Controls``;
+        [B, 0] arrays when no request uses them).
       keys: u32[B, 2] per-request PRNG key data; steps: i32[B] draws so far (fold_in counter).
       num_verify: i32[B] verify steps run; accept_log: i32[B, M] accept length of each.
+      logprobs: raw log-probabilities of the emitted tokens, ``TokenLogprobs`` with chosen
+        f32[B, M] and top ids / values [B, M, k] beside ``out_tokens`` (M = 0 when no request
+        asks for them).
       seed: the draft's seed for the next step (its kind's pytree, every leaf [B, ...]; a
         ``DraftSeed`` with hidden [B, Hd] for the recurrent drafts).
     """
@@ -45,17 +51,25 @@ class DecodeState:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
+    controls: Controls
     keys: jax.Array
     steps: jax.Array
     num_verify: jax.Array
     accept_log: jax.Array
+    logprobs: TokenLogprobs
     seed: DraftSeed
 
     @classmethod
-    def empty(cls, *, batch: int, out_width: int, num_stop: int, seed=None, hidden_size: int = 1, hidden_dtype=jnp.float32):
+    def empty(cls, *, batch: int, out_width: int, num_stop: int, seed=None, hidden_size: int = 1,
+              hidden_dtype=jnp.float32, control_vocab: int = 0, top_logprobs: int | None = None):
         """Zeroed state for ``batch`` rows; ``seed`` is the draft's empty seed (default: a
-        ``DraftSeed`` of width ``hidden_size``)."""
+        ``DraftSeed`` of width ``hidden_size``). ``control_vocab``: the vocabulary the controls
+        cover (0: none in use); ``top_logprobs``: top log-probabilities kept per token (None:
+        log-probabilities off)."""
         B = batch
+        M_lp = out_width if top_logprobs is not None else 0
+        k = top_logprobs or 0
         zeros_i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
         return cls(
             seq_lens=zeros_i(B),
@@ -68,10 +82,14 @@ class DecodeState:
             temperature=jnp.zeros((B,), jnp.float32),
             top_k=zeros_i(B),
             top_p=jnp.ones((B,), jnp.float32),
+            min_p=jnp.zeros((B,), jnp.float32),
+            controls=Controls.empty(B, control_vocab),
             keys=jnp.zeros((B, 2), jnp.uint32),
             steps=zeros_i(B),
             num_verify=zeros_i(B),
             accept_log=zeros_i(B, out_width),
+            logprobs=TokenLogprobs(chosen=jnp.zeros((B, M_lp), jnp.float32), top_ids=zeros_i(B, M_lp, k),
+                                   top=jnp.zeros((B, M_lp, k), jnp.float32)),
             seed=DraftSeed.empty(B, hidden_size, hidden_dtype) if seed is None else seed,
         )
 
@@ -80,7 +98,8 @@ class DecodeState:
         fold_in(request key, steps so far)."""
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(self.keys), self.steps)
         return StepRows(seq_lens=self.seq_lens, bonus=self.bonus, active=self.active, temperature=self.temperature,
-                        top_k=self.top_k, top_p=self.top_p, keys=keys, seed=self.seed)
+                        top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, controls=self.controls, keys=keys,
+                        seed=self.seed)
 
 
 def commit(state: DecodeState, out: StepOutput) -> DecodeState:
@@ -106,10 +125,15 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
         keep_old = active.reshape((B,) + (1,) * (old.ndim - 1))
         return jnp.where(keep_old, new.astype(old.dtype), old)
 
+    logprobs = state.logprobs
+    if out.logprobs is not None:  # beside out_tokens, in the same columns
+        logprobs = jax.tree.map(lambda buf, new: buf.at[rows, col].set(new, mode="drop"), logprobs, out.logprobs)
     return dataclasses.replace(
         state,
         out_tokens=state.out_tokens.at[rows, col].set(emitted, mode="drop"),
         out_lens=state.out_lens + keep,
+        controls=state.controls.count(emitted, j < keep[:, None]),
+        logprobs=logprobs,
         active=active & ~done,
         seq_lens=jnp.where(active, state.seq_lens + accept_lens, state.seq_lens),
         steps=state.steps + active,

@@ -1,7 +1,8 @@
-"""Per-row sampling distributions: ``top_p(top_k(softmax(logits / T)))``.
+"""Per-row sampling distributions: ``top_p(top_k(min_p(softmax(logits / T))))``.
 
-Every row carries its own temperature / top_k / top_p (traced arrays), so one compiled
-program serves a batch of mixed requests. Rows with temperature 0 are greedy.
+Every row carries its own temperature / top_k / top_p / min_p (traced arrays), so one compiled
+program serves a batch of mixed requests. Rows with temperature 0 are greedy. (Logit bias and
+penalties come before, in ``jaxspec.model.controls``.)
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ def target_probs(
     top_k: jax.Array,  # i32[...] (0 = off)
     top_p: jax.Array,  # f32[...] (1 = off)
     filtering: bool = True,
+    min_p: jax.Array | None = None,  # f32[...] (0 = off; None: no row uses it)
 ) -> jax.Array:  # f32[..., V]
     """The sampling distribution of each row. Greedy rows (T = 0) get a one-hot argmax.
 
-    top_k keeps every token whose logit is >= the k-th largest (ties at the boundary are
-    kept); top_p then keeps, in descending-probability order, each token whose preceding
-    mass is < top_p, and renormalizes. ``filtering=False`` (static: no row uses top_k or
-    top_p) skips the sorts.
+    min_p drops every token whose probability is below min_p times the largest (vLLM's order:
+    after temperature, before top-k / top-p); top_k keeps every token whose logit is >= the
+    k-th largest (ties at the boundary are kept); top_p then keeps, in descending-probability
+    order, each token whose preceding mass is < top_p, and renormalizes. ``filtering=False``
+    (static: no row uses top_k, top_p or min_p) skips all three.
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
@@ -32,6 +35,10 @@ def target_probs(
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     if not filtering:
         return jnp.where(greedy[..., None], onehot, jax.nn.softmax(scaled, axis=-1))
+    if min_p is not None:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        below = probs < min_p[..., None] * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(below, -jnp.inf, scaled)
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]
@@ -84,11 +91,12 @@ def pick_tokens(
     keys: jax.Array,  # key[R]
     greedy_only: bool,
     filtering: bool = True,
+    min_p: jax.Array | None = None,  # f32[R]
 ) -> jax.Array:  # i32[R]
     """Next token per row: argmax for greedy rows, a draw from ``target_probs`` otherwise.
     ``greedy_only`` (static) compiles the argmax alone."""
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
         return greedy_tok
-    drawn = sample_categorical(target_probs(logits, temperature, top_k, top_p, filtering), keys)
+    drawn = sample_categorical(target_probs(logits, temperature, top_k, top_p, filtering, min_p), keys)
     return jnp.where(temperature <= 0.0, greedy_tok, drawn)

@@ -29,6 +29,7 @@ from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.hybrid import graft
 from jaxspec.draft.plan import Plan
 from jaxspec.draft.verify import verify_tree_greedy
+from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_step, prefill_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import positions_to_slots
@@ -202,9 +203,7 @@ def _one_step(target, ngram, prompts, page_size=4):
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
-    req = dict(max_new=jnp.full((B,), 8, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
-               temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-               top_p=jnp.ones((B,), jnp.float32), keys=jnp.zeros((B, 2), jnp.uint32))
+    req = request_arrays(B, max_new=8)
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
     state, tpool, dpool = prefill_program(plan, target.params, ngram.params, state, tpool, dpool, table,
                                           jnp.arange(B, dtype=jnp.int32), jnp.asarray(tokens), lens, req)

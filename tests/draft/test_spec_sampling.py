@@ -7,6 +7,7 @@ norm(max(0, p - q))) must fail the same test, so the test can fail."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -18,6 +19,7 @@ from scipy import stats
 
 import jaxspec as js
 import jaxspec.draft.shape as shape_mod  # where acceptance calls the sampler
+import jaxspec.draft.step as step_mod  # where verify applies the controls
 from jaxspec.draft import verify as verify_mod
 from jaxspec.model.sampling import sample_with_uniform, target_probs
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -176,3 +178,84 @@ def test_lossy_thresholds_are_accepted_and_validated():
     assert all(len(t) == 8 for t in out.token_ids)
     with pytest.raises(ValueError, match="accept_threshold_acc must be in \\(0, 1\\]"):
         js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, accept_threshold_acc=0.0)
+
+
+# ----------------------------------------------------------------- with generation controls
+
+# Strong penalties on a 5-token vocabulary: every token's distribution depends on the ones before.
+CONTROLLED = js.SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.8,
+                               logit_bias={0: 1.0, 3: -1.5}, min_p=0.12, max_new_tokens=K_TOKENS)
+CONTROLLED_FILTERED = dataclasses.replace(CONTROLLED, temperature=0.8, top_k=4, top_p=0.95)
+
+
+def reference_probs(logits: np.ndarray, output: list[int], s: js.SamplingParams) -> np.ndarray:
+    """vLLM v1's processing of one position, in numpy: bias, repetition (prompt and output),
+    frequency and presence (output), temperature, min-p, top-k, top-p."""
+    x = logits.astype(np.float64).copy()
+    for t, b in s.logit_bias or ():
+        x[t] += b
+    counts = np.bincount(np.asarray(output, np.int64), minlength=V)
+    seen = np.isin(np.arange(V), PROMPT) | (counts > 0)
+    x = np.where(seen, np.where(x > 0, x / s.repetition_penalty, x * s.repetition_penalty), x)
+    x = x - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+    p = np.exp((x - x.max()) / s.temperature)
+    p /= p.sum()
+    p = np.where(p < s.min_p * p.max(), 0.0, p)
+    if s.top_k:
+        p = np.where(p >= np.sort(p)[::-1][s.top_k - 1], p, 0.0)
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros(V, bool)
+    keep[order[before < s.top_p * p.sum()]] = True
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def exact_joint_controlled(sampling: js.SamplingParams) -> np.ndarray:
+    """P(t1..tk) under the processed target distribution, by enumeration (numpy oracle)."""
+    prefixes = list(itertools.product(range(V), repeat=K_TOKENS - 1))
+    logits, _, _ = forward_sequence(target(), np.asarray([PROMPT + list(p) for p in prefixes]))
+    lg = np.asarray(logits)[:, len(PROMPT) - 1:]  # [N, k, V]
+    joint = np.zeros([V] * K_TOKENS)
+    for i, pre in enumerate(prefixes):
+        prob = 1.0
+        for j in range(K_TOKENS - 1):
+            prob *= reference_probs(lg[i, j], list(pre[:j]), sampling)[pre[j]]
+        joint[pre] = prob * reference_probs(lg[i, K_TOKENS - 1], list(pre), sampling)
+    return joint.reshape(-1)
+
+
+CONTROLLED_CASES = [
+    pytest.param(None, None, CONTROLLED, id="plain"),
+    pytest.param("perturbed", js.SpecConfig.chain(3), CONTROLLED, id="chain_S3_rejection"),
+    pytest.param("perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6), CONTROLLED_FILTERED,
+                 id="tree_k3_n6_target_only_filtered"),
+]
+
+
+@pytest.mark.parametrize("draft,spec,sampling", CONTROLLED_CASES)
+def test_sampling_with_controls_matches_the_processed_distribution(draft, spec, sampling):
+    probs = exact_joint_controlled(sampling)
+    assert total_variation_of(probs, exact_joint(dataclasses.replace(sampling, min_p=0.0))) > 0.2  # controls matter
+    counts = sample_counts(drafts()[draft] if draft else None, spec, sampling, calls=32)
+    assert chi_square_p(counts, probs) > P_VALUE_MIN
+
+
+def total_variation_of(p: np.ndarray, q: np.ndarray) -> float:
+    return 0.5 * float(np.abs(p - q).sum())
+
+
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6)],
+                         ids=["chain", "tree"])
+def test_penalties_counted_without_the_tree_path_fail_the_same_test(monkeypatch, spec):
+    """Wrong on purpose: each node judged with the committed counts only, not its own path."""
+    original = step_mod.apply_controls
+    monkeypatch.setattr(step_mod, "apply_controls", lambda logits, c, tokens, path: original(
+        logits, c, tokens, None if path is None else path & False))
+    jax.clear_caches()
+    try:
+        counts = sample_counts(drafts()["perturbed"], spec, CONTROLLED, calls=32)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi_square_p(counts, exact_joint_controlled(CONTROLLED)) < 1e-6

@@ -17,6 +17,7 @@ from jaxspec.draft.plan import Plan
 from jaxspec.draft.proposers import proposer_for
 from jaxspec.draft.shape import shape_for
 from jaxspec.engine.prefill import prefill
+from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_step
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import positions_to_slots
@@ -44,9 +45,7 @@ def prefill_args(target, draft, spec, page_size, prompts=PROMPTS_4):
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
         lens[i] = len(p)
-    req = dict(max_new=jnp.full((B,), 60, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
-               temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-               top_p=jnp.ones((B,), jnp.float32), keys=jnp.zeros((B, 2), jnp.uint32))
+    req = request_arrays(B, max_new=60)
     return plan, (target.params, draft.params, state, tpool, dpool, table, jnp.arange(B, dtype=jnp.int32),
                   jnp.asarray(tokens), jnp.asarray(lens), req)
 

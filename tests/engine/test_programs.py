@@ -12,6 +12,7 @@ import numpy as np
 
 import jaxspec as js
 from jaxspec.draft.plan import Plan
+from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.targets import create_target_pool
@@ -28,9 +29,7 @@ def test_decode_program_donates_and_aliases_the_pools(tiny_target):
     state = DecodeState.empty(batch=B, out_width=16, num_stop=1, hidden_size=draft.config.hidden_size,
                               hidden_dtype=jnp.float32)
     table = jnp.asarray(1 + np.arange(B * W, dtype=np.int32).reshape(B, W))
-    req = dict(max_new=jnp.full((B,), 8, jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32),
-               temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-               top_p=jnp.ones((B,), jnp.float32), keys=jnp.zeros((B, 2), jnp.uint32))
+    req = request_arrays(B, max_new=8)
     tokens = jnp.asarray([[3, 4, 5, 0], [7, 8, 0, 0]], jnp.int32)
     state, tpool, dpool = prefill_program(plan, tiny_target.params, draft.params, state, tpool, dpool, table,
                                           jnp.arange(B, dtype=jnp.int32), tokens, jnp.asarray([3, 2]), req)
