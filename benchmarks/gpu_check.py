@@ -315,10 +315,11 @@ def stage_sweep(args, deadline) -> dict:
 
 def stage_steps(args, deadline) -> dict:
     """``benchmarks/step_timing.py`` in a subprocess (its own memory; a timeout keeps the rows
-    printed so far): plain, chain S=5 and tree S=5 / topk=4 / n=8 at batch 1 and 16."""
+    printed so far): plain, chain S=5 and tree S=5 / topk=4 / n=8 at batch 1 and 16, each also with
+    every generation control on (its cost per step)."""
     out_json = args.out / "step_timing.json"
     out_json.unlink(missing_ok=True)
-    cmd = [sys.executable, str(REPO / "benchmarks" / "step_timing.py"), "--out", str(out_json)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "step_timing.py"), "--out", str(out_json), "--controls"]
     cmd += (["--tiny", "--batches", "1", "--context", "16", "--steps", "2", "--repeats", "1"] if args.dry_run else
             ["--batches", "1,16", "--context", "1024", "--steps", "16", "--repeats", "5"])
     timeout = max(30.0, deadline.left() - 30)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
+from jaxspec.config import MAX_LOGPROBS
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.draft.plan import Plan
@@ -52,6 +53,10 @@ LLAMA3_8B = LlamaConfig(
 )
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=16)
+# The shipped demo target's shape (demo/target/config.json).
+DEMO = LlamaConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_layers=8, num_heads=3,
+                   num_kv_heads=1, head_dim=64)
+SHAPES = {"llama3-8b": LLAMA3_8B, "demo": DEMO, "tiny": TINY}
 
 
 def device_bandwidth() -> tuple[str, float | None]:
@@ -67,11 +72,36 @@ def param_bytes(params) -> int:
 
 
 def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
-               implementation=None) -> float:
-    """Median seconds per decode step (one speculative or one plain step)."""
+               implementation=None, controls: bool = False, temperature: float = 0.0) -> float:
+    """Median seconds per decode step (one speculative or one plain step). ``controls``: every row
+    with a logit bias (64 tokens), repetition / presence / frequency penalties, min-p and 20 top
+    log-probabilities per token; ``temperature`` > 0 samples."""
+    call = prepare(target, draft, spec, batch, context, steps, repeats, implementation, controls, temperature)
+    call()  # compiles
+    return statistics.median(call() for _ in range(repeats))
+
+
+def time_controls_pair(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
+                       implementation=None, temperature: float = 0.0) -> tuple[float, float]:
+    """Median seconds per step with every control off and on, the two calls alternated so both
+    see the same machine load."""
+    off, on = (prepare(target, draft, spec, batch, context, steps, repeats, implementation, c, temperature)
+               for c in (False, True))
+    off(), on()  # compile
+    times = [(off(), on()) for _ in range(repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int, implementation,
+            controls: bool, temperature: float):
+    """Prefilled state and pools for ``time_steps``; returns a function running one decode call
+    (``steps`` steps) and returning its seconds per step."""
     page = 16
+    V = target.config.vocab_size
     plan = Plan(target=target.config, draft=None if draft is None else draft.config, spec=spec, page_size=page,
-                steps_per_call=steps, implementation=implementation)
+                steps_per_call=steps, implementation=implementation, greedy_only=temperature == 0,
+                controls=controls,
+                logprobs=min(MAX_LOGPROBS, V) if controls else None)
     max_pos = context + (repeats + 2) * steps * plan.max_accept + plan.lookahead
     width = next_pow2(pages_needed(max_pos, page))
     num_pages = batch * width + 1
@@ -81,24 +111,32 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
     dparams = None if draft is None else draft.params
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * page)
-    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, seed=seed, hidden_dtype=dtype)
+    state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, seed=seed, hidden_dtype=dtype,
+                              control_vocab=V if controls else 0, top_logprobs=plan.logprobs)
     table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     table = jnp.asarray(table)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
-    req = request_arrays(batch, max_new=out_width - plan.max_accept)
+    req = request_arrays(batch, max_new=out_width - plan.max_accept, control_vocab=V if controls else 0)
+    req["temperature"][:] = temperature
+    if controls:
+        req["repetition_penalty"][:], req["presence_penalty"][:], req["frequency_penalty"][:] = 1.2, 0.5, 0.5
+        req["min_p"][:] = 0.05
+        for row in req["logit_bias"]:
+            row[rng.choice(V, 64, replace=False)] = rng.normal(0, 2, 64)
     state, tpool, dpool = prefill_program(plan, target.params, dparams, state, tpool, dpool, table,
                                           jnp.arange(batch, dtype=jnp.int32), tokens,
                                           jnp.full((batch,), context, jnp.int32), req)
-    times = []
-    for r in range(repeats + 1):
-        jax.block_until_ready(state)
+    held = [state, tpool, dpool]
+
+    def call() -> float:
+        jax.block_until_ready(held)
         t = time.perf_counter()
-        state, tpool, dpool, n = decode_program(plan, target.params, dparams, state, tpool, dpool, table)
-        jax.block_until_ready(state)
-        if r:  # the first call compiles
-            times.append((time.perf_counter() - t) / max(int(n), 1))
-    return statistics.median(times)
+        *held[:], n = decode_program(plan, target.params, dparams, *held, table)
+        jax.block_until_ready(held)
+        return (time.perf_counter() - t) / max(int(n), 1)
+
+    return call
 
 
 def main(argv=None) -> int:
@@ -109,22 +147,30 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="steps per executable call")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--implementation", default=None, choices=[None, "pallas", "xla"])
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="model shapes (default llama3-8b)")
+    ap.add_argument("--controls", action="store_true",
+                    help="time every config again with all generation controls on (bias, penalties, min-p, "
+                         "20 logprobs) and print the on / off ratio")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: sampled rows")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    cfg = TINY if args.tiny else LLAMA3_8B
-    dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    print(f"building random {'tiny' if args.tiny else 'Llama-3-8B-shaped'} target, EAGLE-3 head and DFlash draft...", file=sys.stderr)
+    shape = args.shape or ("tiny" if args.tiny else "llama3-8b")
+    cfg = SHAPES[shape]
+    dtype = jnp.bfloat16 if shape == "llama3-8b" else jnp.float32
+    print(f"building random {shape}-shaped target, EAGLE-3 head and DFlash draft...", file=sys.stderr)
     params = init_params(llama_table(cfg), 0, dtype=dtype, on_device=True)
     target = Model(config=cfg, params=params, dtype=np.dtype(dtype))
     ecfg = eagle3_config_for(cfg, draft_vocab_size=min(32000, cfg.vocab_size))
     draft = eagle_draft(ecfg, dict(init_params(eagle_table(ecfg), 1, dtype=dtype, on_device=True), embed=params["embed"]))
-    fcfg = dflash_config_for(cfg, num_layers=5 if not args.tiny else 2, block_size=16, mask_token_id=cfg.vocab_size - 1)
+    fcfg = dflash_config_for(cfg, num_layers=5 if shape == "llama3-8b" else 2, block_size=16,
+                             mask_token_id=cfg.vocab_size - 1)
     dflash = dflash_draft(fcfg, shared_target_params(init_params(dflash_table(fcfg), 2, dtype=dtype, on_device=True),
                                                      params))
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
-    results = {"device": kind, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context, "rows": []}
+    results = {"device": kind, "shape": shape, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context,
+               "temperature": args.temperature, "rows": []}
     specs = [("plain", None, None), ("chain S=5", js.SpecConfig.chain(5), draft),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), draft),
              ("dflash chain S=15 (block 16)", js.SpecConfig.chain(15), dflash)]
@@ -133,12 +179,24 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = None
         for name, spec, d in specs:
-            sec = time_steps(target, d, spec, batch, args.context, args.steps, args.repeats, args.implementation)
-            plain = plain or sec
+            if args.controls:
+                secs = time_controls_pair(target, d, spec, batch, args.context, args.steps, args.repeats,
+                                          args.implementation, args.temperature)
+            else:
+                secs = (time_steps(target, d, spec, batch, args.context, args.steps, args.repeats,
+                                   args.implementation, temperature=args.temperature),)
+            plain = plain or secs[0]
             roof = wbytes / bw * 1e3 if bw else float("nan")
-            row = dict(batch=batch, config=name, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain, roofline_ms=roof)
-            results["rows"].append(row)
-            print(f"| {kind} | {batch} | {name} | {sec * 1e3:.3f} | {sec / plain:.2f}x | {roof:.3f} |", flush=True)
+            for j, sec in enumerate(secs):
+                config = name + (" + controls" if j else "")
+                label = config + (f" ({sec / secs[0]:.3f}x of off)" if j else "")
+                row = dict(batch=batch, config=config, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain,
+                           roofline_ms=roof)
+                if j:
+                    row["controls_on_vs_off"] = sec / secs[0]
+                results["rows"].append(row)
+                print(f"| {kind} | {batch} | {label} | {sec * 1e3:.3f} | {sec / plain:.2f}x | {roof:.3f} |",
+                      flush=True)
     if bw:
         plain1 = next(r for r in results["rows"] if r["batch"] == 1 and r["config"] == "plain") if any(
             r["batch"] == 1 for r in results["rows"]) else None

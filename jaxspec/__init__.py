@@ -5,7 +5,10 @@ from jaxspec.config import SamplingParams as SamplingParams
 from jaxspec.config import SpecConfig as SpecConfig
 from jaxspec.engine.allocator import KVCacheExhausted as KVCacheExhausted
 from jaxspec.generate import GenerateOutput as GenerateOutput
+from jaxspec.generate import RequestStats as RequestStats
+from jaxspec.generate import StreamEvent as StreamEvent
 from jaxspec.generate import generate as generate
+from jaxspec.generate import generate_stream as generate_stream
 from jaxspec.mesh import make_mesh as make_mesh
 from jaxspec.model.drafts import DraftModel as DraftModel
 from jaxspec.model.drafts import HybridDraft as HybridDraft
@@ -13,6 +16,7 @@ from jaxspec.model.drafts import NgramDraft as NgramDraft
 from jaxspec.model.drafts import standalone_draft as standalone_draft
 from jaxspec.model.io.drafts import load_draft as load_draft
 from jaxspec.model.io.loader import load_model as load_model
+from jaxspec.model.io.tokenizer import apply_chat_template as apply_chat_template
 from jaxspec.model.io.tokenizer import load_tokenizer as load_tokenizer
 from jaxspec.model.targets import Model as Model
 

@@ -199,15 +199,28 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
             row.update(tokens_per_s=med, tokens_per_s_runs=tps, wall_s_runs=[o.wall_seconds for o in res],
                        tokens=sum(s.num_tokens for s in res[-1].stats),
                        mean_accept_len=1.0 if cfg.is_plain else res[-1].mean_accept_len,
+                       accept_rate_per_position=accept_rate_per_position(res[-1].stats),
                        speedup=(med / plain_tps) if plain_tps else None)
             rows.append(row)
     bar.close()
     return rows
 
 
+def accept_rate_per_position(stats) -> list[float]:
+    """Over every request's verify steps: the share in which the i-th draft token was accepted
+    (``RequestStats.accepted_per_position`` summed, over the number of steps); [] for plain."""
+    steps = sum(len(s.accept_lens) for s in stats)
+    depth = max((len(s.accepted_per_position) for s in stats), default=0)
+    if not steps or not depth:
+        return []
+    return [sum(s.accepted_per_position[i] for s in stats if i < len(s.accepted_per_position)) / steps
+            for i in range(depth)]
+
+
 def format_table(rows: list[dict]) -> str:
     w = max([12] + [len(r["config"]) + 2 for r in rows])
-    head = f"{'config':<{w}}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+    head = (f"{'config':<{w}}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
+            f"  accepted at draft position 1, 2, ...")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -215,13 +228,15 @@ def format_table(rows: list[dict]) -> str:
                          f"{r['batch']:>6}  unsupported: {r['error']}")
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        per_position = " ".join(f"{x:.2f}" for x in r.get("accept_rate_per_position", []))
         lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
-                     f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}")
+                     f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}  {per_position}".rstrip())
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """Two panels: speedup vs plain and mean accept length per configuration, a line per batch."""
+    """Three panels: speedup vs plain and mean accept length per configuration (a line per batch), and
+    the acceptance rate at each draft position (a line per configuration, smallest batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +244,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     ok = [r for r in rows if "error" not in r]
     names = list(dict.fromkeys(r["config"] for r in ok))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.7 * len(names) + 4), 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 0.7 * len(names) + 8), 4.5))
     for batch in sorted({r["batch"] for r in ok}):
         by = {r["config"]: r for r in ok if r["batch"] == batch}
         xs = [i for i, n in enumerate(names) if n in by]
@@ -238,11 +253,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
     axes[0].set_ylabel("speedup vs plain (tokens/s)")
     axes[1].set_ylabel("mean accept length")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=45, ha="right")
         ax.grid(alpha=0.3)
         ax.legend()
+    smallest = min((r["batch"] for r in ok), default=0)
+    for r in ok:
+        rates = r.get("accept_rate_per_position") or []
+        if r["batch"] == smallest and rates:
+            axes[2].plot(range(1, len(rates) + 1), rates, "o-", label=r["config"])
+    axes[2].set_xlabel("draft position")
+    axes[2].set_ylabel(f"acceptance rate (batch {smallest})")
+    axes[2].set_ylim(0, 1)
+    axes[2].grid(alpha=0.3)
+    if axes[2].lines:
+        axes[2].legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

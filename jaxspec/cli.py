@@ -73,11 +73,21 @@ def cmd_generate(args) -> int:
     spec = _spec_from(args, ngram_only=draft_path == NGRAM) if draft is not None else None
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     sampling = js.SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        stop_token_ids=() if args.ignore_eos else None,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), logprobs=args.logprobs,
+        max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.ignore_eos else None, stop=args.stop or None,
     )
     engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len)
-    prompts = [prompt] if target.tokenizer is not None else [[int(t) for t in prompt.split()]]
+    if args.chat is not None:  # rendered with the checkpoint's own template
+        chat = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+        prompt = js.apply_chat_template(target, chat)
+        prompts = [chat]
+    elif args.system:
+        raise ValueError("--system goes with --chat")
+    else:
+        prompts = [prompt] if target.tokenizer is not None else [[int(t) for t in prompt.split()]]
 
     def run(d, s):
         return js.generate(target, prompts, draft=d, spec=s, sampling=sampling, engine=engine, seed=args.seed,
@@ -99,9 +109,17 @@ def cmd_generate(args) -> int:
             plain_tps.append(run(None, None).tokens_per_s)
     text = out.texts[0] if out.texts else " ".join(map(str, out.token_ids[0]))
     print("=" * 72)
-    print(prompt + text if isinstance(prompts[0], str) else text)
+    print((prompt if args.chat is not None or isinstance(prompts[0], str) else "") + text)
     print("=" * 72)
     st = out.stats[0]
+    if args.logprobs is not None:
+        _print_logprobs(target, out)
+    reason = st.finish_reason + (f" ({st.stop_reason!r})" if st.stop_reason is not None else "")
+    per_position = ""
+    if st.accepted_per_position:
+        per_position = "   accepted at draft position 1, 2, ...: " + " ".join(
+            f"{a / len(st.accept_lens):.2f}" for a in st.accepted_per_position)
+    print(f"finished: {reason}{per_position}")
     if st.num_tokens == 0:
         print("no tokens: the model's first token was a stop token (pass --ignore-eos to generate past it)")
         return 0
@@ -116,6 +134,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _logit_bias(text: str | None) -> dict | None:
+    """``--logit-bias '{"13": -5, "42": 2.5}'`` (a JSON object: token id -> bias)."""
+    import json
+
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--logit-bias must be a JSON object of token id -> bias, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--logit-bias must be a JSON object of token id -> bias, got {text!r}")
+    return value
+
+
+def _print_logprobs(target, out) -> None:
+    """One line per emitted token: its log-probability and the top alternatives'."""
+    tok = target.tokenizer
+    show = (lambda t: repr(tok.decode([t], skip_special_tokens=False))) if tok is not None else str
+    print("logprobs (raw target distribution):")
+    for i, (t, lp) in enumerate(zip(out.token_ids[0], out.logprobs[0])):
+        top = "  ".join(f"{show(k)} {v:.3f}" for k, v in out.top_logprobs[0][i].items())
+        print(f"  {i:4d} {show(t):>16s} {lp:8.3f}" + (f"   | {top}" if top else ""))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxspec", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -126,10 +169,22 @@ def main(argv=None) -> int:
                    help="draft checkpoint directory, 'ngram' (model-free n-gram lookup; a directory named ngram is "
                         "./ngram) or 'none' (default: the demo EAGLE-3 head)")
     g.add_argument("--prompt", default=None, help="prompt text (token ids separated by spaces if there is no tokenizer)")
+    g.add_argument("--chat", default=None,
+                   help="a user message, rendered with the checkpoint's chat template (instead of --prompt)")
+    g.add_argument("--system", default=None, help="a system message before --chat")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop at this string (repeat for several); the text ends before it")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--logit-bias", default=None, help='JSON object of token id -> bias, e.g. \'{"13": -5}\'')
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print each token's log-probability and the top N alternatives (0: the token's only)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)

@@ -194,6 +194,8 @@ class SamplingParams:
         its logits before any control, vLLM's default).
       max_new_tokens: most tokens generated (stop token excluded).
       stop_token_ids: tokens that end the request (not emitted). None: the model's eos ids.
+      stop: strings that end the request when its output text contains one (a str or a tuple
+        of them): the text stops before it, the token ids end with the token that completed it.
       seed: per-request PRNG seed; None derives one from ``generate(seed=...)`` and the
         request's index.
     """
@@ -209,6 +211,7 @@ class SamplingParams:
     logprobs: int | None = None
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] | None = None
+    stop: str | tuple[str, ...] | None = None
     seed: int | None = None
 
     def __post_init__(self):
@@ -229,6 +232,13 @@ class SamplingParams:
             if any(not isinstance(t, int) or t < 0 for t in ids):
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
+        if self.stop is not None:
+            stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            if any(not isinstance(x, str) for x in stops):
+                raise ValueError(f"SamplingParams.stop must be a string or a sequence of strings, got {self.stop!r}")
+            if any(x == "" for x in stops):
+                raise ValueError("SamplingParams.stop holds an empty string (it would end every request at once)")
+            object.__setattr__(self, "stop", tuple(dict.fromkeys(stops)) or None)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             raise ValueError(f"SamplingParams.seed must be an int in [0, 2**32) or None, got {self.seed!r}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -259,8 +269,8 @@ class SamplingParams:
 
     @property
     def filters(self) -> bool:
-        """Sampling keeps only part of the distribution (top-k, top-p or min-p)."""
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        """Sampling sorts the distribution (top-k or top-p; min-p needs no sort)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 # Most top log-probabilities a request may ask for (vLLM's default cap).

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
+from jaxspec.engine.text import RequestText
 from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
@@ -30,13 +32,35 @@ from jaxspec.model.targets import Model, create_target_pool, kv_window
 class RequestStats:
     """accept_lens: tokens emitted by each verify step (accepted drafts + 1);
     mean_accept_len: their mean (1.0 for plain decoding); tokens_per_s: over the
-    request's time in the batch."""
+    request's time in the batch. finish_reason: "stop" (a stop token or stop string) or "length"
+    (``max_new_tokens``); stop_reason: the stop token id or stop string, if one ended it.
+    accepted_per_position[i]: verify steps whose i-th draft token was accepted (one entry per
+    draft depth; empty for plain decoding)."""
 
     num_tokens: int
     accept_lens: list[int]
     mean_accept_len: float
     tokens_per_s: float
     seconds: float
+    finish_reason: str = "length"
+    stop_reason: int | str | None = None
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """What one host round trip committed for one request (``generate_stream``).
+
+    index: the request's position in the prompts; token_ids: its new tokens; text: their new text
+    (complete characters only; a tail that could still start a stop string is held back until
+    decided; None without a tokenizer); finished: its last event; finish_reason: "stop" or
+    "length" on that event."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None = None
 
 
 @dataclasses.dataclass
@@ -75,20 +99,28 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _is_chat(p) -> bool:
+    return isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and len(p) > 0 and isinstance(p[0], Mapping)
+
+
 def _tokenize(target: Model, prompts) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        raise ValueError("prompts must be a list of strings, token-id lists or chats (lists of message dicts)")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        if isinstance(p, str) or _is_chat(p):
             if target.tokenizer is None:
                 raise ValueError(
-                    f"prompt {i} is a string but the target has no tokenizer (no tokenizer.json "
-                    f"next to its weights); pass token ids"
+                    f"prompt {i} is a {'string' if isinstance(p, str) else 'chat'} but the target has no tokenizer "
+                    f"(no tokenizer.json next to its weights); pass token ids"
                 )
-            ids = target.tokenizer.encode(p)
+            try:  # a chat: rendered with the checkpoint's template, tokenized as HF does (no extra BOS)
+                ids = (target.tokenizer.encode(p) if isinstance(p, str) else
+                       target.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         else:
             ids = [int(t) for t in np.asarray(p).reshape(-1)] if len(p) else []
         if not ids:
@@ -142,7 +174,7 @@ def _request_keys(seed: int, sampling: list[SamplingParams]) -> np.ndarray:  # u
 
 def generate(
     target: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Sequence[str] | Sequence[Sequence[int]] | Sequence[Sequence[dict]],
     *,
     draft: DraftModel | None = None,
     spec: SpecConfig | None = None,
@@ -155,7 +187,9 @@ def generate(
 
     Args:
       target: from ``load_model``.
-      prompts: strings (the target needs a tokenizer) or token-id lists, ragged lengths.
+      prompts: strings (the target needs a tokenizer), token-id lists, or chats (lists of
+        ``{"role", "content"}`` dicts, rendered with the checkpoint's chat template and a
+        generation prompt, as ``apply_chat_template`` does), ragged lengths, mixed freely.
       draft: from ``load_draft`` (EAGLE, EAGLE-3, MTP, frozen-KV assistant, DFlash, standalone), an ``NgramDraft``
         (model-free) or a ``HybridDraft``; None for plain decoding through the same engine.
       spec: the speculative step shape; required with a draft.
@@ -165,186 +199,300 @@ def generate(
       progress: show a progress bar (None: only on a terminal).
 
     Returns:
-      GenerateOutput with ``token_ids`` (stop token excluded), ``texts`` (when a tokenizer is
-      known) and per-request ``stats``, in input order.
+      GenerateOutput with ``token_ids`` (stop token excluded; ending with the token that completed
+      a stop string), ``texts`` (when a tokenizer is known; cut before a stop string), raw
+      ``logprobs`` where asked, and per-request ``stats`` (finish reason, acceptance), in input order.
 
     Raises:
       ValueError: a bad input (see ``jaxspec.config``), before any device work.
     """
-    engine = engine or EngineConfig()
-    if not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-    if not isinstance(target, Model):
-        raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
-    if draft is not None and spec is None:
-        raise ValueError("a draft was given without a SpecConfig: pass spec=jaxspec.SpecConfig(...)")
-    if spec is not None and draft is None:
-        raise ValueError("spec was given without a draft model")
-    if draft is not None:
-        if not isinstance(draft, DraftModel):
-            raise ValueError(
-                f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
-                f"got {type(draft).__name__}"
-            )
-        draft.config.check_fits(target.config)
-        draft.config.check_spec(spec)
-    ids = _tokenize(target, prompts)
-    sampling = _sampling_list(sampling, len(ids))
-    _check_sampling_fits(sampling, target.config.vocab_size)
-    adaptive = None
-    if spec is not None and spec.adaptive_steps:
-        adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
-    plans = {}  # depth -> Plan, for adaptive chains
-    mesh = target.mesh
-    data_shards = axis_size(mesh, DATA)
-    # A draft without parameters (NgramDraft) serves any mesh; its per-row state follows the rows.
-    if draft is not None and jax.tree_util.tree_leaves(draft.params) and getattr(draft, "mesh", None) is not mesh:
-        raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
-    plan = Plan(
-        target=target.config,
-        draft=None if draft is None else draft.config,
-        spec=spec.with_steps(max(spec.adaptive_steps)) if adaptive else spec,
-        page_size=engine.page_size,
-        steps_per_call=engine.steps_per_call,
-        greedy_only=all(s.is_greedy for s in sampling),
-        filtering=any(s.filters for s in sampling),
-        controls=any(s.uses_penalties for s in sampling),
-        logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
-                  if any(s.logprobs is not None for s in sampling) else None),
-        implementation=engine.implementation,
-        data_shards=data_shards,
-    )
-    if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
-        plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
-    # Sliding-window layers (of the target, or of a standalone draft) keep their K/V in a window pool.
-    windows = [w for w in (kv_window(target.config), draft.config.kv_window if draft is not None else None) if w]
-    if windows and spec is not None and max(spec.adaptive_steps or (spec.depth,)) >= min(windows):
-        raise ValueError(
-            f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
-            f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
+    run = _Run(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
+               progress=progress)
+    for _ in run.events():
+        pass
+    return run.output()
+
+
+def generate_stream(
+    target: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]] | Sequence[Sequence[dict]],
+    *,
+    draft: DraftModel | None = None,
+    spec: SpecConfig | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    engine: EngineConfig | None = None,
+    seed: int = 0,
+    progress: bool | None = False,
+) -> Iterator[StreamEvent]:
+    """``generate()``'s arguments; yields a ``StreamEvent`` per request and host round trip as its
+    tokens are committed (several steps run on the device between round trips). A request's events,
+    concatenated, give exactly ``generate()``'s ``token_ids`` and ``texts``; its last event has
+    ``finished`` set. Inputs are checked here, before the first event is asked for."""
+    run = _Run(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
+               progress=progress)
+    return run.events()
+
+
+class _Run:
+    """One call: validated inputs, the engine's buffers and the host loop (``events``)."""
+
+    def __init__(self, target, prompts, *, draft, spec, sampling, engine, seed, progress):
+        engine = engine or EngineConfig()
+        if not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        if not isinstance(target, Model):
+            raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
+        if draft is not None and spec is None:
+            raise ValueError("a draft was given without a SpecConfig: pass spec=jaxspec.SpecConfig(...)")
+        if spec is not None and draft is None:
+            raise ValueError("spec was given without a draft model")
+        if draft is not None:
+            if not isinstance(draft, DraftModel):
+                raise ValueError(
+                    f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
+                    f"got {type(draft).__name__}"
+                )
+            draft.config.check_fits(target.config)
+            draft.config.check_spec(spec)
+        ids = _tokenize(target, prompts)
+        sampling = _sampling_list(sampling, len(ids))
+        _check_sampling_fits(sampling, target.config.vocab_size)
+        if target.tokenizer is None and any(s.stop for s in sampling):
+            raise ValueError("SamplingParams.stop needs text, but the target has no tokenizer (no tokenizer.json "
+                             "next to its weights); use stop_token_ids")
+        adaptive = None
+        if spec is not None and spec.adaptive_steps:
+            adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
+        plans = {}  # depth -> Plan, for adaptive chains
+        mesh = target.mesh
+        data_shards = axis_size(mesh, DATA)
+        # A draft without parameters (NgramDraft) serves any mesh; its per-row state follows the rows.
+        if draft is not None and jax.tree_util.tree_leaves(draft.params) and getattr(draft, "mesh", None) is not mesh:
+            raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
+        plan = Plan(
+            target=target.config,
+            draft=None if draft is None else draft.config,
+            spec=spec.with_steps(max(spec.adaptive_steps)) if adaptive else spec,
+            page_size=engine.page_size,
+            steps_per_call=engine.steps_per_call,
+            greedy_only=all(s.is_greedy for s in sampling),
+            filtering=any(s.filters for s in sampling),
+            controls=any(s.uses_penalties for s in sampling),
+            logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
+                      if any(s.logprobs is not None for s in sampling) else None),
+            implementation=engine.implementation,
+            data_shards=data_shards,
         )
-    for i, (p, s) in enumerate(zip(ids, sampling)):
-        total = len(p) + s.max_new_tokens
-        if total > engine.max_seq_len:
+        if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
+            plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
+        # Sliding-window layers (of the target, or of a standalone draft) keep their K/V in a window pool.
+        windows = [w for w in (kv_window(target.config), draft.config.kv_window if draft is not None else None) if w]
+        if windows and spec is not None and max(spec.adaptive_steps or (spec.depth,)) >= min(windows):
             raise ValueError(
-                f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
-                f"max_seq_len {engine.max_seq_len}"
+                f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
+                f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
             )
-    stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
-    keys = _request_keys(seed, sampling)
-    requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
+        for i, (p, s) in enumerate(zip(ids, sampling)):
+            total = len(p) + s.max_new_tokens
+            if total > engine.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
+                    f"max_seq_len {engine.max_seq_len}"
+                )
+        stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
+        keys = _request_keys(seed, sampling)
+        requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
 
-    # Static buckets: batch rows, output width, stop-id slots, page-table width. On a mesh the
-    # rows and pages split evenly over its data shards (each with its own scratch page).
-    batch = max(next_pow2(min(len(ids), engine.max_batch)), data_shards)
-    batch = data_shards * -(-batch // data_shards)
-    out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
-    num_stop = next_pow2(max(1, max(len(st) for st in stops)))
-    longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
-    width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
-    num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
-                               (batch // data_shards) * width + 1)
-    step_growth = engine.steps_per_call * plan.max_accept
-    window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
-                              ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
-    window_pages = window.num_pages if window is not None else None
-    sched = Scheduler(
-        requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-        lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
-    )
-    dtype = jnp.dtype(target.dtype)
-    P_ = engine.page_size
-    tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_, dtype=dtype,
-                                                   window_pages=window_pages),
-                        getattr(target.config, "tensor_parallel", 1) > 1, mesh)
-    if draft is None:
-        dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
-    else:
-        dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
-                                                             window_pages=window_pages),
-                            draft.config.tensor_parallel > 1, mesh)
-    dparams = None if draft is None else draft.params
-    seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
-    control_vocab = target.config.vocab_size if plan.controls else 0
-    state = create_state(lambda: DecodeState.empty(batch=batch, out_width=out_width, num_stop=num_stop, seed=seed,
-                                                   hidden_dtype=dtype, control_vocab=control_vocab,
-                                                   top_logprobs=plan.logprobs), mesh)
-    with run_context(mesh):
-        return _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dparams, sampling, num_stop,
-                    engine, progress)
+        # Static buckets: batch rows, output width, stop-id slots, page-table width. On a mesh the
+        # rows and pages split evenly over its data shards (each with its own scratch page).
+        batch = max(next_pow2(min(len(ids), engine.max_batch)), data_shards)
+        batch = data_shards * -(-batch // data_shards)
+        out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
+        num_stop = next_pow2(max(1, max(len(st) for st in stops)))
+        longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
+        width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
+        num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
+                                   (batch // data_shards) * width + 1)
+        step_growth = engine.steps_per_call * plan.max_accept
+        window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
+                                  ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
+        window_pages = window.num_pages if window is not None else None
+        self.sched = Scheduler(
+            requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
+            lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
+        )
+        dtype = jnp.dtype(target.dtype)
+        P_ = engine.page_size
+        self.tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_,
+                                                            dtype=dtype, window_pages=window_pages),
+                                 getattr(target.config, "tensor_parallel", 1) > 1, mesh)
+        if draft is None:
+            self.dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
+        else:
+            self.dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
+                                                                      window_pages=window_pages),
+                                     draft.config.tensor_parallel > 1, mesh)
+        draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
+        control_vocab = target.config.vocab_size if plan.controls else 0
+        self.state = create_state(lambda: DecodeState.empty(
+            batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
+            control_vocab=control_vocab, top_logprobs=plan.logprobs), mesh)
+        self.target, self.draft, self.plan, self.plans, self.adaptive = target, draft, plan, plans, adaptive
+        self.dparams = None if draft is None else draft.params
+        self.sampling, self.num_stop, self.engine, self.progress = sampling, num_stop, engine, progress
+        self.wall = 0.0
+
+    def events(self) -> Iterator[StreamEvent]:
+        """The host loop: admit, prefill, grant pages, run a decode call, hand out what it
+        committed, retire finished rows. Yields the events of each round trip."""
+        with run_context(self.target.mesh):
+            yield from self._loop()
+
+    def _loop(self) -> Iterator[StreamEvent]:
+        sched, plan, engine, target = self.sched, self.plan, self.engine, self.target
+        batch = len(sched.rows)
+        bar = tqdm(total=sum(s.max_new_tokens for s in self.sampling), unit="tok", desc="generate", leave=False,
+                   disable=None if self.progress is None else not self.progress)
+        t0 = time.perf_counter()
+        seq_lens = np.zeros(batch, np.int32)
+        seen = np.zeros(batch, np.int32)  # tokens of each row handed out so far
+        window = 1 + sched.step_growth  # most tokens a row can gain in one round trip (a prefill's first included)
+        while not sched.finished:
+            admitted = sched.admit()
+            if admitted:
+                self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
+                                                              self.dpool, sched, admitted, self.num_stop, engine)
+                for r in admitted:
+                    seq_lens[r.row] = len(r.prompt)
+                    seen[r.row] = 0
+                    r.text = RequestText(target.tokenizer.decode_stream() if target.tokenizer else None,
+                                         r.sampling.stop or ())
+            if all(r is None for r in sched.rows):
+                raise RuntimeError("scheduler made no progress (no request could be admitted)")
+            sched.grant_ahead(seq_lens)
+            adaptive = self.adaptive
+            call_plan = self.plans[adaptive.steps] if adaptive else plan
+            before = jax.device_get(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
+            live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
+            table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
+            self.state, self.tpool, self.dpool, _ = decode_program(call_plan, target.params, self.dparams, self.state,
+                                                                   self.tpool, self.dpool, table)
+            host = jax.device_get(dict(
+                seq_lens=self.state.seq_lens, active=self.state.active, out_lens=self.state.out_lens,
+                nv=self.state.num_verify, stop_token=self.state.stop_token,
+                recent=_recent_tokens(self.state.out_tokens, place_rows(seen, target.mesh), window)))
+            if adaptive:
+                steps_run = int((host["nv"] - before["nv"]).sum())
+                if steps_run:
+                    adaptive.update(float((host["out_lens"] - before["out_lens"]).sum()) / steps_run)
+            seq_lens = np.array(host["seq_lens"])
+            events, finished_rows, cut_rows = [], [], []
+            for row, r in enumerate(sched.rows):
+                if r is None:
+                    continue
+                new = host["recent"][row, : int(host["out_lens"][row]) - seen[row]].tolist()
+                keep = r.text.add(new)
+                new = new[:keep]
+                seen[row] += len(new)
+                r.tokens.extend(new)
+                done = not host["active"][row] or r.text.stop_reason is not None
+                if r.text.stop_reason is not None and host["active"][row]:
+                    cut_rows.append(row)
+                if done:
+                    r.finish_reason = "stop" if r.text.stop_reason is not None or host["stop_token"][row] >= 0 else \
+                        "length"
+                    r.stop_reason = r.text.stop_reason if r.text.stop_reason is not None else (
+                        int(host["stop_token"][row]) if host["stop_token"][row] >= 0 else None)
+                    finished_rows.append(row)
+                text = r.text.take(final=done) if target.tokenizer is not None else None
+                if new or done or text:
+                    events.append(StreamEvent(index=r.index, token_ids=new, text=text, finished=done,
+                                              finish_reason=r.finish_reason if done else None))
+            if cut_rows:  # stop strings: these rows end now on the device too
+                self.state = _deactivate(self.state, place_rows(_row_mask(batch, cut_rows), target.mesh))
+            if finished_rows:
+                self._retire(finished_rows)
+            bar.update(sum(len(e.token_ids) for e in events))
+            yield from events
+        self.wall = time.perf_counter() - t0
+        bar.close()
+        sched.check()
+
+    def _retire(self, rows: list[int]) -> None:
+        """Finished rows: their accept lengths and log-probabilities, then their pages back."""
+        plan = self.plan
+        out = jax.device_get(dict(log=self.state.accept_log, nv=self.state.num_verify,
+                                  lp=self.state.logprobs if plan.logprobs is not None else None))
+        for row in rows:
+            r = self.sched.rows[row]
+            log = out["log"][row, : int(out["nv"][row])].tolist()
+            if r.text.stop_reason is not None:  # steps past a stop string's cut produced nothing kept
+                log = _steps_behind(log, len(r.tokens))
+            r = self.sched.retire(row, r.tokens, log)
+            if r.sampling.logprobs is not None:
+                _take_logprobs(r, out["lp"], row, len(r.tokens))
+
+    def output(self) -> GenerateOutput:
+        sched, target = self.sched, self.target
+        done = sorted(sched.done, key=lambda r: r.index)
+        depth = 0 if self.plan.spec is None else self.plan.spec.depth
+        stats = []
+        for r in done:
+            secs = max(r.t_done - r.t_admit, 1e-9)
+            stats.append(RequestStats(
+                num_tokens=len(r.tokens), accept_lens=r.accept_lens,
+                mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
+                tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
+            ))
+        return GenerateOutput(
+            token_ids=[r.tokens for r in done], texts=[r.text.text for r in done] if target.tokenizer else None,
+            stats=stats, wall_seconds=self.wall,
+            logprobs=[r.logprobs for r in done], top_logprobs=[r.top_logprobs for r in done],
+            steps_per_call=self.adaptive.history if self.adaptive else [],
+            kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
+            **({} if sched.window is None else dict(
+                kv_window_pages_free=sched.window.num_free, kv_window_pages_total=sched.window.capacity,
+                kv_window_pages_returned=sched.window.returned_early)),
+        )
 
 
-def _run(target, draft, plan, plans, adaptive, sched, state, tpool, dpool, dparams, sampling, num_stop, engine,
-         progress) -> GenerateOutput:
-    """The host loop: admit, prefill, grant pages, run a decode call, retire finished rows."""
-    batch = len(sched.rows)
-    total_new = sum(s.max_new_tokens for s in sampling)
-    bar = tqdm(total=total_new, unit="tok", desc="generate", leave=False,
-               disable=None if progress is None else not progress)
-    t0 = time.perf_counter()
-    seq_lens = np.zeros(batch, np.int32)
-    emitted_so_far = 0
-    while not sched.finished:
-        admitted = sched.admit()
-        if admitted:
-            state, tpool, dpool = _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine)
-            for r in admitted:
-                seq_lens[r.row] = len(r.prompt)
-        if all(r is None for r in sched.rows):
-            raise RuntimeError("scheduler made no progress (no request could be admitted)")
-        sched.grant_ahead(seq_lens)
-        call_plan = plans[adaptive.steps] if adaptive else plan
-        before = jax.device_get(dict(out_lens=state.out_lens, nv=state.num_verify)) if adaptive else None
-        live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
-        table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
-        state, tpool, dpool, _ = decode_program(call_plan, target.params, dparams, state, tpool, dpool, table)
-        host = jax.device_get(dict(seq_lens=state.seq_lens, active=state.active, out_lens=state.out_lens,
-                                   nv=state.num_verify))
-        if adaptive:
-            steps_run = int((host["nv"] - before["nv"]).sum())
-            if steps_run:
-                adaptive.update(float((host["out_lens"] - before["out_lens"]).sum()) / steps_run)
-        seq_lens = np.array(host["seq_lens"])
-        finished_rows = [row for row, r in enumerate(sched.rows) if r is not None and not host["active"][row]]
-        if finished_rows:
-            out = jax.device_get(dict(tokens=state.out_tokens, log=state.accept_log, nv=state.num_verify,
-                                      lp=state.logprobs if plan.logprobs is not None else None))
-            for row in finished_rows:
-                n_out = int(host["out_lens"][row])
-                req = sched.retire(row, out["tokens"][row, :n_out].tolist(),
-                                   out["log"][row, : int(out["nv"][row])].tolist())
-                if req.sampling.logprobs is not None:
-                    _take_logprobs(req, out["lp"], row, n_out)
-        if not bar.disable:
-            emitted = sum(len(r.tokens) for r in sched.done) + sum(
-                int(host["out_lens"][row]) for row, r in enumerate(sched.rows) if r is not None
-            )
-            bar.update(emitted - emitted_so_far)
-            emitted_so_far = emitted
-    wall = time.perf_counter() - t0
-    bar.close()
-    sched.check()
+def accepted_per_position(accept_lens: list[int], depth: int) -> list[int]:
+    """How often the i-th draft token of a step was accepted, i < depth (a step of accept length a
+    accepted its first a - 1 drafts)."""
+    lens = np.asarray(accept_lens, np.int64)
+    return [int(np.sum(lens - 1 > i)) for i in range(depth)]
 
-    done = sorted(sched.done, key=lambda r: r.index)
-    stats = []
-    for r in done:
-        secs = max(r.t_done - r.t_admit, 1e-9)
-        stats.append(RequestStats(
-            num_tokens=len(r.tokens), accept_lens=r.accept_lens,
-            mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
-            tokens_per_s=len(r.tokens) / secs, seconds=secs,
-        ))
-    token_ids = [r.tokens for r in done]
-    texts = [target.tokenizer.decode(t) for t in token_ids] if target.tokenizer is not None else None
-    return GenerateOutput(
-        token_ids=token_ids, texts=texts, stats=stats, wall_seconds=wall,
-        logprobs=[r.logprobs for r in done], top_logprobs=[r.top_logprobs for r in done],
-        steps_per_call=adaptive.history if adaptive else [],
-        kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
-        **({} if sched.window is None else dict(
-            kv_window_pages_free=sched.window.num_free, kv_window_pages_total=sched.window.capacity,
-            kv_window_pages_returned=sched.window.returned_early)),
-    )
+
+def _steps_behind(accept_lens: list[int], num_tokens: int) -> list[int]:
+    """The verify steps that produced a request's first ``num_tokens`` tokens (the first comes
+    from the prefill): steps past a stop-string cut are dropped."""
+    out, have = [], 1
+    for a in accept_lens:
+        if have >= num_tokens:
+            break
+        out.append(a)
+        have += a
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _recent_tokens(out_tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:  # i32[B, width]
+    """Each row's output tokens from column ``start[b]`` on (what the host has not seen yet)."""
+    cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], out_tokens.shape[1] - 1)
+    return jnp.take_along_axis(out_tokens, cols, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _deactivate(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Ends the masked rows (bool[B]) on the device: a stop string was found on the host."""
+    return dataclasses.replace(state, active=state.active & ~rows)
+
+
+def _row_mask(batch: int, rows: list[int]) -> np.ndarray:
+    mask = np.zeros(batch, bool)
+    mask[rows] = True
+    return mask
 
 
 def _take_logprobs(req: Request, lp, row: int, n_out: int) -> None:

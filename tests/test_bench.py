@@ -60,6 +60,9 @@ def test_tiny_sweep_writes_json_and_png(tmp_path, capsys):
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0 and 1 <= rows[1]["mean_accept_len"] <= 3
     assert [r["drafter"] for r in rows[1:]] == ["model", "ngram"] and all(r["speedup"] > 0 for r in rows)
     assert all(r["tokens"] == 8 for r in rows)
+    rates = rows[1]["accept_rate_per_position"]  # chain2: two draft positions, the second needs the first
+    assert rows[0]["accept_rate_per_position"] == [] and len(rates) == 2 and 1 >= rates[0] >= rates[1] >= 0
+    assert rows[1]["mean_accept_len"] == pytest.approx(1 + sum(rates))
     assert (tmp_path / "bench.png").stat().st_size > 1000
     table = capsys.readouterr().out
     assert "chain2" in table and "speedup" in table

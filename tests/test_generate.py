@@ -164,7 +164,10 @@ def test_string_prompts_with_a_tokenizer(tmp_path):
     ids = js.generate(model, [tok.encode("hello world")], sampling=js.SamplingParams(max_new_tokens=8),
                       engine=engine(16, 4))
     assert out.token_ids == ids.token_ids
-    assert out.texts[0] == tok.decode(out.token_ids[0])
+    # The text is decoded as it streams: a character whose bytes the last tokens left incomplete is not
+    # in it (a full decode shows it as U+FFFD); the random model here emits such byte tokens.
+    full = tok.decode(out.token_ids[0])
+    assert out.texts[0] == full.rstrip("\ufffd") and len(full) - len(out.texts[0]) <= 1
 
 
 def _copy_golden(tmp_path, name="llama3"):

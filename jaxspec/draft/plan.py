@@ -22,8 +22,8 @@ class Plan:
 
     target: the target's model config. draft: the draft kind (a ``Draft``) or None (plain
     decoding, a one-node verify per step). greedy_only: no row samples, so the sampling
-    machinery is compiled out. filtering: some sampled row uses top_k, top_p or min_p (else
-    they are compiled out). controls: some row uses a logit bias or a penalty (else the
+    machinery is compiled out. filtering: some sampled row uses top_k or top_p (else their
+    sorts are compiled out). controls: some row uses a logit bias or a penalty (else the
     processing is compiled out). logprobs: top log-probabilities computed per emitted token
     (0: none are reported). implementation: kernels ("pallas" | "xla" | None | a per-op
     mapping). data_shards: shards of a mesh's data axis the rows and pool slots are split over.

@@ -85,6 +85,7 @@ def prefill(
         active=real & ~stop & (request["max_new"] > 1),
         out_tokens=jnp.zeros((R, out_width), jnp.int32).at[:, 0].set(first),
         out_lens=jnp.where(stop, 0, 1).astype(jnp.int32),
+        stop_token=jnp.where(stop, first, -1).astype(jnp.int32),
         max_new=request["max_new"],
         stop_ids=request["stop_ids"],
         temperature=request["temperature"],

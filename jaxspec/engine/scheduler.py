@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,9 @@ class Request:
     accept_lens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None  # when sampling.logprobs is set: one per token
     top_logprobs: list[dict[int, float]] | None = None
+    text: Any = None  # its output text and stop strings (``jaxspec.engine.text.RequestText``), once admitted
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
 
 
 class Scheduler:

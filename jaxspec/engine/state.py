@@ -27,6 +27,7 @@ class DecodeState:
       bonus: i32[B] root of the next step = last emitted token.
       active: bool[B] row is generating.
       out_tokens: i32[B, M] emitted tokens; out_lens: i32[B] how many.
+      stop_token: i32[B] the stop token that ended the row (-1: none, e.g. it ran to max_new).
       max_new: i32[B] per-request token limit.
       stop_ids: i32[B, NS] stop tokens (-1 padded).
       temperature, top_p, min_p: f32[B]; top_k: i32[B] sampling parameters.
@@ -46,6 +47,7 @@ class DecodeState:
     active: jax.Array
     out_tokens: jax.Array
     out_lens: jax.Array
+    stop_token: jax.Array
     max_new: jax.Array
     stop_ids: jax.Array
     temperature: jax.Array
@@ -77,6 +79,7 @@ class DecodeState:
             active=jnp.zeros((B,), bool),
             out_tokens=zeros_i(B, out_width),
             out_lens=zeros_i(B),
+            stop_token=jnp.full((B,), -1, jnp.int32),
             max_new=zeros_i(B),
             stop_ids=jnp.full((B, num_stop), -1, jnp.int32),
             temperature=jnp.zeros((B,), jnp.float32),
@@ -117,6 +120,8 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
     room = state.max_new - state.out_lens
     keep = jnp.where(active, jnp.minimum(jnp.minimum(first_stop, accept_lens), room), 0)
     done = (first_stop < accept_lens) | (state.out_lens + keep >= state.max_new)
+    stopped = active & (first_stop < jnp.minimum(accept_lens, room))  # a stop token came before the length cap
+    stop_token = jnp.take_along_axis(emitted, jnp.minimum(first_stop, A - 1)[:, None], axis=1)[:, 0]
     col = jnp.where(j < keep[:, None], state.out_lens[:, None] + j, M)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
     log_col = jnp.where(active, state.num_verify, M)
@@ -132,6 +137,7 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
         state,
         out_tokens=state.out_tokens.at[rows, col].set(emitted, mode="drop"),
         out_lens=state.out_lens + keep,
+        stop_token=jnp.where(stopped, stop_token, state.stop_token),
         controls=state.controls.count(emitted, j < keep[:, None]),
         logprobs=logprobs,
         active=active & ~done,

@@ -22,10 +22,10 @@ def target_probs(
     """The sampling distribution of each row. Greedy rows (T = 0) get a one-hot argmax.
 
     min_p drops every token whose probability is below min_p times the largest (vLLM's order:
-    after temperature, before top-k / top-p); top_k keeps every token whose logit is >= the
-    k-th largest (ties at the boundary are kept); top_p then keeps, in descending-probability
-    order, each token whose preceding mass is < top_p, and renormalizes. ``filtering=False``
-    (static: no row uses top_k, top_p or min_p) skips all three.
+    after temperature, before top-k / top-p; ``None``: not applied); top_k keeps every token
+    whose logit is >= the k-th largest (ties at the boundary are kept); top_p then keeps, in
+    descending-probability order, each token whose preceding mass is < top_p, and renormalizes.
+    ``filtering=False`` (static: no row uses top_k or top_p) skips those two and their sorts.
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
@@ -33,12 +33,12 @@ def target_probs(
     t = jnp.where(greedy, 1.0, temperature)[..., None]
     scaled = logits / t
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    if min_p is not None:
+        # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p): no softmax, no sort (min_p 0: -inf).
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[..., None]
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
     if not filtering:
         return jnp.where(greedy[..., None], onehot, jax.nn.softmax(scaled, axis=-1))
-    if min_p is not None:
-        probs = jax.nn.softmax(scaled, axis=-1)
-        below = probs < min_p[..., None] * jnp.max(probs, axis=-1, keepdims=True)
-        scaled = jnp.where(below, -jnp.inf, scaled)
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]

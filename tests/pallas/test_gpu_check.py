@@ -53,8 +53,9 @@ def test_dry_run_runs_every_stage():
         "paged_attention/verify/d16/p16", "mla_attention/decode/d32/p16"}
     steps = stages["steps"]["result"]
     assert steps["returncode"] == 0 and "step_timing.py --out" in steps["command"]
-    assert [r["config"] for r in steps["rows"]] == ["plain", "chain S=5", "tree S=5 k=4 n=8",
-                                                  "dflash chain S=15 (block 16)"]
+    configs = ["plain", "chain S=5", "tree S=5 k=4 n=8", "dflash chain S=15 (block 16)"]
+    assert [r["config"] for r in steps["rows"]] == [c + extra for c in configs for extra in ("", " + controls")]
+    assert all(r["controls_on_vs_off"] > 0 for r in steps["rows"][1::2])
     assert all(r["ms_per_step"] > 0 for r in steps["rows"])
     md = (tmp_path / "gpu_check.md").read_text()
     for name in gpu_check.STAGES:

@@ -5,16 +5,22 @@ from __future__ import annotations
 import os
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
+from jaxspec.model.io.chat_template import read_chat_templates, read_special_tokens, render_chat, select_template
 from jaxspec.model.io.checkpoint import read_eos_ids, read_json
 
 
 class Tokenizer:
-    """A thin wrapper: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``, eos ids."""
+    """A thin wrapper: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``, eos ids, and the
+    checkpoint's chat template(s) with the special tokens it renders with."""
 
-    def __init__(self, tokenizer: _HFTokenizer, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: _HFTokenizer, eos_token_ids: tuple[int, ...] = (),
+                 chat_template: str | dict[str, str] | None = None, special_tokens: dict[str, str] | None = None):
         self._tok = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
 
     @property
     def vocab_size(self) -> int:
@@ -29,12 +35,39 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def decode_stream(self) -> "TextStream":
+        """An incremental decoder of this tokenizer's ids (special tokens skipped)."""
+        return TextStream(self._tok)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tokenize: bool = False,
+                            chat_template: str | None = None, tools=None, documents=None, **kwargs):
+        """The conversation rendered with the checkpoint's template (text), or its token ids
+        (``tokenize=True``: the text tokenized without adding special tokens, as HF does)."""
+        template = select_template(self.chat_template, chat_template, tools)
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=self.special_tokens, tools=tools, documents=documents, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class TextStream:
+    """Text of a growing token sequence, decoded incrementally (``tokenizers``' ``DecodeStream``,
+    special tokens skipped): ``step(id)`` returns the new text, or "" while a character is
+    incomplete (a multi-byte character split over tokens)."""
+
+    def __init__(self, tokenizer: _HFTokenizer):
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, int(token_id)) or ""
+
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Loads ``tokenizer.json`` from a checkpoint directory (or the file itself).
 
     eos ids come from the directory's config.json / generation_config.json when present,
-    else from tokenizer_config.json's ``eos_token``.
+    else from tokenizer_config.json's ``eos_token``. The chat template(s) and the special tokens
+    they render with are read as HF reads them (``jaxspec.model.io.chat_template``).
     """
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
@@ -46,9 +79,34 @@ def load_tokenizer(path: str) -> Tokenizer:
     if os.path.exists(cfg_path):
         eos = read_eos_ids(directory, read_json(cfg_path))
     tcfg = os.path.join(directory, "tokenizer_config.json")
+    special = read_special_tokens(directory)
     if not eos and os.path.exists(tcfg):
-        name = read_json(tcfg).get("eos_token")
-        name = name.get("content") if isinstance(name, dict) else name
+        name = special.get("eos_token")
         if isinstance(name, str) and tok.token_to_id(name) is not None:
             eos = (tok.token_to_id(name),)
-    return Tokenizer(tok, eos)
+    return Tokenizer(tok, eos, chat_template=read_chat_templates(directory), special_tokens=special)
+
+
+def apply_chat_template(target, messages, *, add_generation_prompt: bool = True, tokenize: bool = False,
+                        chat_template: str | None = None, tools=None, documents=None, **kwargs):
+    """Renders a conversation (a list of ``{"role", "content"}`` dicts) with the checkpoint's own chat
+    template, exactly as HF ``transformers``' ``apply_chat_template`` renders it.
+
+    Args:
+      target: a model from ``load_model`` (its tokenizer's template) or a ``Tokenizer``.
+      messages: the conversation.
+      add_generation_prompt: end with the header of the assistant's turn (the template decides
+        what that is). Default True: the rendered chat is a prompt to generate the reply from.
+      tokenize: return token ids (the text tokenized without adding special tokens, as HF does:
+        special-token text written by the template becomes its id) instead of text.
+      chat_template: the name of one of the checkpoint's templates, or a template string.
+      tools, documents, kwargs: passed to the template as HF passes them.
+
+    Raises:
+      ValueError: no template, a malformed conversation, or the template's own ``raise_exception``.
+    """
+    tokenizer = target if isinstance(target, Tokenizer) else getattr(target, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer (no tokenizer.json next to its weights), so no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                                         chat_template=chat_template, tools=tools, documents=documents, **kwargs)
