@@ -129,6 +129,7 @@ def main() -> int:
     ap.add_argument("--target", default=str(REPO / "demo" / "target"))
     ap.add_argument("--draft", default=str(REPO / "demo" / "eagle3"))
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--sample-calls", type=int, default=SAMPLE_CALLS, help=f"calls of {SAMPLE_ROWS} rows per sampled run")
     args = ap.parse_args()
 
     import torch
@@ -137,7 +138,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     job = dict(prompts=PROMPTS, controls=CONTROLS, new_tokens=args.new_tokens, sampled=SAMPLED, rows=SAMPLE_ROWS,
-               calls=SAMPLE_CALLS)
+               calls=args.sample_calls)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     run = subprocess.run([args.jaxspec_python, "-c", JAXSPEC_SIDE, args.target, args.draft, json.dumps(job)],
                          check=True, env=env, stdout=subprocess.PIPE, text=True)
@@ -164,7 +165,7 @@ def main() -> int:
             print(f"| {name} | {key.split('/', 1)[1]} | {equal} | {diff:.2e} | {top_equal} | {res['accept']:.2f} | "
                   f"{margin:.3f} |")
 
-    print(f"\n3. sampled first two tokens ({SAMPLED}), {SAMPLE_ROWS * SAMPLE_CALLS} draws per run, vs exact")
+    print(f"\n3. sampled first two tokens ({SAMPLED}), {SAMPLE_ROWS * args.sample_calls} draws per run, vs exact")
     joint = hf_joint(model, torch, js_out["ids"][0], SAMPLED)
     outcomes = sorted(joint)
     probs = np.asarray([joint[o] for o in outcomes])

@@ -24,6 +24,7 @@ from jaxspec.draft.plan import KEY_DRAFT_STEP, KEY_SEED, Plan, StepRows, sub_key
 from jaxspec.draft.shape import broadcast_rows, shape_for
 from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.controls import Controls, steer
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.sampling import sample_categorical, target_probs
 from jaxspec.pallas.gather_extras import gather_spec_extras
@@ -33,15 +34,20 @@ def draft_distribution(plan: Plan, dparams: dict, logit_in: jax.Array, rows: Ste
     """q: the draft's sampling distribution over the TARGET vocabulary, f32[B, ..., V], with each
     row's temperature / top_k / top_p (one-hot argmax for greedy rows)."""
     draft = plan.draft
-    logits = draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in))
+    logits = steer(draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in)), rows.controls)
     lead = logits.shape[:-1]
     t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)
     return target_probs(logits, t, k, p, plan.filtering)
 
 
-def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int):  # -> f32[..., k], i32[..., k] target ids
-    """Top-k of the draft's softmax. k = 1 uses max/argmax (no top_k primitive)."""
-    probs = jax.nn.softmax(plan.draft.logits(dparams, logit_in), axis=-1)
+def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int, controls: Controls | None = None):
+    """Top-k of the draft's softmax (steered by the rows' controls when given): f32[B, ..., k] and
+    i32[B, ..., k] target ids. k = 1 uses max/argmax (no top_k primitive)."""
+    logits = plan.draft.logits(dparams, logit_in)
+    if controls is not None and controls.enabled:
+        columns = plan.draft.to_target_ids(dparams, jnp.arange(logits.shape[-1], dtype=jnp.int32))
+        logits = steer(logits, controls, columns)
+    probs = jax.nn.softmax(logits, axis=-1)
     if k == 1:
         index = jnp.argmax(probs, axis=-1)[..., None]
         p = jnp.max(probs, axis=-1, keepdims=True)
@@ -58,7 +64,7 @@ def _candidates(plan: Plan, dparams, logit_in, rows: StepRows, key_purpose: int)
         q = draft_distribution(plan, dparams, logit_in[:, 0], rows)  # [B, V]
         x = sample_categorical(q, sub_keys(rows.keys, key_purpose))
         return jnp.take_along_axis(q, x[:, None], axis=1)[:, :, None], x[:, None, None], q
-    topk_p, topk_index = draft_topk(plan, dparams, logit_in, plan.topk)
+    topk_p, topk_index = draft_topk(plan, dparams, logit_in, plan.topk, rows.controls)
     return topk_p, topk_index, None
 
 

@@ -152,3 +152,22 @@ def token_logprobs(
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     top, top_ids = jax.lax.top_k(lp, k)
     return TokenLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32), top=top)
+
+
+def steer(
+    logits: jax.Array,  # f32[B, ..., Vd] a draft's logits
+    controls: Controls,
+    ids: jax.Array | None = None,  # i32[Vd] the target id of each column (None: the target's vocabulary)
+) -> jax.Array:  # f32[B, ..., Vd]
+    """A draft's logits processed with its rows' bias and penalties over the committed counts (not
+    a tree path's): drafts then propose what the processed target is likely to accept. Lossless
+    either way; chain sampling draws from, and accepts with, the processed q."""
+    if not controls.enabled:
+        return logits
+    c = controls
+    inner = (1,) * (logits.ndim - 2)
+    cols = (lambda x: x) if ids is None else (lambda x: jnp.take(x, ids, axis=-1))  # noqa: E731
+    at = lambda x: cols(x).reshape(x.shape[:1] + inner + (-1,))  # noqa: E731  [B, V] -> [B, 1.., Vd]
+    row = lambda x: x.reshape(x.shape + inner + (1,))  # noqa: E731
+    return penalize(logits, at(c.bias), at(c.counts), at(c.in_prompt), row(c.repetition), row(c.presence),
+                    row(c.frequency))

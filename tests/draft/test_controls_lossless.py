@@ -74,6 +74,7 @@ TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
     ("perturbed", js.SpecConfig.chain(4), 16, "mixed"),
     ("perturbed", TREE, 1, "mixed"),
     ("perturbed", TREE, 16, "all"),
+    ("same", js.SpecConfig.chain(3), 1, "mixed"),
     ("assistant", js.SpecConfig.chain(3), 16, "mixed"),
     ("assistant", TREE, 1, "mixed"),
     ("ngram", js.SpecConfig.chain(3), 1, "mixed"),
@@ -84,6 +85,7 @@ def test_tiny_target_drafts_equal_plain_with_controls(tiny_target, draft, spec, 
     made = {
         "eagle3": lambda: tiny_drafts(tiny_target)["eagle3"],
         "perturbed": lambda: tiny_drafts(tiny_target)["perturbed"],
+        "same": lambda: tiny_drafts(tiny_target)["same"],
         "assistant": lambda: test_frozen_kv.assistant(tiny_target),
         "ngram": lambda: js.NgramDraft(max_ngram=3),
         "hybrid": lambda: js.HybridDraft(tiny_drafts(tiny_target)["eagle3"], js.NgramDraft(max_ngram=3)),
@@ -92,6 +94,10 @@ def test_tiny_target_drafts_equal_plain_with_controls(tiny_target, draft, spec, 
     lens = np.concatenate([s.accept_lens for s in out.stats])
     if draft == "perturbed":  # partial acceptance: compaction moves real paths
         assert lens.mean() > 1.2 and (lens < spec.max_accept).any(), lens
+    if draft == "same":
+        # The target drafting for itself, steered by the same controls over the committed counts,
+        # proposes what the processed target picks (unsteered it would accept about 3.0 here).
+        assert lens.mean() > 3.6, lens
 
 
 @pytest.mark.parametrize("spec,page", [(js.SpecConfig.chain(3), 16), (TREE, 1)], ids=["chain", "tree"])

@@ -10,7 +10,7 @@ import pytest
 import jax.numpy as jnp
 import jaxspec as js
 from jaxspec.draft import tree as tree_lib
-from jaxspec.model.controls import Controls, apply_controls, token_logprobs
+from jaxspec.model.controls import Controls, apply_controls, steer, token_logprobs
 from jaxspec.model.sampling import target_probs
 
 
@@ -130,3 +130,27 @@ def test_logit_bias_is_normalized_and_hashable():
 def test_controls_checked_against_the_vocabulary_before_device_work(tiny_target):
     with pytest.raises(ValueError, match="logit_bias of request 1 names token id 96 outside the vocabulary"):
         js.generate(tiny_target, [[1, 2], [3]], sampling=[js.SamplingParams(), js.SamplingParams(logit_bias={96: 1.0})])
+
+
+def test_steer_processes_a_draft_vocabulary_through_its_target_ids():
+    rng = np.random.default_rng(2)
+    B, R, V, Vd = 2, 3, 11, 5
+    ids = np.asarray([7, 0, 3, 10, 4], np.int32)  # draft column -> target id (an EAGLE-3 d2t subset)
+    logits = rng.normal(0, 2, (B, R, Vd)).astype(np.float32)
+    counts = rng.integers(0, 3, (B, V)).astype(np.int32)
+    in_prompt = rng.random((B, V)) < 0.3
+    bias = rng.normal(0, 1, (B, V)).astype(np.float32)
+    c = Controls(repetition=jnp.asarray([1.5, 0.7]), presence=jnp.asarray([0.3, -0.4]),
+                 frequency=jnp.asarray([0.2, 1.0]), bias=jnp.asarray(bias), in_prompt=jnp.asarray(in_prompt),
+                 counts=jnp.asarray(counts))
+    got = np.asarray(steer(jnp.asarray(logits), c, jnp.asarray(ids)))
+    for b in range(B):
+        output = np.repeat(np.arange(V), counts[b])
+        for r in range(R):
+            full = np.full(V, -50.0)
+            full[ids] = logits[b, r]
+            want = reference_process(full, np.flatnonzero(in_prompt[b]), output, bias[b], float(c.repetition[b]),
+                                     float(c.presence[b]), float(c.frequency[b]))[ids]
+            np.testing.assert_allclose(got[b, r], want, rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(logits)
+    assert steer(x, Controls.empty(B, 0), jnp.asarray(ids)) is x  # controls off: untouched
