@@ -324,13 +324,13 @@ class _Run:
         dtype = jnp.dtype(target.dtype)
         P_ = engine.page_size
         self.tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_,
-                                                            dtype=dtype, window_pages=window_pages),
+                                                            dtype=dtype, window_pages=window_pages, rows=batch),
                                  getattr(target.config, "tensor_parallel", 1) > 1, mesh)
         if draft is None:
             self.dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
         else:
             self.dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
-                                                                      window_pages=window_pages),
+                                                                      window_pages=window_pages, rows=batch),
                                      draft.config.tensor_parallel > 1, mesh)
         draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
         control_vocab = target.config.vocab_size if plan.controls else 0

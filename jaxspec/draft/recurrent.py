@@ -16,6 +16,8 @@ Hd draft hidden width, V target vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -84,6 +86,7 @@ class Recurrent:
         scratch = jnp.where(jnp.repeat(rows.active, K * S), scratch, -1)
         write_per_step = per_step_draft_locs(scratch, B, K, S)  # [S, B*K]
 
+        dpool = draft.open_scratch(dpool, K * S)
         with jax.named_scope("draft_root"):  # a frozen-KV assistant's seed step runs here (iteration 0)
             hidden, logit_in = draft.root(dparams, rows.bonus, rows.seed, ctx, implementation=plan.implementation)
         topk_p, topk_index, q = _candidates(plan, dparams, logit_in[:, None], rows, KEY_SEED)
@@ -103,12 +106,13 @@ class Recurrent:
             attn = AttentionInputs.build(ctx.page_table, base, write_per_step[i].reshape(B, K), plan.page_size,
                                          block_mask=mask)
             positions = jnp.broadcast_to((base + i)[:, None], ids.shape)
-            hidden, logit_in, dpool = draft.forward(dparams, ids, rows_hidden, positions, dpool, attn, ctx,
-                                                    from_target=False, implementation=plan.implementation)
+            hidden, logit_in, dpool = draft.forward(dparams, ids, rows_hidden, positions, dpool, attn,
+                                                    dataclasses.replace(ctx, step=i + 1), from_target=False,
+                                                    implementation=plan.implementation)
             topk_p, topk_index, q = _candidates(plan, dparams, logit_in, rows, KEY_DRAFT_STEP + i)  # [B, K, K]
             q_levels.append(q)
         q_all = jnp.stack(q_levels, axis=1) if plan.draft_samples else None  # [B, S, V]
-        return shape.build(rows.bonus, levels, plan), q_all, None, dpool
+        return shape.build(rows.bonus, levels, plan), q_all, None, draft.close_scratch(dpool)
 
     @staticmethod
     def feature(plan: Plan, out):
@@ -125,7 +129,10 @@ class Recurrent:
         select = jnp.arange(B, dtype=jnp.int32) * A + accept_lens - 1
         base = rows.seq_lens + draft.pos_offset
         positions = base[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]
-        write = jnp.where(rows.active[:, None], positions, -1)
+        # Rows past the accepted ones are not tokens of the request: nothing of theirs is written (a
+        # draft with recurrent state must not advance over them; KV there would be rewritten anyway).
+        accepted = jnp.arange(A, dtype=jnp.int32)[None, :] < accept_lens[:, None]
+        write = jnp.where(rows.active[:, None] & accepted, positions, -1)
         attn = AttentionInputs.build(ctx.page_table, base, write, plan.page_size)
         h, dpool = draft.extend(dparams, predict, feature, positions, dpool, attn, ctx,
                                 implementation=plan.implementation)  # [B, A, Hd]
@@ -144,7 +151,8 @@ class Recurrent:
         dtok = jnp.pad(full[:, 1 - off:], ((0, 0), (0, 1 - off)))
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
         write = jnp.where((pos < (lens + off)[:, None]) & (lens > 0)[:, None], pos, -1)
-        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size,
+                                     state_rows=ctx.state_rows)
         h, dpool = draft.extend(dparams, dtok, draft.target_feature(out), pos, dpool, attn, ctx,
                                 implementation=plan.implementation)  # [R, T, Hd]
         sel = jnp.maximum(lens - 1 + off, 0)

@@ -35,7 +35,7 @@ from jaxspec.draft.verify import emitted_tokens
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.controls import TokenLogprobs, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
-from jaxspec.model.targets import target_forward, target_logits
+from jaxspec.model.targets import target_commit, target_forward, target_logits
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +61,8 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
     node = jnp.arange(n, dtype=jnp.int32)[None, :]
     write = jnp.where(rows.active[:, None], rows.seq_lens[:, None] + node, -1)
     shape = shape_for(plan) if shape is None else shape
-    attn = AttentionInputs.build(page_table, rows.seq_lens, write, plan.page_size, block_mask=shape.verify_mask(tree))
+    attn = AttentionInputs.build(page_table, rows.seq_lens, write, plan.page_size, block_mask=shape.verify_mask(tree),
+                                 pending=True)
     positions = rows.seq_lens[:, None] + tree.depth
     out = target_forward(plan.target, tparams, tree.tokens, positions, tpool, attn,
                          aux_layers=plan.aux_layers, implementation=plan.implementation)
@@ -76,6 +77,8 @@ def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, t
     logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table, shape=shape)
     processed = apply_controls(logits, rows.controls, tree.tokens, tree.mask)
     accept_index, accept_lens, predict = shape.accept(plan, rows, tree, processed, q_all)
+    # Recurrent state (linear-attention layers): the accepted path's end state, nothing of the rest.
+    tpool = target_commit(plan.target, tpool, out.pending, accept_index, accept_lens, rows.active)
     logprobs = None
     if plan.logprobs is not None:  # from the raw logits of the nodes each emitted token follows
         node = jnp.maximum(accept_index, 0)  # [B, a]

@@ -58,7 +58,7 @@ def prefill(
     real = lens > 0
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
     write = jnp.where(pos < lens[:, None], pos, -1)
-    attn = AttentionInputs.build(pt, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+    attn = AttentionInputs.build(pt, jnp.zeros((R,), jnp.int32), write, plan.page_size, state_rows=rows)
     out = target_forward(plan.target, tparams, tokens, pos, tpool, attn, aux_layers=plan.aux_layers,
                          implementation=plan.implementation)
     tpool = out.pool
@@ -72,7 +72,7 @@ def prefill(
                         plan.filtering, request["min_p"])
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
     seed, dpool = proposer_for(plan).prefill(plan, dparams, tokens, lens, first, out, dpool,
-                                             DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool), empty)
+                                             DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool, state_rows=rows), empty)
     stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
     out_width = state.out_tokens.shape[1]
     logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)

@@ -103,6 +103,11 @@ class AttentionInputs:
         for a causal block over the T rows.
       write_positions: i32[B, T] the positions behind ``write_slots`` (negative = padding).
       window: the ring table of the sliding-window pool, for models that have one.
+      state_rows: i32[B] the row of the recurrent-state pool of each request (linear-attention
+        layers; None: row b is request b). Rows past the pool's are padding (never written).
+      pending: static. True for a verify forward: its tokens are candidates, so recurrent state is
+        not written but returned per token (``ForwardOutput.pending``), for the accepted path to be
+        committed; False (a prefill) writes the state after each row's last token.
     """
 
     page_table: jax.Array
@@ -111,9 +116,12 @@ class AttentionInputs:
     block_mask: jax.Array | None = None
     write_positions: jax.Array | None = None
     window: WindowTable | None = None
+    state_rows: jax.Array | None = None
+    pending: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None) -> "AttentionInputs":
+    def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None, *, state_rows=None,
+              pending: bool = False) -> "AttentionInputs":
         """``page_table``: ``PageTables`` or a bare i32[B, W]; ``write_positions: i32[B, T]``
         (negative = padded row, written to scratch)."""
         full = full_table(page_table)
@@ -124,4 +132,6 @@ class AttentionInputs:
             block_mask=block_mask,
             write_positions=write_positions.astype(jnp.int32),
             window=window_table(page_table),
+            state_rows=state_rows,
+            pending=pending,
         )

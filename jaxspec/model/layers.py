@@ -278,6 +278,44 @@ def layer_tail(
     return x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
+def routed_experts(
+    xf: jax.Array,  # [N, H] tokens
+    experts: jax.Array,  # i32[N, K] the experts each token is routed to
+    weights: jax.Array,  # f32[N, K] their weights
+    w_gate: jax.Array,  # [E, H, I]
+    w_up: jax.Array,  # [E, H, I]
+    w_down: jax.Array,  # [E, I, H]
+    tensor_parallel: int = 1,
+) -> jax.Array:  # [N, H]
+    """The routed SwiGLU experts of an MoE block: the N*K (token, expert) assignments sorted by
+    expert and run as one grouped matmul (``ragged_dot``), weighted and summed per token. With
+    ``tensor_parallel`` shards the experts are split over the model axis: every shard runs the
+    assignments to its own experts and one all-reduce sums the shards."""
+    N, K = experts.shape
+    H = xf.shape[-1]
+
+    def routed(xf, experts, weights, w_gate, w_up, w_down):  # w_*: this shard's experts [El, ...]
+        El = w_gate.shape[0]
+        # Assignments to other shards' experts sort last, past every group (ragged_dot: zeros).
+        first = jax.lax.axis_index(MODEL) * El if tensor_parallel > 1 else 0
+        local = experts.reshape(N * K) - first
+        flat = jnp.where((local >= 0) & (local < El), local, El)
+        order = jnp.argsort(flat, stable=True)
+        token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
+        sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
+        xs = xf[token]  # [N*K, H]
+        g = jax.lax.ragged_dot(xs, w_gate, sizes)
+        u = jax.lax.ragged_dot(xs, w_up, sizes)
+        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)  # [N*K, H]
+        y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
+        out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
+        return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)
+
+    split = P(MODEL, None, None)
+    return per_model_shard(routed, in_specs=(P(), P(), P(), split, split, split), out_specs=P(),
+                           shards=tensor_parallel)(xf, experts, weights, w_gate, w_up, w_down)
+
+
 def lm_head(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """Output head in f32: ``params["lm_head"] [H, V]``, or tied to ``params["embed"] [V, H]``."""
     if "lm_head" in params:

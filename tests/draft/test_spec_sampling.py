@@ -27,7 +27,10 @@ from jaxspec.model.drafts import eagle_draft, standalone_draft
 from jaxspec.model.drafts.eagle import eagle3_config_for
 from jaxspec.model.io.eagle import init_eagle_params
 from jaxspec.model.targets import Model
+from jaxspec.model.config import RopeConfig
+from jaxspec.model.io.qwen3_next import init_hybrid_params
 from jaxspec.model.targets import forward_sequence
+from jaxspec.model.targets.qwen3_next_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
 from tests.conftest import tiny_model
 
 V, K_TOKENS, ROWS = 5, 4, 256
@@ -259,3 +262,34 @@ def test_penalties_counted_without_the_tree_path_fail_the_same_test(monkeypatch,
         monkeypatch.undo()
         jax.clear_caches()
     assert chi_square_p(counts, exact_joint_controlled(CONTROLLED)) < 1e-6
+
+
+# ----------------------------------------------------------------- a hybrid (recurrent-state) target
+
+
+@functools.cache
+def hybrid_target() -> Model:
+    """A Qwen3.5-style target over the same 5 tokens: two Gated DeltaNet layers and a gated attention
+    layer, so every sampled token also advances a recurrent state."""
+    cfg = HybridConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=3,
+                       layer_types=(LINEAR, LINEAR, FULL), mlp_types=("dense",) * 3, num_heads=2, num_kv_heads=1,
+                       head_dim=16, rope=RopeConfig(theta=1e4), rotary_dim=4,
+                       gdn=GatedDeltaConfig(num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8))
+    return Model(config=cfg, params=init_hybrid_params(cfg, seed=5, scale=0.4), dtype=np.dtype(np.float32))
+
+
+@functools.cache
+def hybrid_perturbed():
+    t = hybrid_target()
+    keys = iter(jax.random.split(jax.random.PRNGKey(6), 200))
+    params = jax.tree.map(lambda x: x * (1 + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype)), t.params)
+    return standalone_draft(Model(config=t.config, params=params, dtype=t.dtype))
+
+
+@pytest.mark.parametrize("spec", [None, js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=6)],
+                         ids=["plain", "chain_S3_rejection", "tree_k3_n6_target_only"])
+def test_sampling_on_a_hybrid_target_matches_its_distribution(spec):
+    model = hybrid_target()
+    probs = exact_joint(HOT, model=model)
+    counts = sample_counts(hybrid_perturbed() if spec else None, spec, HOT, calls=32, model=model)
+    assert chi_square_p(counts, probs) > P_VALUE_MIN

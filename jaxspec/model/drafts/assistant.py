@@ -234,7 +234,7 @@ class FrozenKVAssistant(Draft):
     def num_layers(self) -> int:
         return 0
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
         return zero_pool(page_size, dtype)
 
     def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,

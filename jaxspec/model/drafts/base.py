@@ -67,11 +67,16 @@ class DraftContext:
       window pool's ring table when a model has sliding-window layers, or a bare i32[B, W]).
     seq_lens: i32[B] committed target positions (the root is not yet in the KV).
     target_pool: the target's KV pool as of the last commit.
+    state_rows: i32[B] the batch row of each request (a prefill's admitted rows), for drafts with
+      per-row state; None: row b is request b.
+    step: static, the draft step a forward runs (0: the extend; i + 1: step i of the propose loop).
     """
 
     page_table: Any
     seq_lens: jax.Array
     target_pool: Any
+    state_rows: jax.Array | None = None
+    step: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def zero_pool(page_size: int, dtype) -> KVPool:
@@ -145,9 +150,9 @@ class Draft(abc.ABC):
         """The sliding window of the draft's own sliding-window layers (None: it has none)."""
         return None
 
-    def create_pool(self, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None):
+    def create_pool(self, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None, rows: int = 1):
         """The draft's own KV pool (MHA by default; ``window_pages``: pages of the window part
-        of a pool with sliding-window layers)."""
+        of a pool with sliding-window layers; ``rows``: batch rows, for drafts with per-row state)."""
         m = self.model
         return KVPool.create(num_layers=self.num_layers, num_pages=num_pages, page_size=page_size,
                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=dtype)
@@ -180,6 +185,17 @@ class Draft(abc.ABC):
         hidden, _, pool = self.forward(params, tokens, features, positions, pool, attn, ctx, from_target=True,
                                        implementation=implementation)
         return hidden, pool
+
+    def open_scratch(self, pool, width: int):
+        """The pool a propose drafts into, with room for ``width`` draft-scratch nodes besides their
+        KV (drafts with recurrent state keep their nodes' pending quantities there); by default the
+        pool itself."""
+        del width
+        return pool
+
+    def close_scratch(self, pool):
+        """The pool after a propose (``open_scratch`` undone)."""
+        return pool
 
     def root(self, params, bonus, seed: DraftSeed, ctx: DraftContext, *, implementation=None):
         """(hidden [B, Hd], logit input [B, *]) at the root of the next tree. By default the

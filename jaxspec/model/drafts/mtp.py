@@ -121,7 +121,7 @@ class MtpDraft(Draft):
     model: MtpConfig
     kind: ClassVar[str] = "mtp"
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
         return create_mtp_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
     def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,

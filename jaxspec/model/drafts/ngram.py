@@ -94,7 +94,7 @@ class NgramLookup(Draft):
         del dtype
         return NgramSeed.empty(batch, max_len)
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
         return zero_pool(page_size, dtype)
 
     def forward(self, *args, **kwargs):
@@ -189,9 +189,15 @@ class Hybrid(Draft):
         return HybridSeed(base=self.model.empty_seed(batch, dtype=dtype, max_len=max_len),
                           ngram=self.ngram.empty_seed(batch, dtype=dtype, max_len=max_len))
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
         return self.model.create_pool(num_pages=num_pages, page_size=page_size, dtype=dtype,
-                                      window_pages=window_pages)
+                                      window_pages=window_pages, rows=rows)
+
+    def open_scratch(self, pool, width: int):
+        return self.model.open_scratch(pool, width)
+
+    def close_scratch(self, pool):
+        return self.model.close_scratch(pool)
 
     def forward(self, *args, **kwargs):
         return self.model.forward(*args, **kwargs)

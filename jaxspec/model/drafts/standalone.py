@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from jaxspec.kvcache.recurrent import HybridPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
 from jaxspec.model.targets import Model, create_target_pool, kv_window, target_forward, target_logits
 
@@ -26,9 +27,19 @@ class StandaloneDraft(Draft):
     def kv_window(self) -> int | None:
         return kv_window(self.model)
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
         return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                                  window_pages=window_pages)
+                                  window_pages=window_pages, rows=rows)
+
+    def open_scratch(self, pool, width: int):
+        """A hybrid LM drafting a tree keeps its scratch nodes' pending state beside their KV."""
+        if not isinstance(pool, HybridPool):
+            return pool
+        g = self.model.gdn
+        return pool.with_scratch(width, g.num_k_heads, g.conv_dim)
+
+    def close_scratch(self, pool):
+        return dataclasses.replace(pool, scratch=None) if isinstance(pool, HybridPool) else pool
 
     def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,
                 implementation=None):

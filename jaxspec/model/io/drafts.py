@@ -20,6 +20,7 @@ from jaxspec.model.drafts.assistant import assistant_draft
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.eagle import eagle_draft
 from jaxspec.model.drafts.mtp import mtp_draft
+from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
 from jaxspec.model.io import dflash as dflash_io
@@ -28,11 +29,14 @@ from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
 from jaxspec.model.io.loader import TARGET_FAMILIES, target_family, warn_unread
 from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
+from jaxspec.model.io.qwen_mtp import load_qwen_mtp_params
 from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.targets import Model
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.targets.qwen3_next_config import ARCHITECTURES as HYBRID_ARCHITECTURES
+from jaxspec.model.targets.qwen3_next_config import HybridConfig
 
 LM_ARCHITECTURES = tuple(a for fam in TARGET_FAMILIES for a in fam.architectures)
 
@@ -86,6 +90,11 @@ def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(mtp_draft(cfg, params, path), mesh=target.mesh)
 
 
+def _load_qwen_mtp(ckpt, raw, target: Model, dtype, where, path):
+    params, cfg = load_qwen_mtp_params(ckpt, target.config, target.params, dtype, mesh=target.mesh)
+    return dataclasses.replace(qwen_mtp_draft(cfg, params, path), mesh=target.mesh)
+
+
 def _same_checkpoint(path: str, target: Model) -> bool:
     return target.path is not None and os.path.exists(target.path) and os.path.samefile(path, target.path)
 
@@ -136,13 +145,15 @@ DRAFT_FORMATS = (
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
     DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
+    DraftFormat("Qwen3-Next / Qwen3.5 MTP layer", tuple(HYBRID_ARCHITECTURES),
+                lambda names: "mtp.fc.weight" in names, (HybridConfig,), _load_qwen_mtp),
     DraftFormat("DFlash 2 block draft", ("DFlash2DraftModel",), dflash_io.is_dflash2,
                 (LlamaConfig, DeepseekConfig, Gemma4Config), _load_dflash),
     DraftFormat("DFlash block draft", ("DFlashDraftModel",),
                 lambda names: dflash_io.is_dflash(names) and not dflash_io.is_dflash2(names),
                 (LlamaConfig, DeepseekConfig, Gemma4Config), _load_dflash),
-    DraftFormat("standalone LM", LM_ARCHITECTURES, _is_lm, (LlamaConfig, DeepseekConfig, Gemma4Config),
-                _load_standalone),
+    DraftFormat("standalone LM", LM_ARCHITECTURES, lambda names: _is_lm(names) and "mtp.fc.weight" not in names,
+                (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_standalone),
 )
 
 
@@ -171,8 +182,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), DFlash and DFlash 2 block drafts
     (z-lab layout; ``block_size`` on the result), a standalone LM of a supported
     family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
-    Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3
-    target -- the NextN/MTP layer stored in its checkpoint (pass the target's directory).
+    Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3,
+    Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's directory).
 
     Raises:
       ValueError: an unknown or mismatched kind, or a draft that does not fit the target

@@ -17,12 +17,15 @@ from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, r
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.io.gemma4 import gemma4_table
 from jaxspec.model.io.llama import llama_table
+from jaxspec.model.io.qwen3_next import has_fused_experts as hybrid_fused_experts
+from jaxspec.model.io.qwen3_next import hybrid_table
 from jaxspec.model.io.tables import load_params, shardings_for, unread_tensors
 from jaxspec.model.io.tokenizer import load_tokenizer
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import deepseek_config as ds
 from jaxspec.model.targets import gemma4_config as gemma4
 from jaxspec.model.targets import llama_config as llama
+from jaxspec.model.targets import qwen3_next_config as hybrid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,11 @@ TARGET_FAMILIES = (
                  lambda cfg, ckpt: gemma4_table(cfg),  # text weights only (CondGen towers ignored)
                  gemma4.gemma4_for_tensor_parallel,
                  leaves_unread=lambda name, cfg: not name.startswith(cfg.prefix)),  # vision / audio towers
+    TargetFamily("qwen3_next", tuple(hybrid.ARCHITECTURES), hybrid.MODEL_TYPES, hybrid.hybrid_config_from_hf,
+                 lambda cfg, ckpt: hybrid_table(cfg, fused_experts=hybrid_fused_experts(ckpt, cfg)),
+                 hybrid.hybrid_for_tensor_parallel,
+                 # the MTP layers (read by load_draft) and a ConditionalGeneration's vision tower
+                 leaves_unread=lambda name, cfg: name.startswith("mtp.") or not name.startswith((cfg.prefix, "lm_head"))),
 )
 
 

@@ -21,28 +21,41 @@ from jaxspec.model.targets.gemma4 import create_gemma4_pool, gemma4_forward, gem
 from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama import create_llama_pool, llama_forward
 from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.model.targets.qwen3_next import commit_accepted, create_hybrid_pool, hybrid_forward
+from jaxspec.model.targets.qwen3_next_config import HybridConfig
 
-__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_sequence", "kv_window", "target_forward",
-           "target_logits"]
+__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_sequence", "has_recurrent_state", "kv_window",
+           "target_commit", "target_forward", "target_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
     forward: Callable  # (params, cfg, tokens, positions, pool, attn, *, aux_layers, implementation) -> ForwardOutput
-    create_pool: Callable  # (cfg, *, num_pages, page_size, dtype, window_pages) -> pool
+    create_pool: Callable  # (cfg, *, num_pages, page_size, dtype, window_pages, rows) -> pool
     logits: Callable = lambda cfg, params, hidden: lm_head(params, hidden)  # noqa: E731
     window: Callable = lambda cfg: None  # noqa: E731  (cfg) -> sliding window of its window layers, or None
+    # (cfg, pool, pending, accept_index, accept_lens, active) -> pool: a verify's recurrent state committed
+    commit: Callable = lambda cfg, pool, pending, accept_index, accept_lens, active: pool  # noqa: E731
 
 
-def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None):
+def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
     return create_mla_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
 
+def _paged_only(create):  # families whose pools hold no per-row state
+    return lambda cfg, *, rows=1, **kw: create(cfg, **kw)
+
+
+def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
+    return create_hybrid_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, rows=rows)
+
+
 _FAMILIES: dict[type, _Family] = {
-    LlamaConfig: _Family(llama_forward, create_llama_pool, window=lambda cfg: cfg.sliding_window),
+    LlamaConfig: _Family(llama_forward, _paged_only(create_llama_pool), window=lambda cfg: cfg.sliding_window),
     DeepseekConfig: _Family(deepseek_forward, _mla_pool),
-    Gemma4Config: _Family(gemma4_forward, create_gemma4_pool, logits=gemma4_logits,
+    Gemma4Config: _Family(gemma4_forward, _paged_only(create_gemma4_pool), logits=gemma4_logits,
                           window=lambda cfg: cfg.sliding_window if cfg.num_sliding_layers else None),
+    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted),
 }
 
 
@@ -79,12 +92,25 @@ def kv_window(cfg) -> int | None:
     return _family(cfg).window(cfg)
 
 
-def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None):
-    """The target's KV pool: MHA ``[L, slots, Hkv, D]``, MLA latent (+ indexer keys), or for a
+def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None,
+                       rows: int = 1):
+    """The target's KV pool: MHA ``[L, slots, Hkv, D]``, MLA latent (+ indexer keys), for a
     model with sliding-window layers a ``SplitPool`` whose window part has ``window_pages``
-    pages (default: ``num_pages``)."""
+    pages (default: ``num_pages``), or for a hybrid model a ``HybridPool`` with the recurrent
+    state of ``rows`` requests (one per batch row)."""
     return _family(cfg).create_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                                    window_pages=window_pages)
+                                    window_pages=window_pages, rows=rows)
+
+
+def target_commit(cfg, pool, pending, accept_index: jax.Array, accept_lens: jax.Array, active: jax.Array):
+    """After a verify step: the recurrent state of the accepted path written (models with linear
+    attention); any other pool is returned as is."""
+    return _family(cfg).commit(cfg, pool, pending, accept_index, accept_lens, active)
+
+
+def has_recurrent_state(cfg) -> bool:
+    """The target keeps per-request state besides paged KV (linear-attention layers)."""
+    return isinstance(cfg, HybridConfig) and cfg.num_linear_layers > 0
 
 
 def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), implementation=None):
@@ -94,7 +120,7 @@ def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), 
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     cfg = model.config
-    pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(model.dtype))
+    pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(model.dtype), rows=B)
     pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in both pools
     tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

@@ -19,11 +19,13 @@ class ForwardOutput:
     """hidden: [B, T, H] final normed state; aux: [B, T, nA * H] or None (the residual streams
     entering the tapped layers, concatenated in ``aux_layers`` order; tap ``L`` is the final
     normed state, as HF's ``hidden_states[L]``); pool: the KV pool with this forward's K/V
-    written."""
+    written; pending: what a verify forward of a model with recurrent state leaves for
+    ``target_commit`` (None otherwise)."""
 
     hidden: jax.Array
     aux: jax.Array | None
     pool: Any
+    pending: Any = None  # a verify forward's uncommitted recurrent state (hybrid models), else None
 
 
 class AuxTaps:

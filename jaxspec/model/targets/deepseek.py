@@ -52,7 +52,7 @@ from jaxspec.kvcache.pool import MLAPool
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.mesh import MODEL, per_model_shard
-from jaxspec.model.layers import apply_rope, embed_lookup, rms_norm, swiglu
+from jaxspec.model.layers import apply_rope, embed_lookup, rms_norm, routed_experts, swiglu
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
 from jaxspec.pallas.dsa_indexer import indexer_top_k
@@ -206,10 +206,8 @@ def mla_attention_block(
 
 
 def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) -> jax.Array:  # [B, T, H] -> [B, T, H]
-    """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), routed experts
-    as grouped matmuls over tokens sorted by expert, plus the shared experts. With
-    ``tensor_parallel`` shards the routed experts are split over the model axis: every shard
-    runs the assignments to its own experts and one all-reduce sums the shards."""
+    """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), the routed experts
+    (``routed_experts``), plus the shared experts."""
     B, T, H = x.shape
     N, E, K, G = B * T, moe.num_experts, moe.num_experts_per_tok, moe.n_group
     xf = x.reshape(N, H)
@@ -229,28 +227,8 @@ def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) ->
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * moe.routed_scaling_factor
 
-    def routed(xf, experts, weights, w_gate, w_up, w_down):  # w_*: this shard's experts [El, ...]
-        El = w_gate.shape[0]
-        # Sort the N*K (token, expert) assignments by expert and run one grouped matmul; the
-        # assignments to other shards' experts sort last, past every group (ragged_dot: zeros).
-        first = jax.lax.axis_index(MODEL) * El if tensor_parallel > 1 else 0
-        local = experts.reshape(N * K) - first
-        flat = jnp.where((local >= 0) & (local < El), local, El)
-        order = jnp.argsort(flat, stable=True)
-        token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
-        sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
-        xs = xf[token]  # [N*K, H]
-        g = jax.lax.ragged_dot(xs, w_gate, sizes)
-        u = jax.lax.ragged_dot(xs, w_up, sizes)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)  # [N*K, H]
-        y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
-        out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
-        return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)
-
-    split = P(MODEL, None, None)
-    out = per_model_shard(routed, in_specs=(P(), P(), P(), split, split, split), out_specs=P(),
-                          shards=tensor_parallel)(xf, experts, weights, lp["experts_gate"], lp["experts_up"],
-                                                  lp["experts_down"])
+    out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+                         tensor_parallel)
     if moe.n_shared_experts:
         out = out + swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
     return out.reshape(B, T, H)

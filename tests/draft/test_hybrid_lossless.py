@@ -1,0 +1,134 @@
+"""Speculative decoding on hybrid targets (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers with recurrent
+state): greedy output equals plain greedy output with the checkpoint's MTP layer(s), a perturbed copy
+of the target as a standalone draft (itself hybrid: it drafts trees over its own recurrent state) and
+n-gram drafts, as chains and trees, pages 1 and 16, a ragged batch of 4 with prompts past the conv
+kernel and several prefill chunks, and steps that accept part of a path (so the committed state is a
+proper prefix's). The recurrent state stays one per request: the compiled step's transient memory
+grows with the tree by the nodes' vectors, far below a state per node."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.draft.plan import Plan
+from jaxspec.engine.programs import decode_program
+from jaxspec.engine.state import DecodeState
+from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.io.qwen3_next import init_hybrid_params
+from jaxspec.model.targets import Model, create_target_pool
+from jaxspec.model.targets.qwen3_next_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
+from jaxspec.model.config import RopeConfig
+from tests.conftest import engine
+from tests.model.test_golden_hybrid import ROOT, golden, target
+
+MAX_NEW = 24
+
+
+def prompts(name: str) -> list[list[int]]:
+    g = golden(name)
+    return [g[f"prompt_{i}"].tolist() for i in range(3)] + [[7, 3]]
+
+
+@functools.cache
+def plain(name: str, page: int):
+    out = js.generate(target(name), prompts(name), sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
+                      engine=engine(page, 4, max_seq_len=256), progress=False)
+    return out.token_ids
+
+
+@functools.cache
+def perturbed(name: str):
+    """The target with every weight scaled by 1 + 0.01 N(0, 1): it accepts about 3 of 4 tokens."""
+    m = target(name)
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 500))
+    params = jax.tree.map(lambda x: x * (1 + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)), m.params)
+    return standalone_draft(Model(config=m.config, params=params, dtype=m.dtype))
+
+
+def draft_of(name: str, kind: str):
+    if kind == "mtp":
+        return js.load_draft(os.path.join(ROOT, name), target(name))
+    if kind == "perturbed":
+        return perturbed(name)
+    return js.NgramDraft(max_ngram=2)
+
+
+TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
+
+
+@pytest.mark.parametrize("name,kind,spec,page", [
+    ("qwen3_5_dense", "mtp", js.SpecConfig.chain(3), 1),
+    ("qwen3_5_dense", "mtp", TREE, 16),
+    ("qwen3_5_dense", "perturbed", js.SpecConfig.chain(3), 16),
+    ("qwen3_5_dense", "perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8), 1),
+    ("qwen3_5_dense", "ngram", js.SpecConfig.chain(4), 1),
+    ("qwen3_5_dense", "ngram", TREE, 16),
+    ("qwen3_next", "perturbed", TREE, 16),
+    ("qwen3_5_moe_condgen", "mtp", js.SpecConfig.chain(3), 16),  # two MTP layers, used in turn
+], ids=lambda x: x if isinstance(x, (str, int)) else f"S{x.num_steps}k{x.topk}n{x.num_draft_tokens}")
+def test_speculative_greedy_equals_plain_greedy(name, kind, spec, page):
+    out = js.generate(target(name), prompts(name), draft=draft_of(name, kind), spec=spec,
+                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
+                      engine=engine(page, 4, max_seq_len=256), progress=False)
+    assert out.token_ids == plain(name, page)
+    assert out.kv_pages_free == out.kv_pages_total
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    if kind == "perturbed":  # whole, partial and no acceptance: the state commits proper prefixes
+        assert (lens == spec.max_accept).any() and ((lens > 1) & (lens < spec.max_accept)).any(), lens
+
+
+def test_plain_decoding_matches_hf_past_the_golden_prefix():
+    """The engine's plain run (the reference of every test here) starts with HF's greedy tokens."""
+    g = golden("qwen3_5_dense")
+    assert [t[:16] for t in plain("qwen3_5_dense", 16)[:3]] == [g[f"greedy_{i}"].tolist() for i in range(3)]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def wide_config(head_dim: int) -> HybridConfig:
+    """A small hybrid whose Gated DeltaNet heads are ``head_dim`` wide (keys and values)."""
+    return HybridConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=4,
+                        layer_types=(LINEAR, LINEAR, LINEAR, FULL), mlp_types=("dense",) * 4, num_heads=2,
+                        num_kv_heads=1, head_dim=32, rope=RopeConfig(theta=1e4), rotary_dim=8,
+                        gdn=GatedDeltaConfig(num_k_heads=2, num_v_heads=4, head_k_dim=head_dim, head_v_dim=head_dim))
+
+
+def transient_bytes(model: Model, spec: js.SpecConfig) -> int:
+    """Temporary bytes of the compiled decode program (one n-gram-drafted step per call) for ``spec``."""
+    draft = js.NgramDraft(max_ngram=2)
+    plan = Plan(target=model.config, draft=draft.config, spec=spec, page_size=16, steps_per_call=1)
+    B, W = 2, 8
+    tpool = create_target_pool(model.config, num_pages=B * W + 1, page_size=16, dtype=jnp.float32, rows=B)
+    dpool = plan.draft.create_pool(num_pages=B * W + 1, page_size=16, dtype=jnp.float32, rows=B)
+    state = DecodeState.empty(batch=B, out_width=64, num_stop=1,
+                              seed=draft.config.empty_seed(B, dtype=jnp.float32, max_len=W * 16))
+    table = jnp.asarray(1 + np.arange(B * W, dtype=np.int32).reshape(B, W))
+    lowered = decode_program.lower(plan, model.params, draft.params, state, tpool, dpool, table)
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+
+def test_the_verify_step_keeps_no_state_per_tree_node():
+    """Growing the verified tree from 8 to 32 nodes adds the nodes' vectors (k, u, G, conv inputs),
+    logits and KV: with heads 4x wider (a recurrent state 16x larger) that growth is about 4x, not the
+    16x of a state per node, and stays a small fraction of 24 states per layer. The state pool's shape
+    does not depend on the tree."""
+    small = js.SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
+    large = js.SpecConfig(num_steps=8, topk=4, num_draft_tokens=32)
+    growth = {}
+    for D in (32, 128):
+        cfg = wide_config(D)
+        model = Model(config=cfg, params=init_hybrid_params(cfg, seed=0, scale=0.1), dtype=np.dtype(np.float32))
+        growth[D] = transient_bytes(model, large) - transient_bytes(model, small)
+        pool = create_target_pool(cfg, num_pages=9, page_size=16, dtype=jnp.float32, rows=2)
+        assert pool.state.ssm.shape == (cfg.num_linear_layers, 2, 4, D, D)  # whatever the tree
+    state_per_node = 3 * 2 * 4 * 128 * 128 * 4  # linear layers x rows x heads x Dk x Dv x f32
+    assert growth[128] < 5 * growth[32], growth
+    assert growth[128] < 0.25 * 24 * state_per_node, (growth, state_per_node)
