@@ -41,7 +41,7 @@ from jaxspec.model.drafts.dflash import (
 )
 from jaxspec.model.io.dflash import dflash_table, export_dflash, shared_target_params
 from jaxspec.model.layers import lm_head, project_kv, rms_norm, rope_inv_freq
-from jaxspec.train.forward import dense_attention, dense_forward
+from jaxspec.train.forward import dense_attention, frozen_target_forward
 
 
 def block_train_mask(
@@ -143,7 +143,8 @@ class DFlashMethod:
         """tokens: i32[B, T+1] windows. Returns (weighted loss, metrics: ``loss`` / ``acc`` per
         block position f32[S], ``accept`` the mean greedy accept length of the blocks)."""
         cfg = self.dcfg
-        hidden, aux = dense_forward(target_params, tcfg, tokens, aux_layers=tuple(l + 1 for l in cfg.target_layer_ids))
+        hidden, aux = frozen_target_forward(target_params, tcfg, tokens,
+                                            aux_layers=tuple(l + 1 for l in cfg.target_layer_ids))
         t_logits = jax.lax.stop_gradient(lm_head(target_params, hidden))  # [B, T+1, V]
         features = jax.lax.stop_gradient(aux[:, :-1]).astype(jnp.float32)  # [B, T, F]
         anchors = extra["anchors"]

@@ -29,7 +29,7 @@ from jaxspec.model.io.tables import init_params
 from jaxspec.model.layers import lm_head
 from jaxspec.model.targets import Model
 from jaxspec.train.corpus import fixed_windows, sample_windows
-from jaxspec.train.forward import dense_forward
+from jaxspec.train.forward import frozen_target_forward
 from jaxspec.train.optim import OptimConfig, lr_at, make_optimizer, set_lr
 from jaxspec.train.state import load_checkpoint, save_checkpoint
 from jaxspec.train.ttt import chain_accept_estimate, ttt_loss
@@ -82,7 +82,7 @@ class DraftTrainConfig:
 def target_features(target_params: dict, tcfg, aux_layers, tokens):
     """Frozen target over ``tokens: i32[B, T+1]``: (aux [B, T, F] at rows 0..T-1,
     logits f32[B, T, V] at positions 1..T, i.e. l[p+1] for row p)."""
-    hidden, aux = dense_forward(target_params, tcfg, tokens, aux_layers=aux_layers)
+    hidden, aux = frozen_target_forward(target_params, tcfg, tokens, aux_layers=aux_layers)
     logits = lm_head(target_params, hidden[:, 1:])
     return jax.lax.stop_gradient(aux[:, :-1]), jax.lax.stop_gradient(logits)
 

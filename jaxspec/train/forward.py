@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.layers import attention_qkv, layer_tail, rms_norm, rope_inv_freq
+from jaxspec.model.targets import forward_fresh
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 _MASK_VALUE = -1e30
@@ -79,6 +80,16 @@ def dense_forward(
     if aux_layers:
         taps = [hidden if l == cfg.num_layers else inputs[l] for l in aux_layers]
         aux = jnp.concatenate(taps, axis=-1)  # [B, T, nA*H]
+    return hidden, aux
+
+
+def frozen_target_forward(params: dict, cfg, tokens: jax.Array, *, aux_layers: tuple[int, ...] = ()):
+    """A frozen target's (hidden [B, T, H], aux) for draft training: ``dense_forward`` for the Llama
+    family, the serving forward over a fresh pool for the others (no gradient flows into a target)."""
+    if isinstance(cfg, LlamaConfig):
+        return dense_forward(params, cfg, tokens, aux_layers=aux_layers)
+    dtype = jax.tree.leaves(params)[0].dtype
+    _, hidden, aux = forward_fresh(cfg, params, tokens, dtype=dtype, aux_layers=aux_layers)
     return hidden, aux
 
 

@@ -21,10 +21,15 @@ from jaxspec.draft.plan import Plan
 from jaxspec.engine.programs import decode_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.drafts.dflash import dflash_config_for
+from jaxspec.model.drafts.eagle import eagle3_config_for
+from jaxspec.model.io.dflash import export_dflash, init_dflash_params
+from jaxspec.model.io.eagle import export_eagle3, init_eagle_params
 from jaxspec.model.io.qwen3_next import init_hybrid_params
-from jaxspec.model.targets import Model, create_target_pool
+from jaxspec.model.targets import Model, create_target_pool, forward_sequence
 from jaxspec.model.targets.qwen3_next_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
 from jaxspec.model.config import RopeConfig
+from jaxspec.train.forward import frozen_target_forward
 from tests.conftest import engine
 from tests.model.test_golden_hybrid import ROOT, golden, target
 
@@ -132,3 +137,40 @@ def test_the_verify_step_keeps_no_state_per_tree_node():
     state_per_node = 3 * 2 * 4 * 128 * 128 * 4  # linear layers x rows x heads x Dk x Dv x f32
     assert growth[128] < 5 * growth[32], growth
     assert growth[128] < 0.25 * 24 * state_per_node, (growth, state_per_node)
+
+
+# ----------------------------------------------------------------------------- feature drafts
+
+
+@pytest.mark.parametrize("kind,spec,page", [("eagle3", TREE, 1), ("dflash", js.SpecConfig.chain(3), 16)])
+def test_feature_drafts_tap_the_hybrid_target(tmp_path, kind, spec, page):
+    """An EAGLE-3 head (taps (2, 3, 3): the outputs of Gated DeltaNet and attention layers) and a DFlash
+    draft (taps of layers 1 and 4), exported in their published layouts and loaded for the hybrid
+    target: their features are the target's, and decoding stays lossless."""
+    name = "qwen3_5_dense"
+    m = target(name)
+    if kind == "eagle3":
+        cfg = eagle3_config_for(m.config, draft_vocab_size=96)
+        export_eagle3(str(tmp_path), init_eagle_params(cfg, 1, m.params, scale=0.3), cfg,
+                      target_num_layers=m.config.num_layers)
+    else:
+        cfg = dflash_config_for(m.config, num_layers=1, block_size=4, mask_token_id=159, target_layer_ids=(1, 4))
+        export_dflash(str(tmp_path), init_dflash_params(cfg, 2, m.params, scale=0.3), cfg)
+    draft = js.load_draft(str(tmp_path), m)
+    assert draft.kind == ("eagle3" if kind == "eagle3" else "dflash")
+    out = js.generate(m, prompts(name), draft=draft, spec=spec,
+                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
+                      engine=engine(page, 4, max_seq_len=256), progress=False)
+    assert out.token_ids == plain(name, page)
+
+
+def test_training_features_of_a_hybrid_target_are_the_serving_ones():
+    """Draft training reads a frozen hybrid target through the serving forward (fresh pool): the
+    features it trains on are those drafts see while serving."""
+    m = target("qwen3_5_dense")
+    tokens = jnp.asarray([golden("qwen3_5_dense")["prompt_1"]])
+    hidden, aux = frozen_target_forward(m.params, m.config, tokens, aux_layers=(2, 3, 6))
+    _, ref_hidden, ref_aux = forward_sequence(m, tokens, aux_layers=(2, 3, 6))
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(ref_hidden), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(ref_aux), atol=1e-6)
+    assert aux.shape[-1] == 3 * m.config.hidden_size

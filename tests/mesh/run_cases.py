@@ -123,6 +123,38 @@ def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
 
 
+def hybrid_lossless(name, tp, dp, spec, page, draft_kind):
+    """A hybrid target (Gated DeltaNet heads and their recurrent state split over model, rows over
+    data): speculative greedy on the mesh == plain greedy on one device, ragged batch of 3 + 1."""
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "golden", "hybrid", name)
+    g = np.load(os.path.join(root, "golden.npz"))
+    prompts = [g[f"prompt_{i}"].tolist() for i in range(3)] + [[7, 3]]
+    sampling = js.SamplingParams(max_new_tokens=16, stop_token_ids=())
+    eng = js.EngineConfig(page_size=page, max_batch=4, max_seq_len=256, steps_per_call=4)
+    single = js.load_model(root, dtype="float32", progress=False)
+    want = js.generate(single, prompts, sampling=sampling, engine=eng, progress=False).token_ids
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+    target = js.load_model(root, dtype="float32", progress=False, mesh=mesh)
+    if draft_kind == "perturbed":
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), 500))
+        noisy = jax.tree.map(lambda x: x * (1 + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)), target.params)
+        draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
+    else:  # the checkpoint's MTP layer
+        draft = js.load_draft(root, target)
+    out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=eng, progress=False)
+    lens = [a for s in out.stats for a in s.accept_lens]
+    from jaxspec.engine.placement import create_pool
+    from jaxspec.model.targets import create_target_pool
+
+    pool = create_pool(lambda: create_target_pool(target.config, num_pages=4, page_size=16, dtype=jnp.float32,
+                                                  rows=2 * dp), True, mesh)
+    return dict(equal=out.token_ids == want, plain_equal=None, mean_accept=float(np.mean(lens)),
+                pages_back=out.kv_pages_free == out.kv_pages_total, wo_spec=str(target.params["p0"]["wo"].sharding.spec),
+                state_spec=str(pool.state.ssm.sharding.spec), draft_kind=draft.kind)
+
+
 def _window_pool_spec(target) -> str:
     """How the engine places the target's window pool on the mesh (its K buffer's spec)."""
     from jaxspec.engine.placement import create_pool
@@ -222,6 +254,9 @@ CASES = {
     "gemma4_tp2_dp2_tree_perturbed": lambda: sliding_lossless(
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
+    "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(
+        "qwen3_5_dense", 2, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    "qwen3_5_tp2_dp2_chain_mtp": lambda: hybrid_lossless("qwen3_5_dense", 2, 2, js.SpecConfig.chain(3), 1, "mtp"),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "errors": errors,

@@ -58,6 +58,9 @@ def case(results, name) -> dict:
     # TP=2 x DP=2: each data shard's rows take window pages from the shard's own allocator
     ("gemma4_tp2_dp2_chain_assistant", "frozen_kv"),  # the assistant over split pools, chain, page 16
     ("gemma4_tp2_dp2_tree_perturbed", "standalone"),  # partly accepted tree, compaction per data shard, page 1
+    # A hybrid (Qwen3.5) target: Gated DeltaNet heads and their recurrent state split over model, rows over data
+    ("qwen3_5_tp2_tree_perturbed", "standalone"),  # a hybrid draft's tree, partly accepted, page 16
+    ("qwen3_5_tp2_dp2_chain_mtp", "qwen_mtp"),  # its MTP layer, TP=2 x DP=2, page 1
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
@@ -71,6 +74,8 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     if "window_pool_spec" in r:  # pages over data, KV heads over model; every window page came back
         assert r["window_pool_spec"] == "P(None, 'data', 'model', None)"
         assert r["window_pages_back"]
+    if "state_spec" in r:  # rows over data, value heads over model
+        assert r["state_spec"] == "P(None, 'data', 'model', None, None)"
     if name == "llama_tp2_dp2_ngram":
         assert r["mean_accept"] > 1.0, r["mean_accept"]  # some looked-up tokens verified and accepted on the mesh
 

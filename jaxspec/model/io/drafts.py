@@ -136,7 +136,7 @@ def _is_lm(names: set[str]) -> bool:
 
 DRAFT_FORMATS = (
     DraftFormat("EAGLE-3 head", EAGLE_ARCHITECTURES[:2] + ("LlamaForCausalLM",),
-                lambda names: detect_eagle_version(names) == 3, (LlamaConfig,), _load_eagle(3)),
+                lambda names: detect_eagle_version(names) == 3, (LlamaConfig, HybridConfig), _load_eagle(3)),
     DraftFormat("EAGLE-1/2 head", EAGLE_ARCHITECTURES[2:] + ("LlamaForCausalLM",),
                 lambda names: detect_eagle_version(names) == 1, (LlamaConfig,), _load_eagle(1)),
     DraftFormat("Gemma 4 assistant (frozen-KV MTP)", (assistant_io.GEMMA4_ARCHITECTURE,), _is_gemma4_assistant,
@@ -148,10 +148,10 @@ DRAFT_FORMATS = (
     DraftFormat("Qwen3-Next / Qwen3.5 MTP layer", tuple(HYBRID_ARCHITECTURES),
                 lambda names: "mtp.fc.weight" in names, (HybridConfig,), _load_qwen_mtp),
     DraftFormat("DFlash 2 block draft", ("DFlash2DraftModel",), dflash_io.is_dflash2,
-                (LlamaConfig, DeepseekConfig, Gemma4Config), _load_dflash),
+                (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_dflash),
     DraftFormat("DFlash block draft", ("DFlashDraftModel",),
                 lambda names: dflash_io.is_dflash(names) and not dflash_io.is_dflash2(names),
-                (LlamaConfig, DeepseekConfig, Gemma4Config), _load_dflash),
+                (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_dflash),
     DraftFormat("standalone LM", LM_ARCHITECTURES, lambda names: _is_lm(names) and "mtp.fc.weight" not in names,
                 (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_standalone),
 )

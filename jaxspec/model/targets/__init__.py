@@ -24,7 +24,8 @@ from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.targets.qwen3_next import commit_accepted, create_hybrid_pool, hybrid_forward
 from jaxspec.model.targets.qwen3_next_config import HybridConfig
 
-__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_sequence", "has_recurrent_state", "kv_window",
+__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_fresh", "forward_sequence", "has_recurrent_state",
+           "kv_window",
            "target_commit", "target_forward", "target_logits"]
 
 
@@ -117,14 +118,20 @@ def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), 
     """Scores whole sequences with a fresh KV pool (no engine): returns
     (logits f32[B, T, V], hidden [B, T, H], aux [B, T, nA*H] | None) for ``tokens: [B, T]``.
     Handy for evaluation and as a test oracle."""
+    return forward_fresh(model.config, model.params, tokens, dtype=model.dtype, aux_layers=aux_layers,
+                         implementation=implementation)
+
+
+def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ...] = (), implementation=None):
+    """``forward_sequence`` from a config and params (traceable: draft training computes a frozen
+    target's features with it for families without a dense training forward)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
-    cfg = model.config
-    pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(model.dtype), rows=B)
+    pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(dtype), rows=B)
     pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in both pools
     tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     attn = AttentionInputs.build(tables, jnp.zeros((B,), jnp.int32), positions, T)
-    out = target_forward(cfg, model.params, tokens, positions, pool, attn,
-                         aux_layers=aux_layers, implementation=implementation)
-    return target_logits(cfg, model.params, out.hidden), out.hidden, out.aux
+    out = target_forward(cfg, params, tokens, positions, pool, attn, aux_layers=aux_layers,
+                         implementation=implementation)
+    return target_logits(cfg, params, out.hidden), out.hidden, out.aux

@@ -281,21 +281,18 @@ def commit_accepted(
     state = pool.state
     if pending is None or state.num_layers == 0:
         return pool
-    B, T = pending.G.shape[1:3]
+    T = pending.G.shape[2]
     r = cfg.gdn.group
     node = jnp.arange(T, dtype=jnp.int32)
     on_path = jnp.any((accept_index[:, :, None] == node[None, None, :]) & (accept_index[:, :, None] >= 0), axis=1)
     last = jnp.take_along_axis(accept_index, (accept_lens - 1)[:, None], axis=1)[:, 0]
-    s0, conv0 = state.ssm[:, :B], state.conv[:, :B]
 
-    def layer(s0, conv0, k, u, G, conv_in):
+    def layer(_, xs):  # one linear layer at a time: a single new state is live
+        s0, conv0, k, u, G, conv_in = xs
         s = state_at(s0, jnp.repeat(k, r, axis=2), u, G, on_path, last)
         c = conv_state_after(conv_in, conv0, accept_index, accept_lens)
-        return s, c
+        return None, (jnp.where(active[:, None, None, None], s, s0), jnp.where(active[:, None, None], c, conv0))
 
-    s_new, c_new = jax.vmap(layer)(s0, conv0, pending.k, pending.u, pending.G, pending.conv_in)
-    keep = active[None, :, None, None]
-    ssm = jnp.where(keep[..., None], s_new, s0)
-    conv = jnp.where(keep, c_new, conv0)
-    return dataclasses.replace(pool, state=dataclasses.replace(state, ssm=state.ssm.at[:, :B].set(ssm),
-                                                               conv=state.conv.at[:, :B].set(conv)))
+    _, (ssm, conv) = jax.lax.scan(layer, None, (state.ssm, state.conv, pending.k, pending.u, pending.G,
+                                                pending.conv_in))
+    return dataclasses.replace(pool, state=dataclasses.replace(state, ssm=ssm, conv=conv))

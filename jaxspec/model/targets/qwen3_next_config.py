@@ -121,6 +121,14 @@ class HybridConfig:
         if "moe" in self.mlp_types and self.moe is None:
             raise ConfigError("MoE layers need num_experts > 0")
 
+    def eagle3_aux_layers(self) -> tuple[int, ...]:
+        """Layers whose input residual stream EAGLE-3 taps: (2, L//2, L-3), whatever their kind (a
+        Gated DeltaNet layer's output is the next layer's input)."""
+        L = self.num_layers
+        if L < 3:
+            raise ConfigError(f"EAGLE-3 taps layers (2, L//2, L-3): the target needs >= 3 layers, has {L}")
+        return (2, L // 2, L - 3)
+
     @property
     def kinds(self) -> tuple[tuple[str, str], ...]:
         """(mixer, mlp) of every layer."""
