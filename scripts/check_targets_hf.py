@@ -4,14 +4,16 @@ contexts longer than the goldens' (not run in CI: needs torch + transformers).
     python3.11 scripts/check_targets_hf.py --jaxspec-python .venv/bin/python [--cases 24] [--seed 0]
                                            [--families llama,gemma4]
 
-Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, in turn) and a config
+Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, Qwen3-Next, Qwen3.5, in turn) and a
+config
 (layers, widths, heads and KV heads, RoPE kind (Llama's ``llama3``, Qwen's YaRN), tied head; Mistral and Gemma 4 windows of 5-16
 positions, Qwen2/Qwen3 ``use_sliding_window`` with a ``max_window_layers`` that makes every layer or
 none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
-LoRA ranks, dense or MoE layers and YaRN), saves an HF model with weights drawn as the goldens' are,
+LoRA ranks, dense or MoE layers and YaRN; the hybrids' layer pattern, Gated DeltaNet heads and widths, conv
+kernel, partial rotary factor, dense or MoE), saves an HF model with weights drawn as the goldens' are,
 and as its standalone draft a copy whose every weight is scaled by 1 + s N(0, 1), s of 0.005, 0.02 or
 0.08 (accepted often, not always). A DeepSeek-V3 case also stores a random MTP layer after its main
-layers, a Gemma 4 case a random assistant (frozen-KV MTP, ordered embeddings or not) reading its K/V;
+layers, a Qwen3-Next / Qwen3.5 case a random MTP layer (``mtp.*``), a Gemma 4 case a random assistant (frozen-KV MTP, ordered embeddings or not) reading its K/V;
 random MTP layers and assistants are rarely accepted. HF's greedy continuation of three prompts of
 12-120 tokens is the reference (HF's cached loop, checked against a teacher-forced forward and
 ``generate()``). jaxspec then runs the three prompts as one ragged batch: plain (page 16), n-gram chain
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_check import arguments, make_and_run, prompts_differing, speculative_equals_plain  # noqa: E402
 
 MIN_LOGIT_MARGIN = 1e-4
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma4", "deepseek_v3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma4", "deepseek_v3", "qwen3_next", "qwen3_5")
+HYBRID = ("qwen3_next", "qwen3_5")  # Gated DeltaNet + gated attention, with an MTP layer
 S, F = "sliding_attention", "full_attention"
 
 
@@ -96,6 +99,24 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
             v_head_dim=rng.choice([8, 16]), n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
             moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             first_k_dense_replace=rng.randint(0, layers - 1) if moe else layers, rope_parameters=rope)
+    if family in HYBRID:
+        every = rng.choice([2, 3])
+        hk, r = rng.choice([1, 2]), rng.choice([1, 2])
+        gdn = dict(linear_num_key_heads=hk, linear_num_value_heads=hk * r, linear_key_head_dim=rng.choice([8, 16]),
+                   linear_value_head_dim=rng.choice([8, 16]), linear_conv_kernel_dim=rng.choice([2, 4]))
+        attn = dict(head_dim=rng.choice([16, 32]), partial_rotary_factor=rng.choice([0.25, 0.5]))
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48) if rng.random() < 0.5 else {}
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+        theta = rng.choice([1e4, 1e6])
+        if family == "qwen3_next":
+            return tf.Qwen3NextConfig(**common, layer_types=types, rope_theta=theta, rms_norm_eps=1e-6, **gdn, **attn,
+                                      **(moe or dict(num_experts=0)))
+        rope_params = dict(rope_type="default", rope_theta=theta, partial_rotary_factor=attn.pop("partial_rotary_factor"))
+        cls = tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig
+        return cls(**common, layer_types=types, rope_parameters=rope_params, rms_norm_eps=1e-6, **gdn, **attn, **moe)
     raise ValueError(family)
 
 
@@ -106,14 +127,18 @@ def build(family: str, cfg, seed: int):
     from make_golden import reinit_
     from make_golden_sliding import gemma_reinit_
 
+    from make_golden_hybrid import reinit_ as hybrid_reinit_
+
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
-           "deepseek_v3": tf.DeepseekV3ForCausalLM}[family]
+           "deepseek_v3": tf.DeepseekV3ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
+           "qwen3_5": tf.Qwen3_5MoeForCausalLM if getattr(cfg, "num_experts", 0) else tf.Qwen3_5ForCausalLM}[family]
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
-    gemma_reinit_(model, gen) if family == "gemma4" else reinit_(model, gen)
+    reinit = {"gemma4": gemma_reinit_, "qwen3_next": hybrid_reinit_, "qwen3_5": hybrid_reinit_}.get(family, reinit_)
+    reinit(model, gen)
     model.generation_config.eos_token_id = None  # continue through any token, as jaxspec is told to
     return model
 
@@ -154,6 +179,24 @@ def add_mtp_layer(case_dir: Path, model, seed: int) -> None:
         pfx + "shared_head.head.weight": model.lm_head.weight.detach().clone(),
     })
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(path), metadata={"format": "pt"})
+
+
+def add_hybrid_mtp(case_dir: Path, model, seed: int) -> None:
+    """Appends a random MTP layer (``mtp.*``, weights drawn as the hybrid goldens' are) to the saved
+    Qwen3-Next / Qwen3.5 checkpoint and names it in its config."""
+    import torch
+    from make_golden_hybrid import make_mtp
+    from safetensors.torch import load_file, save_file
+
+    cfg = model.config
+    w = make_mtp(model, cfg, 1, torch.Generator().manual_seed(seed), bool(getattr(cfg, "num_experts", 0)))
+    path = case_dir / "model.safetensors"
+    state = load_file(path)
+    state.update(w)
+    save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(path), metadata={"format": "pt"})
+    raw = json.loads((case_dir / "config.json").read_text())
+    raw["mtp_num_hidden_layers" if cfg.model_type.startswith("qwen3_5") else "num_nextn_predict_layers"] = 1
+    (case_dir / "config.json").write_text(json.dumps(raw, indent=2))
 
 
 def build_assistant(target, rng: random.Random, seed: int):
@@ -221,6 +264,9 @@ def make_case(case_dir: Path, family: str, seed: int) -> dict:
     if family == "deepseek_v3":
         add_mtp_layer(case_dir, model, seed + 2)
         drafts["mtp"] = "."
+    if family in HYBRID:
+        add_hybrid_mtp(case_dir, model, seed + 2)
+        drafts["mtp"] = "."
     if family == "gemma4":
         build_assistant(model, rng, seed + 2).save_pretrained(case_dir / "assistant")
         drafts["assistant"] = "assistant"
@@ -235,7 +281,7 @@ def make_case(case_dir: Path, family: str, seed: int) -> dict:
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                             heads=f"{cfg.num_attention_heads}/{_attr(cfg, 'num_key_value_heads')}",
                             window=_window(family, cfg),
-                            rope=_attr(cfg, "rope_parameters").get("rope_type", "per layer")
+                            rope=(_attr(cfg, "rope_parameters") or {}).get("rope_type", "default")
                             if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings))
     (case_dir / "check.json").write_text(json.dumps(meta))
     return meta

@@ -174,3 +174,17 @@ def test_training_features_of_a_hybrid_target_are_the_serving_ones():
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(ref_hidden), atol=1e-6)
     np.testing.assert_allclose(np.asarray(aux), np.asarray(ref_aux), atol=1e-6)
     assert aux.shape[-1] == 3 * m.config.hidden_size
+
+
+def test_adaptive_depth_and_continuous_batching_over_recurrent_state():
+    """Two slots for four ragged requests (each finished request's state slot is taken by the next,
+    whose prefill must start from a zero state), the MTP layer drafting chains whose depth the
+    controller moves between calls: the output is plain greedy's."""
+    name = "qwen3_5_dense"
+    spec = js.SpecConfig.chain(3, adaptive_steps=(1, 3, 5))
+    out = js.generate(target(name), prompts(name), draft=draft_of(name, "mtp"), spec=spec,
+                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
+                      engine=engine(16, 2, max_seq_len=256, steps_per_call=1), progress=False)
+    assert out.token_ids == plain(name, 16)
+    assert out.kv_pages_free == out.kv_pages_total
+    assert len(set(out.steps_per_call)) > 1, out.steps_per_call
