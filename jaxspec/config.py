@@ -322,6 +322,15 @@ class EngineConfig:
       min_kv_bucket: smallest KV length (positions) attention reads; the page table handed to
         each compiled call covers the live context rounded up to a power of two of pages,
         never less than this (smaller: less read per step, more compiled variants).
+      admission: "optimistic" (admit a request when its prompt and the next call's growth fit;
+        when running requests need pages that are not free, preempt the most recently admitted
+        ones and resume them later with identical output) or "reserve" (admit only when the
+        request's worst case, prompt + max_new_tokens + the step's lookahead, stays reserved
+        for its whole life: never preempts, runs fewer requests at once).
+      preempt_every: testing hook: every this many decode calls, preempt the most recently
+        admitted running request (never the only one) even when pages are free (0: never).
+      check_pages: after every decode call, check that every page is owned by exactly one
+        running request or free, and that the page tables hold exactly the owned pages (tests).
     """
 
     page_size: int = 16
@@ -332,12 +341,21 @@ class EngineConfig:
     implementation: Implementation = None
     min_prefill_bucket: int = 16
     min_kv_bucket: int = 1024
+    admission: str = "optimistic"
+    preempt_every: int = 0
+    check_pages: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.admission not in ("optimistic", "reserve"):
+            raise ValueError(f"EngineConfig.admission must be 'optimistic' or 'reserve', got {self.admission!r}")
+        if not isinstance(self.preempt_every, int) or isinstance(self.preempt_every, bool) or self.preempt_every < 0:
+            raise ValueError(f"EngineConfig.preempt_every must be an int >= 0, got {self.preempt_every!r}")
+        if not isinstance(self.check_pages, bool):
+            raise ValueError(f"EngineConfig.check_pages must be a bool, got {self.check_pages!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"

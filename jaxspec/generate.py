@@ -35,7 +35,8 @@ class RequestStats:
     request's time in the batch. finish_reason: "stop" (a stop token or stop string) or "length"
     (``max_new_tokens``); stop_reason: the stop token id or stop string, if one ended it.
     accepted_per_position[i]: verify steps whose i-th draft token was accepted (one entry per
-    draft depth; empty for plain decoding)."""
+    draft depth; empty for plain decoding). preemptions: how often the engine took the request off
+    the batch to free pages and later resumed it (its output is the same either way)."""
 
     num_tokens: int
     accept_lens: list[int]
@@ -45,6 +46,20 @@ class RequestStats:
     finish_reason: str = "length"
     stop_reason: int | str | None = None
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+
+
+@dataclasses.dataclass
+class _Resume:
+    """What a preempted request carries back to its next admission, beside its prompt and tokens
+    (``Request.tokens``): what the device held for it."""
+
+    tokens: list[int]  # its output when preempted (progress is measured against it)
+    accept_lens: list[int]  # its verify steps' accept lengths so far
+    steps: int  # PRNG draws so far (the row's fold_in counter)
+    logprobs: list[float] | None = None  # when it asked for them: one per token so far
+    top_ids: list[list[int]] | None = None
+    top: list[list[float]] | None = None
 
 
 @dataclasses.dataclass
@@ -320,6 +335,7 @@ class _Run:
         self.sched = Scheduler(
             requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
             lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
+            admission=engine.admission,
         )
         dtype = jnp.dtype(target.dtype)
         P_ = engine.page_size
@@ -357,19 +373,26 @@ class _Run:
         seq_lens = np.zeros(batch, np.int32)
         seen = np.zeros(batch, np.int32)  # tokens of each row handed out so far
         window = 1 + sched.step_growth  # most tokens a row can gain in one round trip (a prefill's first included)
+        calls = 0
         while not sched.finished:
-            admitted = sched.admit()
+            force = bool(engine.preempt_every) and calls > 0 and calls % engine.preempt_every == 0
+            victims = sched.to_preempt(seq_lens, force=force)
+            if victims:
+                self._preempt(victims)
+            admitted = sched.admit(seq_lens)
             if admitted:
                 self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
                                                               self.dpool, sched, admitted, self.num_stop, engine)
                 for r in admitted:
-                    seq_lens[r.row] = len(r.prompt)
-                    seen[r.row] = 0
-                    r.text = RequestText(target.tokenizer.decode_stream() if target.tokenizer else None,
-                                         r.sampling.stop or ())
+                    seq_lens[r.row] = len(r.context)
+                    seen[r.row] = len(r.tokens)
+                    if r.text is None:  # a resumed request keeps its text and stop-string state
+                        r.text = RequestText(target.tokenizer.decode_stream() if target.tokenizer else None,
+                                             r.sampling.stop or ())
             if all(r is None for r in sched.rows):
                 raise RuntimeError("scheduler made no progress (no request could be admitted)")
             sched.grant_ahead(seq_lens)
+            calls += 1
             adaptive = self.adaptive
             call_plan = self.plans[adaptive.steps] if adaptive else plan
             before = jax.device_get(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
@@ -412,25 +435,59 @@ class _Run:
                 self.state = _deactivate(self.state, place_rows(_row_mask(batch, cut_rows), target.mesh))
             if finished_rows:
                 self._retire(finished_rows)
+            if engine.check_pages:
+                sched.check()
             bar.update(sum(len(e.token_ids) for e in events))
             yield from events
         self.wall = time.perf_counter() - t0
         bar.close()
         sched.check()
 
-    def _retire(self, rows: list[int]) -> None:
-        """Finished rows: their accept lengths and log-probabilities, then their pages back."""
+    def _device_rows(self, with_steps: bool = False) -> dict:
+        """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
         plan = self.plan
-        out = jax.device_get(dict(log=self.state.accept_log, nv=self.state.num_verify,
-                                  lp=self.state.logprobs if plan.logprobs is not None else None))
+        return jax.device_get(dict(log=self.state.accept_log, nv=self.state.num_verify,
+                                   steps=self.state.steps if with_steps else None,
+                                   lp=self.state.logprobs if plan.logprobs is not None else None))
+
+    def _history(self, r: Request, out: dict, row: int) -> _Resume:
+        """Request ``r``'s accept lengths, PRNG position and logprobs so far: what earlier stints in
+        the batch left (``r.resume``) followed by what row ``row`` of the device holds."""
+        before = r.resume
+        accept = (before.accept_lens if before else []) + out["log"][row, : int(out["nv"][row])].tolist()
+        res = _Resume(tokens=list(r.tokens), accept_lens=accept,
+                      steps=int(out["steps"][row]) if out["steps"] is not None else 0)
+        if r.sampling.logprobs is not None:
+            k, n, lp = r.sampling.logprobs, len(r.tokens), out["lp"]
+            m = len(before.logprobs) if before else 0  # earlier tokens' are the host's (columns < m hold none)
+            res.logprobs = (before.logprobs if before else []) + lp.chosen[row, m:n].tolist()
+            res.top_ids = (before.top_ids if before else []) + lp.top_ids[row, m:n, :k].tolist()
+            res.top = (before.top if before else []) + lp.top[row, m:n, :k].tolist()
+        return res
+
+    def _preempt(self, rows: list[int]) -> None:
+        """Takes ``rows`` off the batch: the host keeps what their requests need to resume, their
+        pages go back, and the device rows stop."""
+        out = self._device_rows(with_steps=True)
         for row in rows:
             r = self.sched.rows[row]
-            log = out["log"][row, : int(out["nv"][row])].tolist()
+            self.sched.preempt(row, self._history(r, out, row))
+        self.state = _deactivate(self.state, place_rows(_row_mask(len(self.sched.rows), rows), self.target.mesh))
+
+    def _retire(self, rows: list[int]) -> None:
+        """Finished rows: their accept lengths and log-probabilities, then their pages back."""
+        out = self._device_rows()
+        for row in rows:
+            r = self.sched.rows[row]
+            h = self._history(r, out, row)
+            log = h.accept_lens
             if r.text.stop_reason is not None:  # steps past a stop string's cut produced nothing kept
                 log = _steps_behind(log, len(r.tokens))
             r = self.sched.retire(row, r.tokens, log)
             if r.sampling.logprobs is not None:
-                _take_logprobs(r, out["lp"], row, len(r.tokens))
+                n = len(r.tokens)
+                r.logprobs = h.logprobs[:n]
+                r.top_logprobs = [dict(zip(i, v)) for i, v in zip(h.top_ids[:n], h.top[:n])]
 
     def output(self) -> GenerateOutput:
         sched, target = self.sched, self.target
@@ -444,6 +501,7 @@ class _Run:
                 mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
                 tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
+                preemptions=r.preemptions,
             ))
         return GenerateOutput(
             token_ids=[r.tokens for r in done], texts=[r.text.text for r in done] if target.tokenizer else None,
@@ -495,14 +553,6 @@ def _row_mask(batch: int, rows: list[int]) -> np.ndarray:
     return mask
 
 
-def _take_logprobs(req: Request, lp, row: int, n_out: int) -> None:
-    """Request ``req``'s log-probabilities from the fetched ``TokenLogprobs`` (row ``row``)."""
-    k = req.sampling.logprobs
-    req.logprobs = lp.chosen[row, :n_out].tolist()
-    ids, vals = lp.top_ids[row, :n_out, :k].tolist(), lp.top[row, :n_out, :k].tolist()
-    req.top_logprobs = [dict(zip(i, v)) for i, v in zip(ids, vals)]
-
-
 def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, mesh) -> jax.Array:  # i32[B, w]
     """The page table cut to a power-of-two number of pages covering ``positions`` (at least
     ``engine.min_kv_bucket`` positions), so attention reads only the live context and a
@@ -528,7 +578,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     by_shard = [[r for r in admitted if sched.shard_of(r.row) == d] for d in range(D)]
     Rs = next_pow2(max(len(rs) for rs in by_shard))
     R = D * Rs
-    longest = max(len(r.prompt) for r in admitted)
+    longest = max(len(r.context) for r in admitted)
     T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
     tokens = np.zeros((R, T), np.int32)
     lens = np.zeros(R, np.int32)
@@ -538,8 +588,13 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     for d, rs in enumerate(by_shard):
         for j, r in enumerate(rs):
             i = d * Rs + j
-            tokens[i, : len(r.prompt)] = r.prompt
-            lens[i] = len(r.prompt)
+            context = r.context  # the prompt, or a resumed request's prompt + output but its last token
+            tokens[i, : len(context)] = context
+            lens[i] = len(context)
+            req["prompt_lens"][i] = len(r.prompt)
+            if r.resume is not None:
+                req["first"][i] = r.tokens[-1]
+                req["steps"][i] = r.resume.steps
             rows[i] = r.row - d * sched.rows_per_shard
             req["max_new"][i] = r.sampling.max_new_tokens
             req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids

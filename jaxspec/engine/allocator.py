@@ -34,6 +34,10 @@ class PageAllocator:
     def pages_of(self, owner: int) -> list[int]:
         return self._owned.get(owner, [])
 
+    def owners(self) -> list[int]:
+        """Owners holding at least one page."""
+        return [o for o, pages in self._owned.items() if pages]
+
     def grow(self, owner: int, total_pages: int) -> list[int]:
         """Makes ``owner`` hold at least ``total_pages`` pages; returns the new ones."""
         owned = self._owned.setdefault(owner, [])

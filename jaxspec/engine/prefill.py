@@ -1,6 +1,11 @@
 """Admitting requests: the target's prefill forward over the prompts, the first token, and the
 draft's prefill (its KV and seed), written into free rows of the decode state.
 
+A preempted request is resumed the same way: its "prompt" is the original prompt plus the tokens it
+had generated but the last (``prompt_lens`` marks where the prompt ends), and its first token is
+forced to that last token (``first``), so the row continues exactly where it stopped: the output
+so far in ``out_tokens``, the controls' output counts rebuilt from it, its PRNG position (``steps``).
+
 Glossary: R rows being admitted (a power-of-two bucket), T prompt bucket (> every prompt),
 B batch rows, NS stop ids per row, M output width.
 """
@@ -34,6 +39,7 @@ def request_arrays(rows: int, *, max_new: int = 0, num_stop: int = 1, control_vo
         min_p=np.zeros(R, np.float32), keys=np.zeros((R, 2), np.uint32),
         repetition_penalty=np.ones(R, np.float32), presence_penalty=np.zeros(R, np.float32),
         frequency_penalty=np.zeros(R, np.float32), logit_bias=np.zeros((R, control_vocab), np.float32),
+        prompt_lens=np.full(R, np.iinfo(np.int32).max, np.int32), first=np.full(R, -1, np.int32), steps=np.ones(R, np.int32),
     )
 
 
@@ -49,9 +55,11 @@ def prefill(
     tokens: jax.Array,  # i32[R, T] prompts, right-padded
     lens: jax.Array,  # i32[R] prompt lengths (0 for padding rows)
     request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, min_p,
-    #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2]
+    #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2];
+    #                 resuming: prompt_lens i32[R] (tokens past it were generated; default: none), first i32[R] (>= 0:
+    #                 the forced first token), steps i32[R] (PRNG draws so far, 1 for a new request)
 ):
-    """Prefills R new requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
+    """Prefills R new (or resumed) requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
     R, T = tokens.shape
     B = state.bonus.shape[0]
     pt = jax.tree.map(lambda table: table[jnp.minimum(rows, B - 1)], page_table)  # every table's rows
@@ -66,25 +74,36 @@ def prefill(
     h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [R, H]
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(request["keys"]), jnp.zeros((R,), jnp.int32))
     logits = target_logits(plan.target, tparams, h_last)  # [R, V]
-    controls = Controls.for_prompts(tokens, lens, request, request["logit_bias"].shape[-1])
+    prompt_lens = jnp.minimum(request["prompt_lens"], lens)
+    generated = (pos >= prompt_lens[:, None]) & (pos < lens[:, None])  # [R, T] resumed rows' earlier output
+    controls = Controls.for_prompts(tokens, prompt_lens, request, request["logit_bias"].shape[-1])
+    controls = controls.count(tokens, generated)
     processed = apply_controls(logits[:, None], controls, None, None)[:, 0]
     first = pick_tokens(processed, request["temperature"], request["top_k"], request["top_p"], keys, plan.greedy_only,
                         plan.filtering, request["min_p"])
+    first = jnp.where(request["first"] >= 0, request["first"], first)
+    done = lens - prompt_lens  # tokens generated before this prefill (all but the forced first)
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
     seed, dpool = proposer_for(plan).prefill(plan, dparams, tokens, lens, first, out, dpool,
                                              DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool, state_rows=rows), empty)
     stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
     out_width = state.out_tokens.shape[1]
     logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)
-    if plan.logprobs is not None:  # the first token's, in column 0
+    r_idx = jnp.arange(R)[:, None]
+    if plan.logprobs is not None:  # the first token's, in its column (the earlier ones' are the host's)
         first_lp = token_logprobs(logits[:, None], first[:, None], plan.logprobs)
-        logprobs = jax.tree.map(lambda buf, new: buf.at[:, :1].set(new), logprobs, first_lp)
+        logprobs = jax.tree.map(lambda buf, new: buf.at[r_idx, done[:, None]].set(new, mode="drop"), logprobs,
+                                first_lp)
+    out_cols = jnp.where(generated, pos - prompt_lens[:, None], out_width)  # earlier output, from column 0
+    out_tokens = jnp.zeros((R, out_width), jnp.int32).at[jnp.broadcast_to(r_idx, (R, T)), out_cols].set(
+        tokens, mode="drop")
+    out_tokens = out_tokens.at[r_idx[:, 0], done].set(first, mode="drop")
     row = dict(
         seq_lens=lens,
         bonus=first,
-        active=real & ~stop & (request["max_new"] > 1),
-        out_tokens=jnp.zeros((R, out_width), jnp.int32).at[:, 0].set(first),
-        out_lens=jnp.where(stop, 0, 1).astype(jnp.int32),
+        active=real & ~stop & (request["max_new"] > done + 1),
+        out_tokens=out_tokens,
+        out_lens=jnp.where(stop, done, done + 1).astype(jnp.int32),
         stop_token=jnp.where(stop, first, -1).astype(jnp.int32),
         max_new=request["max_new"],
         stop_ids=request["stop_ids"],
@@ -95,7 +114,7 @@ def prefill(
         controls=controls.count(first[:, None], (~stop)[:, None]),
         logprobs=logprobs,
         keys=request["keys"],
-        steps=jnp.ones((R,), jnp.int32),
+        steps=request["steps"],
         num_verify=jnp.zeros((R,), jnp.int32),
         accept_log=jnp.zeros((R, out_width), jnp.int32),
         seed=seed,

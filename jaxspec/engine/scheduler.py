@@ -1,11 +1,20 @@
-"""Host-side request bookkeeping: admission into batch rows, page grants, retirement.
+"""Host-side request bookkeeping: admission into batch rows, page grants, preemption, retirement.
 
-Admission reserves each request's worst-case page count (prompt + max_new_tokens + the
-step's lookahead), so a running request can never run out of KV mid-generation; pages are
-still granted lazily, a few steps ahead of use. Every granted page returns to the
-allocator when its request retires. A target with sliding-window layers also has a window
-pool (``jaxspec.engine.window``): its pages are granted and returned as each request's
-window moves, and its worst case (the ring width) is reserved the same way.
+Two admission policies (``EngineConfig.admission``):
+
+* ``reserve``: admission reserves each request's worst-case page count (prompt + max_new_tokens +
+  the step's lookahead), so a running request never runs out of KV mid-generation.
+* ``optimistic``: a request is admitted when the pages of its context and the next call's growth
+  fit beside what the running requests need for that call. Before each decode call, when the
+  running requests need more pages than are free, the most recently admitted ones are preempted:
+  their pages go back, and they return to the front of the queue, to be resumed later by a prefill
+  of their prompt and the tokens generated so far (``Request.context``). The oldest running request
+  is never preempted (it alone fits the pool: checked up front), so the run always progresses.
+
+Either way pages are granted lazily, a few steps ahead of use, and every granted page returns to the
+allocator when its request retires or is preempted. A target with sliding-window layers also has a
+window pool (``jaxspec.engine.window``): its pages are granted and returned as each request's window
+moves; it holds a ring for every batch row, so it never forces a preemption.
 """
 
 from __future__ import annotations
@@ -42,6 +51,19 @@ class Request:
     text: Any = None  # its output text and stop strings (``jaxspec.engine.text.RequestText``), once admitted
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    order: int = 0  # admission sequence number (the latest admitted is preempted first)
+    preemptions: int = 0
+    stalls: int = 0  # preemptions in a row with no new token between them
+    resume: Any = None  # what a preempted request carries back (``jaxspec.generate._Resume``)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens a (re)admission prefills: the prompt, plus every generated token but the
+        last (which becomes the next step's root, as after any step)."""
+        return self.prompt + self.tokens[:-1]
+
+
+MAX_STALLS = 8  # preemptions in a row without progress before a run is declared stuck
 
 
 class Scheduler:
@@ -54,7 +76,8 @@ class Scheduler:
     table, split over the same data shards."""
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
-                 lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None):
+                 lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None,
+                 admission: str = "reserve"):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         if window is not None and len(window.allocators) != data_shards:
@@ -72,6 +95,9 @@ class Scheduler:
         self.done: list[Request] = []
         self.reserved = [0] * data_shards
         self.reserved_window = [0] * data_shards
+        self.optimistic = admission == "optimistic"
+        self.admitted = 0  # admissions so far (Request.order)
+        self.preempted = 0
         capacity = self.allocators[0].capacity
         for r in requests:
             total = len(r.prompt) + r.sampling.max_new_tokens + lookahead
@@ -105,21 +131,57 @@ class Scheduler:
         return sum(a.capacity for a in self.allocators)
 
     def check(self) -> None:
+        """The accounting invariant: every page of every pool is free or owned by exactly one running
+        request, and each running row's page table holds exactly its request's pages."""
         for a in self.allocators:
             a.check()
         if self.window is not None:
             for a in self.window.allocators:
                 a.check()
+        owners = set()
+        for row, req in enumerate(self.rows):
+            table = self.page_table[row]
+            if req is None:
+                if table.any():
+                    raise AssertionError(f"row {row} is free but its page table holds pages {table[table > 0]}")
+                continue
+            owners.add(req.index)
+            owned = self.allocator_of(row).pages_of(req.index)
+            if table[: len(owned)].tolist() != owned or table[len(owned):].any():
+                raise AssertionError(f"row {row}: page table {table.tolist()} != request {req.index}'s pages {owned}")
+        for a in self.allocators + (self.window.allocators if self.window is not None else []):
+            stray = set(a.owners()) - owners
+            if stray:
+                raise AssertionError(f"pages held by requests that are not running: {sorted(stray)}")
 
-    def admit(self) -> list[Request]:
-        """Moves waiting requests into free rows while their worst case fits in the row's shard."""
+    def _need(self, req: Request, committed: int, growth: int) -> int:
+        """Pages ``req`` holds after a grant for ``growth`` positions past ``committed``."""
+        return min(req.worst_pages, pages_needed(committed + growth + self.lookahead, self.page_size))
+
+    def admit(self, seq_lens: np.ndarray | None = None) -> list[Request]:
+        """Moves waiting requests (the preempted first) into free rows while they fit in the row's
+        shard: their worst case (``reserve``), or their context and the next call's growth beside
+        what the running requests need for that call (``optimistic``; ``seq_lens`` i32[B] the
+        running rows' committed lengths)."""
         admitted = []
+        spare = None
+        if self.optimistic:
+            spare = [a.num_free for a in self.allocators]
+            for row, req in enumerate(self.rows):
+                if req is not None:
+                    held = len(self.allocator_of(row).pages_of(req.index))
+                    spare[self.shard_of(row)] -= max(0, self._need(req, int(seq_lens[row]), self.step_growth) - held)
         for row, occupant in enumerate(self.rows):
             if occupant is not None or not self.waiting:
                 continue
             d = self.shard_of(row)
             req = self.waiting[0]
-            if self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
+            if spare is not None:
+                need = self._need(req, len(req.context), 1 + self.step_growth)
+                if need > spare[d]:
+                    continue
+                spare[d] -= need
+            elif self.reserved[d] + req.worst_pages > self.allocators[d].capacity:
                 continue
             if (self.window is not None
                     and self.reserved_window[d] + req.worst_window_pages > self.window.allocators[d].capacity):
@@ -128,11 +190,55 @@ class Scheduler:
             self.reserved[d] += req.worst_pages
             self.reserved_window[d] += req.worst_window_pages
             req.row = row
-            req.t_admit = time.perf_counter()
+            self.admitted += 1
+            req.order = self.admitted
+            if not req.t_admit:
+                req.t_admit = time.perf_counter()
             self.rows[row] = req
-            self._grant(req, len(req.prompt), 1)
+            self._grant(req, len(req.context), 1)
             admitted.append(req)
         return admitted
+
+    def to_preempt(self, seq_lens: np.ndarray, force: bool = False) -> list[int]:
+        """Rows to preempt before the next decode call: per data shard, the most recently admitted
+        running requests until what the rest need for the call fits (none under ``reserve``); with
+        ``force``, at least the most recently admitted one overall unless it runs alone."""
+        out = []
+        running = sorted((r for r in self.rows if r is not None), key=lambda r: r.order)
+        if force and len(running) > 1:
+            out.append(running[-1].row)
+        if not self.optimistic:
+            return out
+        for d, alloc in enumerate(self.allocators):
+            mine = [r for r in running if self.shard_of(r.row) == d and r.row not in out]
+            short = sum(max(0, self._need(r, int(seq_lens[r.row]), self.step_growth) - len(alloc.pages_of(r.index)))
+                        for r in mine) - alloc.num_free
+            while short > 0 and len(mine) > 1:
+                r = mine.pop()
+                short -= len(alloc.pages_of(r.index))
+                short -= max(0, self._need(r, int(seq_lens[r.row]), self.step_growth) - len(alloc.pages_of(r.index)))
+                out.append(r.row)
+        return out
+
+    def preempt(self, row: int, resume: Any) -> Request:
+        """Takes ``row``'s request off the batch (every page back) and puts it at the front of the
+        queue with ``resume``; raises ``RuntimeError`` when it keeps being preempted without
+        progress."""
+        req = self.rows[row]
+        progressed = req.resume is None or len(req.tokens) > len(req.resume.tokens)
+        req.stalls = 0 if progressed else req.stalls + 1
+        if req.stalls >= MAX_STALLS:
+            raise RuntimeError(
+                f"request {req.index} was preempted {req.stalls} times in a row without progress: the KV pool "
+                f"({self.capacity} pages of {self.page_size} slots) is too small for the requests running beside "
+                f"it (raise EngineConfig.num_pages or lower max_batch)")
+        self._free_row(row)
+        req.preemptions += 1
+        req.resume = resume
+        req.row = None
+        self.waiting.appendleft(req)
+        self.preempted += 1
+        return req
 
     def grant_ahead(self, seq_lens: np.ndarray) -> None:
         """Before a decode call: pages for every position the next call may touch (and, in the
@@ -143,7 +249,7 @@ class Scheduler:
 
     def _grant(self, req: Request, committed: int, growth: int) -> None:
         reach = committed + growth + self.lookahead
-        target = min(req.worst_pages, pages_needed(reach, self.page_size))
+        target = self._need(req, committed, growth)
         alloc = self.allocator_of(req.row)
         have = len(alloc.pages_of(req.index))
         new = alloc.grow(req.index, target)
@@ -157,6 +263,12 @@ class Scheduler:
         req.tokens = tokens
         req.accept_lens = accept_lens
         req.t_done = time.perf_counter()
+        self._free_row(row)
+        self.done.append(req)
+        return req
+
+    def _free_row(self, row: int) -> None:
+        req = self.rows[row]
         self.allocator_of(row).release(req.index)
         self.reserved[self.shard_of(row)] -= req.worst_pages
         if self.window is not None:
@@ -164,5 +276,3 @@ class Scheduler:
             self.reserved_window[self.shard_of(row)] -= req.worst_window_pages
         self.page_table[row] = 0
         self.rows[row] = None
-        self.done.append(req)
-        return req
