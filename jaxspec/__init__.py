@@ -4,6 +4,7 @@ from jaxspec.config import EngineConfig as EngineConfig
 from jaxspec.config import SamplingParams as SamplingParams
 from jaxspec.config import SpecConfig as SpecConfig
 from jaxspec.engine.allocator import KVCacheExhausted as KVCacheExhausted
+from jaxspec.generate import Engine as Engine
 from jaxspec.generate import GenerateOutput as GenerateOutput
 from jaxspec.generate import RequestStats as RequestStats
 from jaxspec.generate import StreamEvent as StreamEvent

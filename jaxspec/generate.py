@@ -18,7 +18,7 @@ from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
-from jaxspec.engine.scheduler import Request, Scheduler
+from jaxspec.engine.scheduler import PagePools, Request, Scheduler
 from jaxspec.engine.state import DecodeState
 from jaxspec.engine.text import RequestText
 from jaxspec.engine.window import window_pages_for
@@ -221,8 +221,8 @@ def generate(
     Raises:
       ValueError: a bad input (see ``jaxspec.config``), before any device work.
     """
-    run = _Run(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
-               progress=progress)
+    run = _call(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
+                progress=progress)
     for _ in run.events():
         pass
     return run.output()
@@ -243,63 +243,95 @@ def generate_stream(
     tokens are committed (several steps run on the device between round trips). A request's events,
     concatenated, give exactly ``generate()``'s ``token_ids`` and ``texts``; its last event has
     ``finished`` set. Inputs are checked here, before the first event is asked for."""
-    run = _Run(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
-               progress=progress)
+    run = _call(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine, seed=seed,
+                progress=progress)
     return run.events()
 
 
-class _Run:
-    """One call: validated inputs, the engine's buffers and the host loop (``events``)."""
+def _call(target, prompts, *, draft, spec, sampling, engine, seed, progress) -> "_Run":
+    """``generate()``'s call: a throwaway ``Engine`` sized for these requests (its batch for their
+    number, its page table for the longest), and one run on it."""
+    _check_seed(seed)
+    _check_models(target, draft, spec)
+    ids = _tokenize(target, prompts)
+    sampling = _sampling_list(sampling, len(ids))
+    _check_requests(target, ids, sampling, engine or EngineConfig())
+    longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
+    eng = Engine(target, draft=draft, spec=spec, engine=engine, _batch=len(ids), _longest=longest)
+    return _Run(eng, ids, sampling, seed=seed, progress=progress)
 
-    def __init__(self, target, prompts, *, draft, spec, sampling, engine, seed, progress):
+
+def _check_seed(seed) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+
+
+def _check_requests(target: Model, ids: list[list[int]], sampling: list[SamplingParams], engine: EngineConfig):
+    _check_sampling_fits(sampling, target.config.vocab_size)
+    if target.tokenizer is None and any(s.stop for s in sampling):
+        raise ValueError("SamplingParams.stop needs text, but the target has no tokenizer (no tokenizer.json "
+                         "next to its weights); use stop_token_ids")
+    for i, (p, s) in enumerate(zip(ids, sampling)):
+        total = len(p) + s.max_new_tokens
+        if total > engine.max_seq_len:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
+                f"max_seq_len {engine.max_seq_len}"
+            )
+
+
+def _check_models(target, draft, spec) -> None:
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
+    if draft is not None and spec is None:
+        raise ValueError("a draft was given without a SpecConfig: pass spec=jaxspec.SpecConfig(...)")
+    if spec is not None and draft is None:
+        raise ValueError("spec was given without a draft model")
+    if draft is not None:
+        if not isinstance(draft, DraftModel):
+            raise ValueError(
+                f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
+                f"got {type(draft).__name__}"
+            )
+        draft.config.check_fits(target.config)
+        draft.config.check_spec(spec)
+
+
+class Engine:
+    """A serving engine that keeps its KV pools, page allocators and compiled programs across calls.
+
+        engine = jaxspec.Engine(target, draft=draft, spec=spec, engine=jaxspec.EngineConfig(max_batch=16))
+        out = engine.generate(prompts, sampling=jaxspec.SamplingParams(max_new_tokens=256))
+        for event in engine.generate_stream(more_prompts): ...
+
+    Its pools are sized once, for ``engine.max_batch`` requests of ``engine.max_seq_len`` tokens (or
+    ``engine.num_pages`` pages); every call reuses them, and calls with the same shapes compile nothing
+    new. One call runs at a time. ``jaxspec.generate()`` is a throwaway engine sized for its call.
+
+    Raises:
+      ValueError: a draft that does not fit the target or the spec, before any device work.
+    """
+
+    def __init__(self, target: Model, draft: DraftModel | None = None, spec: SpecConfig | None = None,
+                 engine: EngineConfig | None = None, *, _batch: int | None = None, _longest: int | None = None):
         engine = engine or EngineConfig()
-        if not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-        if not isinstance(target, Model):
-            raise ValueError(f"target must be a Model from jaxspec.load_model, got {type(target).__name__}")
-        if draft is not None and spec is None:
-            raise ValueError("a draft was given without a SpecConfig: pass spec=jaxspec.SpecConfig(...)")
-        if spec is not None and draft is None:
-            raise ValueError("spec was given without a draft model")
-        if draft is not None:
-            if not isinstance(draft, DraftModel):
-                raise ValueError(
-                    f"draft must come from jaxspec.load_draft (or be a jaxspec.NgramDraft / HybridDraft), "
-                    f"got {type(draft).__name__}"
-                )
-            draft.config.check_fits(target.config)
-            draft.config.check_spec(spec)
-        ids = _tokenize(target, prompts)
-        sampling = _sampling_list(sampling, len(ids))
-        _check_sampling_fits(sampling, target.config.vocab_size)
-        if target.tokenizer is None and any(s.stop for s in sampling):
-            raise ValueError("SamplingParams.stop needs text, but the target has no tokenizer (no tokenizer.json "
-                             "next to its weights); use stop_token_ids")
-        adaptive = None
-        if spec is not None and spec.adaptive_steps:
-            adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
-        plans = {}  # depth -> Plan, for adaptive chains
+        _check_models(target, draft, spec)
         mesh = target.mesh
         data_shards = axis_size(mesh, DATA)
         # A draft without parameters (NgramDraft) serves any mesh; its per-row state follows the rows.
         if draft is not None and jax.tree_util.tree_leaves(draft.params) and getattr(draft, "mesh", None) is not mesh:
             raise ValueError("the draft is not placed on the target's mesh: load it with load_draft(path, target)")
+        adaptive = spec is not None and bool(spec.adaptive_steps)
+        # The plan of every call, but for what its requests ask (sampling, controls, logprobs: ``_Run``).
         plan = Plan(
             target=target.config,
             draft=None if draft is None else draft.config,
-            spec=spec.with_steps(max(spec.adaptive_steps)) if adaptive else spec,
+            spec=spec.with_steps(max(spec.adaptive_steps)) if adaptive else spec,  # buffers: the deepest
             page_size=engine.page_size,
             steps_per_call=engine.steps_per_call,
-            greedy_only=all(s.is_greedy for s in sampling),
-            filtering=any(s.filters for s in sampling),
-            controls=any(s.uses_penalties for s in sampling),
-            logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
-                      if any(s.logprobs is not None for s in sampling) else None),
             implementation=engine.implementation,
             data_shards=data_shards,
         )
-        if adaptive:  # buffers and page grants are sized for the deepest candidate (`plan`)
-            plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
         # Sliding-window layers (of the target, or of a standalone draft) keep their K/V in a window pool.
         windows = [w for w in (kv_window(target.config), draft.config.kv_window if draft is not None else None) if w]
         if windows and spec is not None and max(spec.adaptive_steps or (spec.depth,)) >= min(windows):
@@ -307,24 +339,11 @@ class _Run:
                 f"SpecConfig depth {max(spec.adaptive_steps or (spec.depth,))} must be smaller than the "
                 f"sliding window ({min(windows)}): a draft tree's rows attend to their ancestors without a window test"
             )
-        for i, (p, s) in enumerate(zip(ids, sampling)):
-            total = len(p) + s.max_new_tokens
-            if total > engine.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
-                    f"max_seq_len {engine.max_seq_len}"
-                )
-        stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
-        keys = _request_keys(seed, sampling)
-        requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
-
-        # Static buckets: batch rows, output width, stop-id slots, page-table width. On a mesh the
-        # rows and pages split evenly over its data shards (each with its own scratch page).
-        batch = max(next_pow2(min(len(ids), engine.max_batch)), data_shards)
+        # Static buckets: batch rows and page-table width. On a mesh the rows and pages split evenly
+        # over its data shards (each with its own scratch page).
+        batch = max(next_pow2(min(_batch or engine.max_batch, engine.max_batch)), data_shards)
         batch = data_shards * -(-batch // data_shards)
-        out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
-        num_stop = next_pow2(max(1, max(len(st) for st in stops)))
-        longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
+        longest = min(_longest or engine.max_seq_len, engine.max_seq_len)
         width = next_pow2(pages_needed(longest + plan.lookahead, engine.page_size))
         num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
                                    (batch // data_shards) * width + 1)
@@ -332,11 +351,9 @@ class _Run:
         window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
                                   ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
         window_pages = window.num_pages if window is not None else None
-        self.sched = Scheduler(
-            requests, batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
-            lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards, window=window,
-            admission=engine.admission,
-        )
+        self.pages = PagePools(batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
+                               lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards,
+                               window=window)
         dtype = jnp.dtype(target.dtype)
         P_ = engine.page_size
         self.tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_,
@@ -348,21 +365,93 @@ class _Run:
             self.dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
                                                                       window_pages=window_pages, rows=batch),
                                      draft.config.tensor_parallel > 1, mesh)
-        draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * P_)
+        self.target, self.draft, self.spec, self.plan, self.config = target, draft, spec, plan, engine
+        self.dtype, self.batch, self.width = dtype, batch, width
+        self.dparams = None if draft is None else draft.params
+
+    def generate(self, prompts, *, sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,
+                 progress: bool | None = None) -> GenerateOutput:
+        """``jaxspec.generate()`` on this engine's pools (same prompts, sampling, seed, progress)."""
+        run = self._run(prompts, sampling, seed, progress)
+        for _ in run.events():
+            pass
+        return run.output()
+
+    def generate_stream(self, prompts, *, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                        seed: int = 0, progress: bool | None = False) -> Iterator[StreamEvent]:
+        """``jaxspec.generate_stream()`` on this engine's pools. Closing the stream early ends the
+        call: its requests' pages go back."""
+        return self._run(prompts, sampling, seed, progress).events()
+
+    def _run(self, prompts, sampling, seed, progress) -> "_Run":
+        _check_seed(seed)
+        ids = _tokenize(self.target, prompts)
+        return _Run(self, ids, _sampling_list(sampling, len(ids)), seed=seed, progress=progress)
+
+
+class _Run:
+    """One call on an ``Engine``: validated requests, their plan and decode state, the host loop
+    (``events``)."""
+
+    def __init__(self, eng: Engine, ids: list[list[int]], sampling: list[SamplingParams], *, seed: int, progress):
+        target, spec, engine = eng.target, eng.spec, eng.config
+        _check_requests(target, ids, sampling, engine)
+        plan = dataclasses.replace(
+            eng.plan,
+            greedy_only=all(s.is_greedy for s in sampling),
+            filtering=any(s.filters for s in sampling),
+            controls=any(s.uses_penalties for s in sampling),
+            logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
+                      if any(s.logprobs is not None for s in sampling) else None),
+        )
+        adaptive, plans = None, {}  # depth -> Plan, for adaptive chains
+        if spec is not None and spec.adaptive_steps:
+            adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
+            plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
+        stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
+        keys = _request_keys(seed, sampling)
+        requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
+        self.sched = eng.pages.scheduler(requests, admission=engine.admission)
+        # Static buckets of the call: output width and stop-id slots.
+        out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
+        num_stop = next_pow2(max(1, max(len(st) for st in stops)))
+        batch, dtype, draft = eng.batch, eng.dtype, eng.draft
+        draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype,
+                                                                        max_len=eng.width * engine.page_size)
         control_vocab = target.config.vocab_size if plan.controls else 0
         self.state = create_state(lambda: DecodeState.empty(
             batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
-            control_vocab=control_vocab, top_logprobs=plan.logprobs), mesh)
+            control_vocab=control_vocab, top_logprobs=plan.logprobs), target.mesh)
+        self.eng = eng
         self.target, self.draft, self.plan, self.plans, self.adaptive = target, draft, plan, plans, adaptive
-        self.dparams = None if draft is None else draft.params
+        self.dparams = eng.dparams
         self.sampling, self.num_stop, self.engine, self.progress = sampling, num_stop, engine, progress
         self.wall = 0.0
+
+    @property
+    def tpool(self):
+        return self.eng.tpool
+
+    @tpool.setter
+    def tpool(self, value):
+        self.eng.tpool = value
+
+    @property
+    def dpool(self):
+        return self.eng.dpool
+
+    @dpool.setter
+    def dpool(self, value):
+        self.eng.dpool = value
 
     def events(self) -> Iterator[StreamEvent]:
         """The host loop: admit, prefill, grant pages, run a decode call, hand out what it
         committed, retire finished rows. Yields the events of each round trip."""
-        with run_context(self.target.mesh):
-            yield from self._loop()
+        try:
+            with run_context(self.target.mesh):
+                yield from self._loop()
+        finally:  # also when a stream is closed early: the engine's pages are whole for the next call
+            self.sched.release_all()
 
     def _loop(self) -> Iterator[StreamEvent]:
         sched, plan, engine, target = self.sched, self.plan, self.engine, self.target

@@ -77,7 +77,7 @@ class Scheduler:
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
                  lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None,
-                 admission: str = "reserve"):
+                 admission: str = "reserve", allocators: list[PageAllocator] | None = None):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         if window is not None and len(window.allocators) != data_shards:
@@ -87,7 +87,7 @@ class Scheduler:
         self.step_growth = step_growth  # positions a decode call may advance a request
         self.data_shards = data_shards
         self.rows_per_shard = batch // data_shards
-        self.allocators = [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
+        self.allocators = allocators or [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
         self.page_table = np.zeros((batch, width), np.int32)
         self.window = window
         self.waiting: deque[Request] = deque(requests)
@@ -267,6 +267,12 @@ class Scheduler:
         self.done.append(req)
         return req
 
+    def release_all(self) -> None:
+        """Every running request's pages back (a call that ends early: its engine's pools stay whole)."""
+        for row, req in enumerate(self.rows):
+            if req is not None:
+                self._free_row(row)
+
     def _free_row(self, row: int) -> None:
         req = self.rows[row]
         self.allocator_of(row).release(req.index)
@@ -276,3 +282,31 @@ class Scheduler:
             self.reserved_window[self.shard_of(row)] -= req.worst_window_pages
         self.page_table[row] = 0
         self.rows[row] = None
+
+
+@dataclasses.dataclass
+class PagePools:
+    """An engine's page accounting, which outlives its calls: the allocators of its KV pools (one per
+    data shard) and of its window pool, and the shapes they serve. Each call schedules its requests
+    over them (``scheduler``) and gives every page back when it ends."""
+
+    batch: int
+    width: int
+    num_pages: int
+    page_size: int
+    lookahead: int
+    step_growth: int
+    data_shards: int = 1
+    window: WindowPages | None = None
+    allocators: list[PageAllocator] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        if self.num_pages % self.data_shards:
+            raise ValueError(f"num_pages {self.num_pages} must split evenly over {self.data_shards} data shards")
+        self.allocators = [PageAllocator(self.num_pages // self.data_shards) for _ in range(self.data_shards)]
+
+    def scheduler(self, requests: list[Request], *, admission: str) -> Scheduler:
+        return Scheduler(requests, batch=self.batch, width=self.width, num_pages=self.num_pages,
+                         page_size=self.page_size, lookahead=self.lookahead, step_growth=self.step_growth,
+                         data_shards=self.data_shards, window=self.window, admission=admission,
+                         allocators=self.allocators)
