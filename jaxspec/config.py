@@ -331,6 +331,13 @@ class EngineConfig:
         admitted running request (never the only one) even when pages are free (0: never).
       check_pages: after every decode call, check that every page is owned by exactly one
         running request or free, and that the page tables hold exactly the owned pages (tests).
+      prefix_cache: keep full pages of prompt KV (target and draft) after their requests end,
+        indexed by the tokens they hold and the one after them, and reuse them for later prompts
+        that start the same way (in the call, and in later calls of a ``jaxspec.Engine``); cached
+        pages count as free (evicted, least recently used first, when pages are needed). None:
+        on where the model allows it; True: on, or a ValueError naming why not (targets with
+        recurrent state, whose state is not paged, and models with sliding-window pools, whose
+        pages leave the window, are not cached); False: off.
     """
 
     page_size: int = 16
@@ -344,6 +351,7 @@ class EngineConfig:
     admission: str = "optimistic"
     preempt_every: int = 0
     check_pages: bool = False
+    prefix_cache: bool | None = None
 
     def __post_init__(self):
         for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
@@ -356,6 +364,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.preempt_every must be an int >= 0, got {self.preempt_every!r}")
         if not isinstance(self.check_pages, bool):
             raise ValueError(f"EngineConfig.check_pages must be a bool, got {self.check_pages!r}")
+        if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"EngineConfig.prefix_cache must be None, True or False, got {self.prefix_cache!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"

@@ -25,7 +25,7 @@ from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
-from jaxspec.model.targets import Model, create_target_pool, kv_window
+from jaxspec.model.targets import Model, create_target_pool, has_recurrent_state, kv_window
 
 
 @dataclasses.dataclass
@@ -36,7 +36,8 @@ class RequestStats:
     (``max_new_tokens``); stop_reason: the stop token id or stop string, if one ended it.
     accepted_per_position[i]: verify steps whose i-th draft token was accepted (one entry per
     draft depth; empty for plain decoding). preemptions: how often the engine took the request off
-    the batch to free pages and later resumed it (its output is the same either way)."""
+    the batch to free pages and later resumed it (its output is the same either way).
+    cached_tokens: prompt tokens whose KV came from the prefix cache (not prefilled again)."""
 
     num_tokens: int
     accept_lens: list[int]
@@ -47,6 +48,7 @@ class RequestStats:
     stop_reason: int | str | None = None
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -91,7 +93,7 @@ class GenerateOutput:
     wall_seconds: float
     logprobs: list[list[float] | None] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[dict[int, float]] | None] = dataclasses.field(default_factory=list)
-    kv_pages_free: int = 0  # after the call: every page should be back (== kv_pages_total)
+    kv_pages_free: int = 0  # after the call: every page is back (== kv_pages_total); prefix-cache pages count (reclaimable)
     kv_pages_total: int = 0
     # The sliding-window pool (targets with sliding-window layers): free / total pages after the
     # call, and pages returned while their request was still running (they fell behind its window).
@@ -298,7 +300,8 @@ def _check_models(target, draft, spec) -> None:
 
 
 class Engine:
-    """A serving engine that keeps its KV pools, page allocators and compiled programs across calls.
+    """A serving engine that keeps its KV pools, page allocators, prefix cache and compiled
+    programs across calls.
 
         engine = jaxspec.Engine(target, draft=draft, spec=spec, engine=jaxspec.EngineConfig(max_batch=16))
         out = engine.generate(prompts, sampling=jaxspec.SamplingParams(max_new_tokens=256))
@@ -351,9 +354,17 @@ class Engine:
         window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
                                   ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
         window_pages = window.num_pages if window is not None else None
+        # Why a model's prompts are not cached (None: they are, when the engine caches at all).
+        recurrent = has_recurrent_state(target.config) or (
+            draft is not None and has_recurrent_state(getattr(draft.config, "model", None)))
+        self.uncacheable = ("its recurrent state (linear-attention layers) is not paged" if recurrent else
+                            "its sliding-window KV pages leave the window" if windows else None)
+        if engine.prefix_cache and self.uncacheable:
+            raise ValueError(f"EngineConfig(prefix_cache=True): this model's prompts cannot be cached: "
+                             f"{self.uncacheable}")
         self.pages = PagePools(batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
                                lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards,
-                               window=window)
+                               window=window, prefix_cache=engine.prefix_cache is not False and not self.uncacheable)
         dtype = jnp.dtype(target.dtype)
         P_ = engine.page_size
         self.tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_,
@@ -472,6 +483,7 @@ class _Run:
             if admitted:
                 self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
                                                               self.dpool, sched, admitted, self.num_stop, engine)
+                sched.cache_prompts(admitted)
                 for r in admitted:
                     seq_lens[r.row] = len(r.context)
                     seen[r.row] = len(r.tokens)
@@ -590,7 +602,7 @@ class _Run:
                 mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
                 tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
-                preemptions=r.preemptions,
+                preemptions=r.preemptions, cached_tokens=r.cached_tokens,
             ))
         return GenerateOutput(
             token_ids=[r.tokens for r in done], texts=[r.text.text for r in done] if target.tokenizer else None,
@@ -670,6 +682,9 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     longest = max(len(r.context) for r in admitted)
     T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
     tokens = np.zeros((R, T), np.int32)
+    hit = any(r.start for r in admitted)  # some context starts in cached pages: prefill only the rest
+    Ts = max(engine.min_prefill_bucket, next_pow2(max(len(r.context) - r.start for r in admitted) + 1)) if hit else T
+    suffix, start = np.zeros((R, Ts), np.int32), np.zeros(R, np.int32)
     lens = np.zeros(R, np.int32)
     rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
     V = target.config.vocab_size if plan.controls else 0
@@ -680,6 +695,8 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
             context = r.context  # the prompt, or a resumed request's prompt + output but its last token
             tokens[i, : len(context)] = context
             lens[i] = len(context)
+            suffix[i, : len(context) - r.start] = context[r.start:]
+            start[i] = r.start
             req["prompt_lens"][i] = len(r.prompt)
             if r.resume is not None:
                 req["first"][i] = r.tokens[-1]
@@ -697,6 +714,8 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
                     req[name][i] = getattr(r.sampling, name)
                 for t, b in r.sampling.logit_bias or ():
                     req["logit_bias"][i, t] = b
+    if hit:
+        req["suffix"], req["start"] = suffix, start
     mesh = target.mesh
     return prefill_program(
         plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh),

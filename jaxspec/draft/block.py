@@ -77,10 +77,11 @@ class Block:
     def prefill(plan: Plan, dparams: dict, tokens, lens, first, out, dpool, ctx: DraftContext, seed: DraftSeed):
         """Context K/V of R new prompts (tokens i32[R, T], lens i32[R]) from the target's
         prefill features; returns (seed, dpool)."""
-        R, T = tokens.shape
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
-        write = jnp.where(pos < lens[:, None], pos, -1)
-        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size)
+        R, T = tokens.shape  # from position ctx.seq_lens on (the positions before are in cached pages)
+        col = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+        pos = ctx.seq_lens[:, None] + col
+        write = jnp.where(col < lens[:, None], pos, -1)
+        attn = AttentionInputs.build(ctx.page_table, ctx.seq_lens, write, plan.page_size)
         _, dpool = plan.draft.extend(dparams, tokens, plan.draft.target_feature(out), pos, dpool, attn, ctx,
                                      implementation=plan.implementation)
         return seed, dpool

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.draft import tree as tree_lib
-from jaxspec.draft.lookup import append_emitted, ngram_paths, prefix_for, prompt_history
+from jaxspec.draft.lookup import append_emitted, ngram_paths, prefix_for, prompt_history, whole_context
 from jaxspec.draft.plan import Plan, StepRows
 from jaxspec.draft.recurrent import Recurrent
 from jaxspec.model.drafts.base import DraftContext
@@ -104,4 +104,5 @@ class Hybrid:
     def prefill(plan: Plan, dparams, tokens, lens, first, out, dpool, ctx: DraftContext, seed: HybridSeed):
         base, dpool = _model_proposer(plan).prefill(model_plan(plan), dparams, tokens, lens, first, out, dpool, ctx,
                                                     seed.base)
-        return HybridSeed(base=base, ngram=NgramSeed(prompt_history(seed.ngram.history, tokens, lens, first))), dpool
+        history = prompt_history(seed.ngram.history, *whole_context(tokens, lens, ctx), first)
+        return HybridSeed(base=base, ngram=NgramSeed(history)), dpool

@@ -176,6 +176,11 @@ def prompt_history(
     return history.at[jnp.arange(R), lens].set(first.astype(jnp.int32), mode="drop")
 
 
+def whole_context(tokens, lens, ctx: DraftContext):
+    """A prefill's whole contexts (tokens, lens): ``tokens`` / ``lens`` may be their uncached suffixes."""
+    return (tokens, lens) if ctx.context is None else ctx.context
+
+
 class Lookup:
     """Drives ``NgramDraft``: no forward, no KV; the seed is the token history."""
 
@@ -211,4 +216,4 @@ class Lookup:
 
     @staticmethod
     def prefill(plan: Plan, dparams, tokens, lens, first, out, dpool, ctx: DraftContext, seed: NgramSeed):
-        return NgramSeed(prompt_history(seed.history, tokens, lens, first)), dpool
+        return NgramSeed(prompt_history(seed.history, *whole_context(tokens, lens, ctx), first)), dpool

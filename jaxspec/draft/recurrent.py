@@ -142,16 +142,18 @@ class Recurrent:
 
     @staticmethod
     def prefill(plan: Plan, dparams: dict, tokens, lens, first, out, dpool, ctx: DraftContext, seed: DraftSeed):
-        """The draft over R new prompts (tokens i32[R, T], lens i32[R], first token i32[R]) with
-        the target's prefill output ``out``; returns (DraftSeed [R, Hd], dpool)."""
+        """The draft over R new prompts (tokens i32[R, T] from position ``ctx.seq_lens`` on: the
+        positions before are in cached pages; lens i32[R] of them, first token i32[R]) with the
+        target's prefill output ``out``; returns (DraftSeed [R, Hd], dpool)."""
         draft = plan.draft
         R, T = tokens.shape
         off = draft.pos_offset  # row p consumes the token at p + 1 - off of prompt + first token
         full = tokens.at[jnp.arange(R), lens].set(first, mode="drop")
         dtok = jnp.pad(full[:, 1 - off:], ((0, 0), (0, 1 - off)))
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
-        write = jnp.where((pos < (lens + off)[:, None]) & (lens > 0)[:, None], pos, -1)
-        attn = AttentionInputs.build(ctx.page_table, jnp.zeros((R,), jnp.int32), write, plan.page_size,
+        col = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+        pos = ctx.seq_lens[:, None] + col
+        write = jnp.where((col < (lens + off)[:, None]) & (lens > 0)[:, None], pos, -1)
+        attn = AttentionInputs.build(ctx.page_table, ctx.seq_lens, write, plan.page_size,
                                      state_rows=ctx.state_rows)
         h, dpool = draft.extend(dparams, dtok, draft.target_feature(out), pos, dpool, attn, ctx,
                                 implementation=plan.implementation)  # [R, T, Hd]

@@ -1,13 +1,16 @@
 """Host page allocator with exact accounting.
 
-Pages 1..num_pages-1 are grantable; page 0 is reserved scratch. Every page granted to a
-request comes back when the request is released. Asking for more pages than are free
-raises ``KVCacheExhausted`` before anything is written, so memory is never corrupted.
+Pages 1..num_pages-1 are grantable; page 0 is reserved scratch. A page is free, held by one or more
+requests (a prompt page shared through the prefix cache), or parked in the prefix cache with no
+holder (kept for reuse, reclaimable: it counts as free and is evicted, least recently used first,
+when a grant needs it). Every page a request holds comes back when it is released. Asking for more
+pages than are free (or reclaimable) raises ``KVCacheExhausted`` before anything is written, so
+memory is never corrupted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class KVCacheExhausted(ValueError):
@@ -21,10 +24,15 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
         self._owned: dict[int, list[int]] = {}
+        self._holders: dict[int, int] = {}  # page -> how many requests hold it
+        self.cached: set[int] = set()  # pages the prefix cache keeps (held or parked)
+        self.parked: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
+        self.on_evict = None  # called with a page the allocator takes back from the prefix cache
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free pages, parked cache pages included (reclaimable)."""
+        return len(self._free) + len(self.parked)
 
     @property
     def capacity(self) -> int:
@@ -44,14 +52,39 @@ class PageAllocator:
         need = total_pages - len(owned)
         if need <= 0:
             return []
-        if need > len(self._free):
+        if need > self.num_free:
             raise KVCacheExhausted(
-                f"KV cache exhausted: request {owner} needs {need} more pages, {len(self._free)} of "
+                f"KV cache exhausted: request {owner} needs {need} more pages, {self.num_free} of "
                 f"{self.capacity} are free (raise EngineConfig.num_pages or lower max_batch / max_seq_len)"
             )
+        while len(self._free) < need:  # reclaim parked prefix-cache pages, least recently used first
+            page, _ = self.parked.popitem(last=False)
+            self.cached.discard(page)
+            if self.on_evict is not None:
+                self.on_evict(page)
+            self._free.append(page)
         new = [self._free.popleft() for _ in range(need)]
+        for page in new:
+            self._holders[page] = 1
         owned.extend(new)
         return new
+
+    def share(self, owner: int, pages: list[int]) -> None:
+        """``owner`` (holding nothing yet) also holds ``pages``, cached pages it found in the prefix cache."""
+        if self._owned.get(owner):
+            raise AssertionError(f"request {owner} already holds pages")
+        for page in pages:
+            if page not in self.cached:
+                raise AssertionError(f"page {page} is not in the prefix cache")
+            self.parked.pop(page, None)
+            self._holders[page] = self._holders.get(page, 0) + 1
+        self._owned[owner] = list(pages)
+
+    def cache(self, page: int) -> None:
+        """The prefix cache keeps ``page`` (held now) once its holders let it go."""
+        if self._holders.get(page, 0) < 1:
+            raise AssertionError(f"page {page} is not held")
+        self.cached.add(page)
 
     def release_pages(self, owner: int, pages: list[int]) -> None:
         """Returns some of ``owner``'s pages (a sliding-window request's pages that fell behind
@@ -61,19 +94,42 @@ class PageAllocator:
             if page not in owned:
                 raise AssertionError(f"page {page} is not held by request {owner}")
             owned.remove(page)
-            self._free.append(page)
+            self._drop(page)
 
     def release(self, owner: int) -> int:
-        """Returns every page of ``owner`` to the free list; returns how many."""
+        """Lets go of every page of ``owner`` (free again, or parked in the prefix cache); returns how many."""
         pages = self._owned.pop(owner, [])
-        self._free.extend(pages)
+        for page in pages:
+            self._drop(page)
         return len(pages)
 
+    def _drop(self, page: int) -> None:
+        self._holders[page] -= 1
+        if self._holders[page]:
+            return
+        del self._holders[page]
+        if page in self.cached:
+            self.parked[page] = None  # most recently used last
+        else:
+            self._free.append(page)
+
     def check(self) -> None:
-        """Asserts the accounting invariant: free + owned = every grantable page, no duplicates."""
+        """Asserts the accounting invariant: every grantable page is free, parked in the prefix cache
+        or held, exactly one of those, and each held page's holder count matches its owners."""
         owned = [p for pages in self._owned.values() for p in pages]
-        every = list(self._free) + owned
+        held = set(owned)
+        every = list(self._free) + list(self.parked) + sorted(held)
         if sorted(every) != list(range(1, self.num_pages)):
             raise AssertionError(
-                f"page accounting broken: {len(self._free)} free + {len(owned)} owned != {self.capacity}"
+                f"page accounting broken: {len(self._free)} free + {len(self.parked)} parked + {len(held)} held "
+                f"!= {self.capacity}"
             )
+        counts: dict[int, int] = {}
+        for page in owned:
+            counts[page] = counts.get(page, 0) + 1
+        if counts != self._holders:
+            raise AssertionError("page holder counts do not match the owners' page lists")
+        if any(counts[p] > 1 and p not in self.cached for p in counts):
+            raise AssertionError("a page outside the prefix cache is held by two requests")
+        if not set(self.parked) <= self.cached:
+            raise AssertionError("a parked page is not in the prefix cache")

@@ -57,7 +57,9 @@ def prefill(
     request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, min_p,
     #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2];
     #                 resuming: prompt_lens i32[R] (tokens past it were generated; default: none), first i32[R] (>= 0:
-    #                 the forced first token), steps i32[R] (PRNG draws so far, 1 for a new request)
+    #                 the forced first token), steps i32[R] (PRNG draws so far, 1 for a new request);
+    #                 prefix caching: start i32[R] (positions already in the pools' cached pages) and suffix
+    #                 i32[R, Ts] (tokens from position start on; absent: start 0, suffix = tokens)
 ):
     """Prefills R new (or resumed) requests into ``rows`` of the batch; returns (state, tpool, dpool)."""
     R, T = tokens.shape
@@ -65,12 +67,17 @@ def prefill(
     pt = jax.tree.map(lambda table: table[jnp.minimum(rows, B - 1)], page_table)  # every table's rows
     real = lens > 0
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
-    write = jnp.where(pos < lens[:, None], pos, -1)
-    attn = AttentionInputs.build(pt, jnp.zeros((R,), jnp.int32), write, plan.page_size, state_rows=rows)
-    out = target_forward(plan.target, tparams, tokens, pos, tpool, attn, aux_layers=plan.aux_layers,
+    start = request.get("start", jnp.zeros((R,), jnp.int32))  # cached prefix: only the suffix is computed
+    suffix = request.get("suffix", tokens)  # [R, Ts]
+    Ts = suffix.shape[1]
+    new_lens = jnp.where(real, lens - start, 0)
+    new_pos = start[:, None] + jnp.arange(Ts, dtype=jnp.int32)[None, :]
+    write = jnp.where(jnp.arange(Ts)[None, :] < new_lens[:, None], new_pos, -1)
+    attn = AttentionInputs.build(pt, start, write, plan.page_size, state_rows=rows)
+    out = target_forward(plan.target, tparams, suffix, new_pos, tpool, attn, aux_layers=plan.aux_layers,
                          implementation=plan.implementation)
     tpool = out.pool
-    last = jnp.maximum(lens - 1, 0)
+    last = jnp.maximum(new_lens - 1, 0)
     h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [R, H]
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(request["keys"]), jnp.zeros((R,), jnp.int32))
     logits = target_logits(plan.target, tparams, h_last)  # [R, V]
@@ -84,8 +91,8 @@ def prefill(
     first = jnp.where(request["first"] >= 0, request["first"], first)
     done = lens - prompt_lens  # tokens generated before this prefill (all but the forced first)
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
-    seed, dpool = proposer_for(plan).prefill(plan, dparams, tokens, lens, first, out, dpool,
-                                             DraftContext(pt, jnp.zeros((R,), jnp.int32), tpool, state_rows=rows), empty)
+    ctx = DraftContext(pt, start, tpool, state_rows=rows, context=(tokens, lens))
+    seed, dpool = proposer_for(plan).prefill(plan, dparams, suffix, new_lens, first, out, dpool, ctx, empty)
     stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
     out_width = state.out_tokens.shape[1]
     logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)

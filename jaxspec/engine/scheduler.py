@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxspec.config import SamplingParams
 from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator
+from jaxspec.engine.prefix_cache import PrefixCache
 from jaxspec.engine.window import WindowPages
 from jaxspec.kvcache.paging import pages_needed
 
@@ -55,6 +56,8 @@ class Request:
     preemptions: int = 0
     stalls: int = 0  # preemptions in a row with no new token between them
     resume: Any = None  # what a preempted request carries back (``jaxspec.generate._Resume``)
+    start: int = 0  # positions of its context found in the prefix cache at its latest admission
+    cached_tokens: int = 0  # prompt positions found in the prefix cache at its first admission
 
     @property
     def context(self) -> list[int]:
@@ -77,7 +80,8 @@ class Scheduler:
 
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
                  lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None,
-                 admission: str = "reserve", allocators: list[PageAllocator] | None = None):
+                 admission: str = "reserve", allocators: list[PageAllocator] | None = None,
+                 caches: list[PrefixCache] | None = None):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         if window is not None and len(window.allocators) != data_shards:
@@ -88,6 +92,7 @@ class Scheduler:
         self.data_shards = data_shards
         self.rows_per_shard = batch // data_shards
         self.allocators = allocators or [PageAllocator(num_pages // data_shards) for _ in range(data_shards)]
+        self.caches = caches  # one prefix cache per data shard, or None
         self.page_table = np.zeros((batch, width), np.int32)
         self.window = window
         self.waiting: deque[Request] = deque(requests)
@@ -135,6 +140,8 @@ class Scheduler:
         request, and each running row's page table holds exactly its request's pages."""
         for a in self.allocators:
             a.check()
+        for c in self.caches or ():
+            c.check()
         if self.window is not None:
             for a in self.window.allocators:
                 a.check()
@@ -195,9 +202,26 @@ class Scheduler:
             if not req.t_admit:
                 req.t_admit = time.perf_counter()
             self.rows[row] = req
+            req.start = 0
+            if self.caches is not None:
+                hit = self.caches[d].match(req.context)
+                if hit:
+                    self.allocator_of(row).share(req.index, hit)
+                    self.page_table[row, :len(hit)] = hit
+                    self.caches[d].hits += len(hit)
+                    req.start = len(hit) * self.page_size
+                if req.resume is None:
+                    req.cached_tokens = req.start
             self._grant(req, len(req.context), 1)
             admitted.append(req)
         return admitted
+
+    def cache_prompts(self, admitted: list[Request]) -> None:
+        """After their prefill: index the admitted requests' prefilled full pages in the prefix cache."""
+        if self.caches is None:
+            return
+        for req in admitted:
+            self.caches[self.shard_of(req.row)].insert(req.context, self.allocator_of(req.row).pages_of(req.index))
 
     def to_preempt(self, seq_lens: np.ndarray, force: bool = False) -> list[int]:
         """Rows to preempt before the next decode call: per data shard, the most recently admitted
@@ -298,15 +322,18 @@ class PagePools:
     step_growth: int
     data_shards: int = 1
     window: WindowPages | None = None
+    prefix_cache: bool = False
     allocators: list[PageAllocator] = dataclasses.field(init=False)
+    caches: list[PrefixCache] | None = dataclasses.field(init=False)
 
     def __post_init__(self):
         if self.num_pages % self.data_shards:
             raise ValueError(f"num_pages {self.num_pages} must split evenly over {self.data_shards} data shards")
         self.allocators = [PageAllocator(self.num_pages // self.data_shards) for _ in range(self.data_shards)]
+        self.caches = [PrefixCache(a, self.page_size) for a in self.allocators] if self.prefix_cache else None
 
     def scheduler(self, requests: list[Request], *, admission: str) -> Scheduler:
         return Scheduler(requests, batch=self.batch, width=self.width, num_pages=self.num_pages,
                          page_size=self.page_size, lookahead=self.lookahead, step_growth=self.step_growth,
                          data_shards=self.data_shards, window=self.window, admission=admission,
-                         allocators=self.allocators)
+                         allocators=self.allocators, caches=self.caches)

@@ -70,12 +70,15 @@ class DraftContext:
     state_rows: i32[B] the batch row of each request (a prefill's admitted rows), for drafts with
       per-row state; None: row b is request b.
     step: static, the draft step a forward runs (0: the extend; i + 1: step i of the propose loop).
+    context: a prefill's whole contexts (tokens i32[R, T], lens i32[R]) when its forward runs over
+      their uncached suffixes only (from ``seq_lens`` on); None elsewhere.
     """
 
     page_table: Any
     seq_lens: jax.Array
     target_pool: Any
     state_rows: jax.Array | None = None
+    context: Any = None
     step: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
