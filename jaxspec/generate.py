@@ -379,6 +379,7 @@ class Engine:
         self.target, self.draft, self.spec, self.plan, self.config = target, draft, spec, plan, engine
         self.dtype, self.batch, self.width = dtype, batch, width
         self.dparams = None if draft is None else draft.params
+        self.busy = False  # a call is running (its stream is open)
 
     def generate(self, prompts, *, sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,
                  progress: bool | None = None) -> GenerateOutput:
@@ -458,11 +459,15 @@ class _Run:
     def events(self) -> Iterator[StreamEvent]:
         """The host loop: admit, prefill, grant pages, run a decode call, hand out what it
         committed, retire finished rows. Yields the events of each round trip."""
+        if self.eng.busy:
+            raise RuntimeError("this Engine is serving another call (a stream still open?): one call at a time")
+        self.eng.busy = True
         try:
             with run_context(self.target.mesh):
                 yield from self._loop()
         finally:  # also when a stream is closed early: the engine's pages are whole for the next call
             self.sched.release_all()
+            self.eng.busy = False
 
     def _loop(self) -> Iterator[StreamEvent]:
         sched, plan, engine, target = self.sched, self.plan, self.engine, self.target

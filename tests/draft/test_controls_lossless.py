@@ -71,11 +71,8 @@ TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 @pytest.mark.parametrize("draft,spec,page,controls", [
     ("eagle3", js.SpecConfig.chain(3), 1, "mixed"),
     ("eagle3", js.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8), 16, "mixed"),
-    ("perturbed", js.SpecConfig.chain(4), 16, "mixed"),
     ("perturbed", TREE, 1, "mixed"),
     ("perturbed", TREE, 16, "all"),
-    ("same", js.SpecConfig.chain(3), 1, "mixed"),
-    ("assistant", js.SpecConfig.chain(3), 16, "mixed"),
     ("assistant", TREE, 1, "mixed"),
     ("ngram", js.SpecConfig.chain(3), 1, "mixed"),
     ("ngram", TREE, 16, "mixed"),
@@ -100,7 +97,7 @@ def test_tiny_target_drafts_equal_plain_with_controls(tiny_target, draft, spec, 
         assert lens.mean() > 3.6, lens
 
 
-@pytest.mark.parametrize("spec,page", [(js.SpecConfig.chain(3), 16), (TREE, 1)], ids=["chain", "tree"])
+@pytest.mark.parametrize("spec,page", [(TREE, 1)], ids=["tree"])  # chains: the EAGLE-3 cases above (same loop)
 def test_eagle1_head_equals_plain_with_controls(spec, page):
     target = test_golden_heads.target("llama3")
     head = next(c for c in cases("eagle1"))

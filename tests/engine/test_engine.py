@@ -42,6 +42,8 @@ def test_a_stream_closed_early_gives_its_pages_back(tiny_target):
     eng = js.Engine(tiny_target, engine=engine(16, 4))
     stream = eng.generate_stream(PROMPTS_4, sampling=GREEDY)
     next(stream)
+    with pytest.raises(RuntimeError, match="serving another call"):
+        eng.generate(PROMPTS_4, sampling=GREEDY, progress=False)
     stream.close()
     assert eng.pages.allocators[0].num_free == eng.pages.allocators[0].capacity
     out = eng.generate(PROMPTS_4, sampling=GREEDY, progress=False)

@@ -47,9 +47,7 @@ LLAMA_CASES = [  # (draft, spec, page, forced every)
     (None, None, 1, 0),
     ("eagle3", js.SpecConfig.chain(3), 16, 2),
     ("perturbed", TREE, 1, 3),
-    ("same", js.SpecConfig(num_steps=4, topk=4, num_draft_tokens=8), 16, 1),
     ("ngram", js.SpecConfig.chain(4), 16, 2),
-    ("ngram", TREE, 1, 0),
     ("hybrid", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, ngram_tokens=3), 16, 1),
     ("dflash", js.SpecConfig.chain(3), 1, 2),
 ]
@@ -244,3 +242,20 @@ def test_a_request_that_cannot_fit_alone_is_refused_with_its_numbers(tiny_target
 def test_engine_config_checks_the_new_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
         js.EngineConfig(**{field: value})
+
+
+def test_mla_indexer_pool_with_prefix_cache_and_preemption():
+    """DeepSeek-V3.2 (MLA latent + indexer keys, contexts past ``index_topk``): prompts behind a shared
+    prefix, MTP tree drafting with its own indexer, a small pool with forced preemption and the prefix
+    cache: the output is an unpressured, uncached plain run's."""
+    from tests.draft.test_dsa_spec import PROMPTS as DSA_PROMPTS, dsa_target_and_mtp  # noqa: PLC0415
+
+    target, mtp = dsa_target_and_mtp()
+    prompts = [list(range(40, 57)) + p for p in DSA_PROMPTS]
+    sampling = js.SamplingParams(max_new_tokens=12, stop_token_ids=())
+    ref = js.generate(target, prompts, sampling=sampling, engine=engine(1, 2, max_seq_len=80, prefix_cache=False),
+                      progress=False)
+    out = js.generate(target, prompts, draft=mtp, spec=TREE, sampling=sampling,
+                      engine=pressured(1, prompts, 12, every=2, max_seq_len=80), progress=False)
+    check_run(out, ref.token_ids)
+    assert sum(s.cached_tokens for s in out.stats) >= 16

@@ -20,6 +20,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import jaxspec as js  # noqa: E402
+from jaxspec.kvcache.paging import pages_needed  # noqa: E402
 from jaxspec.model.drafts.eagle import eagle3_config_for  # noqa: E402
 from jaxspec.model.io.eagle import eagle_table, export_eagle3  # noqa: E402
 from jaxspec.model.io.tables import init_params  # noqa: E402
@@ -34,15 +35,25 @@ def golden(name: str):
 
 
 def engine(page, batch, **kw):
-    return js.EngineConfig(page_size=page, max_batch=batch, max_seq_len=96, steps_per_call=4, **kw)
+    kw.setdefault("max_seq_len", 96)
+    return js.EngineConfig(page_size=page, max_batch=batch, steps_per_call=4, **kw)
 
 
-def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False):
-    """Speculative greedy on the mesh == plain greedy on one device, ragged batch of 3."""
+def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False, pressure=False):
+    """Speculative greedy on the mesh == plain greedy on one device, ragged batch of 3. ``pressure``: the
+    prompts behind a shared prefix, the mesh run in a small pool per data shard with forced preemption
+    and the prefix cache (each data shard preempts and caches on its own)."""
     path, prompts = golden(target_name)
     sampling = js.SamplingParams(max_new_tokens=max_new)
     single = js.load_model(path, dtype="float32", progress=False)
-    want = js.generate(single, prompts, sampling=sampling, engine=engine(page, 4), progress=False).token_ids
+    spec_engine = plain_engine = engine(page, 4)
+    if pressure:
+        prompts = [list(range(3, 19)) + p for p in prompts + prompts]  # more than the 4 rows: later ones hit
+        worst = pages_needed(max(map(len, prompts)) + max_new + 40, page)
+        spec_engine = engine(page, 4, max_seq_len=160, num_pages=dp * (3 * worst // 2 + 1), preempt_every=2,
+                             check_pages=True)
+        plain_engine = engine(page, 4, max_seq_len=160)
+    want = js.generate(single, prompts, sampling=sampling, engine=plain_engine, progress=False).token_ids
     mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
     target = js.load_model(path, dtype="float32", progress=False, mesh=mesh)
     if draft_kind == "eagle3":
@@ -61,15 +72,15 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
         draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
     else:  # the target's own MTP layer
         draft = js.load_draft(path, target)
-    out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
-                      progress=False)
+    out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=spec_engine, progress=False)
     plain_equal = None
     if check_plain:
-        plain_equal = js.generate(target, prompts, sampling=sampling, engine=engine(page, 4),
+        plain_equal = js.generate(target, prompts, sampling=sampling, engine=plain_engine,
                                   progress=False).token_ids == want
     lens = [a for s in out.stats for a in s.accept_lens]
     return dict(equal=out.token_ids == want, plain_equal=plain_equal, mean_accept=float(np.mean(lens)),
                 pages_back=out.kv_pages_free == out.kv_pages_total,
+                preemptions=sum(s.preemptions for s in out.stats), cached=sum(s.cached_tokens for s in out.stats),
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
 
 
@@ -239,7 +250,8 @@ CASES = {
     "deepseek_v32_tp2_tree_mtp": lambda: lossless("deepseek_v32_moe", 2, 1,
                                                    js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "llama_tp2_dp2_chain": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(3), 1, "standalone", check_plain=True),
-    "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32),
+    "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32,
+                                            pressure=True),
     "qwen3_tp2_chain_dflash": lambda: dflash_lossless(2, js.SpecConfig.chain(7), 16),
     "gemma4_tp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 1,
                                                            "gemma4_assistant"),

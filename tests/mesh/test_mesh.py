@@ -47,7 +47,9 @@ def case(results, name) -> dict:
     # DSA: index_topk 8 over contexts to 64, the indexer replicated on both shards, MTP with its own indexer
     ("deepseek_v32_tp2_tree_mtp", "mtp"),
     ("llama_tp2_dp2_chain", "standalone"),  # TP=2 x DP=2: rows and pages split over data, chain, page 1
-    ("llama_tp2_dp2_ngram", "ngram"),  # the same mesh with n-gram drafting (no params; history per data shard)
+    # the same mesh with n-gram drafting (no params; history per data shard), in a small pool per data shard
+    # with forced preemption and the prefix cache (prompts behind a shared prefix)
+    ("llama_tp2_dp2_ngram", "ngram"),
     ("qwen3_tp2_chain_dflash", "dflash"),  # a DFlash block draft (replicated) over a TP=2 Qwen3 target, page 16
     # Sliding-window targets, both KV pools split by KV head (Gemma 4's full layers: 1 KV head, repeated),
     # every request running past the window (goldens: tests/data/golden/sliding_window):
@@ -71,6 +73,8 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     assert r["wo_spec"] == "P(None, 'model', None)"  # row-parallel output projection, stacked over layers
     if name.endswith("_perturbed"):
         assert 1.3 < r["mean_accept"] < 4.0, r["mean_accept"]  # trees accepted partly: paths get compacted
+    if name == "llama_tp2_dp2_ngram":
+        assert r["preemptions"] > 0 and r["cached"] > 0, r
     if "window_pool_spec" in r:  # pages over data, KV heads over model; every window page came back
         assert r["window_pool_spec"] == "P(None, 'data', 'model', None)"
         assert r["window_pages_back"]
