@@ -75,7 +75,7 @@ TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
     ("qwen3_5_dense", "perturbed", js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8), 1),
     ("qwen3_5_dense", "ngram", js.SpecConfig.chain(4), 1),
     ("qwen3_5_dense", "ngram", TREE, 16),
-    ("qwen3_next", "perturbed", TREE, 16),
+    ("qwen3_next", "mtp", TREE, 16),  # its fused projections; hybrid drafting trees: qwen3_5_dense above
     ("qwen3_5_moe_condgen", "mtp", js.SpecConfig.chain(3), 16),  # two MTP layers, used in turn
 ], ids=lambda x: x if isinstance(x, (str, int)) else f"S{x.num_steps}k{x.topk}n{x.num_draft_tokens}")
 def test_speculative_greedy_equals_plain_greedy(name, kind, spec, page):
