@@ -8,6 +8,7 @@ the parts that shape compiled programs can be passed to ``jax.jit`` as static ar
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from typing import Literal
@@ -198,6 +199,12 @@ class SamplingParams:
         of them): the text stops before it, the token ids end with the token that completed it.
       seed: per-request PRNG seed; None derives one from ``generate(seed=...)`` and the
         request's index.
+      regex: structured output: the output text must match this regular expression (Python
+        syntax, as a whole; what a finite automaton cannot express is refused). At every position
+        only tokens that keep the text a prefix of some match are allowed, and the stop tokens only
+        where it is a complete match; the grammar's mask comes before every other control.
+      json_schema: structured output: the output must be a JSON text the schema allows (a dict or
+        its JSON text; stored as JSON text). At most one of ``regex`` / ``json_schema``.
     """
 
     temperature: float = 0.0
@@ -213,6 +220,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     stop: str | tuple[str, ...] | None = None
     seed: int | None = None
+    regex: str | None = None
+    json_schema: str | Mapping | None = None
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
@@ -255,6 +264,12 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("SamplingParams: give at most one of regex and json_schema")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"SamplingParams.regex must be a string, got {type(self.regex).__name__}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
 
     @property
     def is_greedy(self) -> bool:
@@ -268,6 +283,15 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
     @property
+    def constraint(self) -> tuple[str, str] | None:
+        """("regex", pattern), ("json_schema", schema JSON text) or None."""
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        return None
+
+    @property
     def filters(self) -> bool:
         """Sampling sorts the distribution (top-k or top-p; min-p needs no sort)."""
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
@@ -275,6 +299,23 @@ class SamplingParams:
 
 # Most top log-probabilities a request may ask for (vLLM's default cap).
 MAX_LOGPROBS = 20
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema (a mapping or its JSON text) as JSON text, its key order kept (properties are
+    written in that order)."""
+    if isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"SamplingParams.json_schema is not valid JSON: {e}") from None
+        return schema
+    if isinstance(schema, (Mapping, bool)):
+        try:
+            return json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"SamplingParams.json_schema cannot be written as JSON: {e}") from None
+    raise ValueError(f"SamplingParams.json_schema must be a dict or its JSON text, got {type(schema).__name__}")
 
 
 def _finite(x) -> bool:

@@ -26,6 +26,7 @@ from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool, has_recurrent_state, kv_window
+from jaxspec.structured import compile_constraints
 
 
 @dataclasses.dataclass
@@ -257,7 +258,7 @@ def _call(target, prompts, *, draft, spec, sampling, engine, seed, progress) -> 
     _check_models(target, draft, spec)
     ids = _tokenize(target, prompts)
     sampling = _sampling_list(sampling, len(ids))
-    _check_requests(target, ids, sampling, engine or EngineConfig())
+    _check_requests(target, ids, sampling, engine or EngineConfig())  # constraints compile here (cached)
     longest = max(len(p) + s.max_new_tokens for p, s in zip(ids, sampling))
     eng = Engine(target, draft=draft, spec=spec, engine=engine, _batch=len(ids), _longest=longest)
     return _Run(eng, ids, sampling, seed=seed, progress=progress)
@@ -269,7 +270,10 @@ def _check_seed(seed) -> None:
 
 
 def _check_requests(target: Model, ids: list[list[int]], sampling: list[SamplingParams], engine: EngineConfig):
+    """Everything about the requests that can be refused before any device work; returns the call's
+    structured-output automata (compiled here, cached by constraint) and which each request follows."""
     _check_sampling_fits(sampling, target.config.vocab_size)
+    grammars = _compile_constraints(target, sampling)
     if target.tokenizer is None and any(s.stop for s in sampling):
         raise ValueError("SamplingParams.stop needs text, but the target has no tokenizer (no tokenizer.json "
                          "next to its weights); use stop_token_ids")
@@ -280,6 +284,17 @@ def _check_requests(target: Model, ids: list[list[int]], sampling: list[Sampling
                 f"prompt {i} has {len(p)} tokens + max_new_tokens {s.max_new_tokens} = {total} > "
                 f"max_seq_len {engine.max_seq_len}"
             )
+    return grammars
+
+
+def _compile_constraints(target: Model, sampling: list[SamplingParams]):
+    """(GrammarSet or None, per request the index of its automaton or None), or a ValueError naming
+    a constraint that cannot be compiled (before any device work)."""
+    try:
+        return compile_constraints(target.tokenizer, target.config.vocab_size, [s.constraint for s in sampling])
+    except ValueError as e:
+        bad = next((i for i, s in enumerate(sampling) if s.constraint is not None and s.constraint[1] in str(e)), None)
+        raise ValueError(f"SamplingParams of request {bad}: {e}" if bad is not None else str(e)) from None
 
 
 def _check_models(target, draft, spec) -> None:
@@ -407,7 +422,7 @@ class _Run:
 
     def __init__(self, eng: Engine, ids: list[list[int]], sampling: list[SamplingParams], *, seed: int, progress):
         target, spec, engine = eng.target, eng.spec, eng.config
-        _check_requests(target, ids, sampling, engine)
+        self.grammars, which = _check_requests(target, ids, sampling, engine)
         plan = dataclasses.replace(
             eng.plan,
             greedy_only=all(s.is_greedy for s in sampling),
@@ -422,7 +437,8 @@ class _Run:
             plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
         stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
         keys = _request_keys(seed, sampling)
-        requests = [Request(i, p, s, tuple(st), keys[i]) for i, (p, s, st) in enumerate(zip(ids, sampling, stops))]
+        requests = [Request(i, p, s, tuple(st), keys[i], constraint=w)
+                    for i, (p, s, st, w) in enumerate(zip(ids, sampling, stops, which))]
         self.sched = eng.pages.scheduler(requests, admission=engine.admission)
         # Static buckets of the call: output width and stop-id slots.
         out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
@@ -431,9 +447,10 @@ class _Run:
         draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype,
                                                                         max_len=eng.width * engine.page_size)
         control_vocab = target.config.vocab_size if plan.controls else 0
+        grammar_table = None if self.grammars is None else self.grammars.device_table()
         self.state = create_state(lambda: DecodeState.empty(
             batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
-            control_vocab=control_vocab, top_logprobs=plan.logprobs), target.mesh)
+            control_vocab=control_vocab, top_logprobs=plan.logprobs, grammar_table=grammar_table), target.mesh)
         self.eng = eng
         self.target, self.draft, self.plan, self.plans, self.adaptive = target, draft, plan, plans, adaptive
         self.dparams = eng.dparams
@@ -487,7 +504,8 @@ class _Run:
             admitted = sched.admit(seq_lens)
             if admitted:
                 self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
-                                                              self.dpool, sched, admitted, self.num_stop, engine)
+                                                              self.dpool, sched, admitted, self.num_stop, engine,
+                                                              self.grammars)
                 sched.cache_prompts(admitted)
                 for r in admitted:
                     seq_lens[r.row] = len(r.context)
@@ -528,8 +546,10 @@ class _Run:
                 if r.text.stop_reason is not None and host["active"][row]:
                     cut_rows.append(row)
                 if done:
-                    r.finish_reason = "stop" if r.text.stop_reason is not None or host["stop_token"][row] >= 0 else \
-                        "length"
+                    # "stop": a stop string or token, or a structured-output match nothing may extend.
+                    matched = r.constraint is not None and self.grammars.ended(r.constraint, r.tokens)
+                    stopped = r.text.stop_reason is not None or host["stop_token"][row] >= 0
+                    r.finish_reason = "stop" if stopped or matched else "length"
                     r.stop_reason = r.text.stop_reason if r.text.stop_reason is not None else (
                         int(host["stop_token"][row]) if host["stop_token"][row] >= 0 else None)
                     finished_rows.append(row)
@@ -677,9 +697,11 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
     return PageTables(full=full, window=WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh)))
 
 
-def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine):
+def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine, grammars=None):
     """Prefills the admitted requests. Rows are grouped by data shard: shard ``d`` gets the
-    ``d``-th chunk of ``Rs`` rows (shard-local row indices; padding rows point past the shard)."""
+    ``d``-th chunk of ``Rs`` rows (shard-local row indices; padding rows point past the shard).
+    ``grammars``: the call's structured-output automata (a resumed request restarts from the state
+    its output so far, but the last token, leads to)."""
     D = sched.data_shards
     by_shard = [[r for r in admitted if sched.shard_of(r.row) == d] for d in range(D)]
     Rs = next_pow2(max(len(rs) for rs in by_shard))
@@ -706,6 +728,8 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
             if r.resume is not None:
                 req["first"][i] = r.tokens[-1]
                 req["steps"][i] = r.resume.steps
+            if r.constraint is not None:
+                req["grammar"][i] = grammars.walk(r.constraint, r.tokens[:-1])
             rows[i] = r.row - d * sched.rows_per_shard
             req["max_new"][i] = r.sampling.max_new_tokens
             req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids

@@ -18,6 +18,7 @@ LAYERS = [
     ("jaxspec.train",),
     ("jaxspec", "jaxspec.generate"),  # the package root re-exports the public names
     ("jaxspec.engine",),
+    ("jaxspec.structured",),  # constraints compiled on the host into the automata the step follows
     ("jaxspec.draft",),
     ("jaxspec.model.io",),
     ("jaxspec.model.drafts",),

@@ -48,9 +48,11 @@ class Block:
         hidden = hidden[:, 1:]  # the S proposal positions
         if plan.draft_samples:
             u = uniforms(sub_keys(rows.keys, KEY_SEED), (S,))  # [B, S]
-            drafted, q = draft.sample_path(dparams, hidden, rows.bonus, *rows.sampling, u, filtering=plan.filtering)
+            drafted, q = draft.sample_path(dparams, hidden, rows.bonus, *rows.sampling, u, filtering=plan.filtering,
+                                           grammar=rows.grammar)
             return shape.build_block(rows.bonus, drafted[:, :, None], None, plan), q, None, dpool
-        tokens, probs = draft.candidates(dparams, hidden, rows.bonus, shape.block_width(plan))  # [B, S, k]
+        tokens, probs = draft.candidates(dparams, hidden, rows.bonus, shape.block_width(plan),
+                                         grammar=rows.grammar)  # [B, S, k]
         return shape.build_block(rows.bonus, tokens, probs, plan), None, None, dpool
 
     @staticmethod

@@ -14,6 +14,7 @@ import jax
 from jaxspec.config import SpecConfig
 from jaxspec.model.controls import Controls
 from jaxspec.model.drafts.base import DraftSeed
+from jaxspec.model.grammar import Grammar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,11 @@ class Plan:
         return 1 if self.spec is None else self.spec.max_accept
 
     @property
+    def spec_depth(self) -> int:
+        """The deepest verify node (0 for plain decoding: the root alone)."""
+        return 0 if self.spec is None else self.spec.depth
+
+    @property
     def draft_samples(self) -> bool:
         """Chains at temperature > 0 draw their draft tokens from the draft distribution q
         and keep q for rejection sampling."""
@@ -91,6 +97,8 @@ class StepRows:
     controls: logit bias, penalties and the token counts they read (``Controls``).
     keys: key[B] this step's PRNG key of each row (split further with ``sub_keys``).
     seed: the draft's seed from the previous step's extend (or the prefill).
+    grammar: each row's structured-output automaton state (after the root), the call's automata
+      and the rows' stop ids (``Grammar``; disabled when no request is constrained).
     """
 
     seq_lens: jax.Array
@@ -103,6 +111,7 @@ class StepRows:
     controls: Controls
     keys: jax.Array
     seed: DraftSeed
+    grammar: Grammar
 
     @property
     def sampling(self) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -28,27 +28,38 @@ from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.controls import Controls, steer
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
+from jaxspec.model.grammar import Grammar
 from jaxspec.model.sampling import sample_categorical, target_probs
 from jaxspec.pallas.gather_extras import gather_spec_extras
 
 
-def draft_distribution(plan: Plan, dparams: dict, logit_in: jax.Array, rows: StepRows) -> jax.Array:
+def draft_distribution(plan: Plan, dparams: dict, logit_in: jax.Array, rows: StepRows,
+                       states: jax.Array) -> jax.Array:
     """q: the draft's sampling distribution over the TARGET vocabulary, f32[B, ..., V], with each
-    row's temperature / top_k / top_p (one-hot argmax for greedy rows)."""
+    row's temperature / top_k / top_p (one-hot argmax for greedy rows), over the tokens the
+    structured-output ``states`` i32[B, ...] allow."""
     draft = plan.draft
-    logits = steer(draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in)), rows.controls)
+    logits = draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in))
+    logits = steer(rows.grammar.mask(logits, states), rows.controls)
     lead = logits.shape[:-1]
     t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)
     return target_probs(logits, t, k, p, plan.filtering)
 
 
-def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int, controls: Controls | None = None):
-    """Top-k of the draft's softmax (steered by the rows' controls when given): f32[B, ..., k] and
-    i32[B, ..., k] target ids. k = 1 uses max/argmax (no top_k primitive)."""
+def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int, controls: Controls | None = None,
+               grammar: Grammar | None = None, states: jax.Array | None = None):
+    """Top-k of the draft's softmax (over the tokens ``grammar`` allows after ``states`` i32[B, ...],
+    steered by the rows' controls, when given): f32[B, ..., k] and i32[B, ..., k] target ids.
+    k = 1 uses max/argmax (no top_k primitive)."""
     logits = plan.draft.logits(dparams, logit_in)
-    if controls is not None and controls.enabled:
+    steered = controls is not None and controls.enabled
+    masked = grammar is not None and grammar.enabled
+    if steered or masked:
         columns = plan.draft.to_target_ids(dparams, jnp.arange(logits.shape[-1], dtype=jnp.int32))
-        logits = steer(logits, controls, columns)
+        if masked:
+            logits = grammar.mask(logits, states, columns)
+        if steered:
+            logits = steer(logits, controls, columns)
     probs = jax.nn.softmax(logits, axis=-1)
     if k == 1:
         index = jnp.argmax(probs, axis=-1)[..., None]
@@ -58,15 +69,16 @@ def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int, controls:
     return p, plan.draft.to_target_ids(dparams, index)
 
 
-def _candidates(plan: Plan, dparams, logit_in, rows: StepRows, key_purpose: int):
-    """The draft's next candidates from its output ``logit_in`` [B, R, *] (R frontier rows):
-    greedy drafting takes the top-K; chain sampling draws one token x ~ q and keeps q.
-    Returns (topk_p f32[B, R, K], topk_index i32[B, R, K], q f32[B, V] or None)."""
+def _candidates(plan: Plan, dparams, logit_in, rows: StepRows, key_purpose: int, states: jax.Array):
+    """The draft's next candidates from its output ``logit_in`` [B, R, *] (R frontier rows, in
+    structured-output ``states`` i32[B, R]): greedy drafting takes the top-K; chain sampling draws
+    one token x ~ q and keeps q. Returns (topk_p f32[B, R, K], topk_index i32[B, R, K], q f32[B, V]
+    or None)."""
     if plan.draft_samples:
-        q = draft_distribution(plan, dparams, logit_in[:, 0], rows)  # [B, V]
+        q = draft_distribution(plan, dparams, logit_in[:, 0], rows, states[:, 0])  # [B, V]
         x = sample_categorical(q, sub_keys(rows.keys, key_purpose))
         return jnp.take_along_axis(q, x[:, None], axis=1)[:, :, None], x[:, None, None], q
-    topk_p, topk_index = draft_topk(plan, dparams, logit_in, plan.topk, rows.controls)
+    topk_p, topk_index = draft_topk(plan, dparams, logit_in, plan.topk, rows.controls, rows.grammar, states)
     return topk_p, topk_index, None
 
 
@@ -89,8 +101,10 @@ class Recurrent:
         dpool = draft.open_scratch(dpool, K * S)
         with jax.named_scope("draft_root"):  # a frozen-KV assistant's seed step runs here (iteration 0)
             hidden, logit_in = draft.root(dparams, rows.bonus, rows.seed, ctx, implementation=plan.implementation)
-        topk_p, topk_index, q = _candidates(plan, dparams, logit_in[:, None], rows, KEY_SEED)
+        grammar = rows.grammar
+        topk_p, topk_index, q = _candidates(plan, dparams, logit_in[:, None], rows, KEY_SEED, grammar.state[:, None])
         topk_p, topk_index = topk_p[:, 0], topk_index[:, 0]  # [B, K]
+        frontier = jnp.broadcast_to(grammar.state[:, None], (B, K))  # structured-output state of each frontier row
         q_levels = [q]  # chain sampling: q_j of each drafted token, [B, V]
         levels: list[tree_lib.DraftLevel] = []
         scores = None
@@ -102,6 +116,7 @@ class Recurrent:
             levels.append(level)
             if i == S - 1:
                 break  # the last level needs no forward
+            frontier = grammar.advance(jnp.take_along_axis(frontier, jnp.maximum(parent_row, 0), axis=1), ids)
             mask, ancestors = shape.draft_mask(ancestors, parent_row, i, S)
             attn = AttentionInputs.build(ctx.page_table, base, write_per_step[i].reshape(B, K), plan.page_size,
                                          block_mask=mask)
@@ -109,7 +124,7 @@ class Recurrent:
             hidden, logit_in, dpool = draft.forward(dparams, ids, rows_hidden, positions, dpool, attn,
                                                     dataclasses.replace(ctx, step=i + 1), from_target=False,
                                                     implementation=plan.implementation)
-            topk_p, topk_index, q = _candidates(plan, dparams, logit_in, rows, KEY_DRAFT_STEP + i)  # [B, K, K]
+            topk_p, topk_index, q = _candidates(plan, dparams, logit_in, rows, KEY_DRAFT_STEP + i, frontier)  # [B, K, K]
             q_levels.append(q)
         q_all = jnp.stack(q_levels, axis=1) if plan.draft_samples else None  # [B, S, V]
         return shape.build(rows.bonus, levels, plan), q_all, None, draft.close_scratch(dpool)

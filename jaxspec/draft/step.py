@@ -35,6 +35,7 @@ from jaxspec.draft.verify import emitted_tokens
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.controls import TokenLogprobs, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
+from jaxspec.model.grammar import allowed_prefix, node_states
 from jaxspec.model.targets import target_commit, target_forward, target_logits
 
 
@@ -70,17 +71,19 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
 
 
 def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of):
-    """verify -> accept -> compact under ``shape``. Every node is judged by its logits processed
-    with the row's controls over its own path. Returns (accept_lens i32[B], predict i32[B, a]
+    """verify -> accept -> compact under ``shape``. Every node is judged by its logits masked by
+    its own structured-output state, then processed with the row's controls over its own path. Returns (accept_lens i32[B], predict i32[B, a]
     emitted tokens front-compacted, the draft's feature [B, a, F] or None, the emitted tokens'
     raw ``TokenLogprobs`` [B, a] or None, tpool); a = 1 for the root alone, else S + 1."""
     logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table, shape=shape)
+    # The grammar mask comes first (as vLLM applies its bitmask): every node with its own state.
+    logits = rows.grammar.mask(logits, node_states(rows.grammar, tree.tokens, tree.parent, plan.spec_depth))
     processed = apply_controls(logits, rows.controls, tree.tokens, tree.mask)
     accept_index, accept_lens, predict = shape.accept(plan, rows, tree, processed, q_all)
     # Recurrent state (linear-attention layers): the accepted path's end state, nothing of the rest.
     tpool = target_commit(plan.target, tpool, out.pending, accept_index, accept_lens, rows.active)
     logprobs = None
-    if plan.logprobs is not None:  # from the raw logits of the nodes each emitted token follows
+    if plan.logprobs is not None:  # from the raw (grammar-masked) logits of the nodes each emitted token follows
         node = jnp.maximum(accept_index, 0)  # [B, a]
         logprobs = token_logprobs(jnp.take_along_axis(logits, node[:, :, None], axis=1),
                                   emitted_tokens(predict, accept_index), plan.logprobs)
@@ -113,6 +116,9 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
                                                       page_table, feature_of)
         return accept_lens, *(_pad_rows(x, plan.max_accept) for x in outs), tpool
 
+    if prefix is not None and rows.grammar.enabled:  # nodes the grammar rules out are not worth verifying
+        allowed = allowed_prefix(rows.grammar, tree.tokens, tree.parent, plan.spec_depth)
+        prefix = dataclasses.replace(prefix, wanted=jnp.minimum(prefix.wanted, allowed))
     if prefix is None:
         accept_lens, predict, feature, logprobs, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all,
                                                                            tpool, page_table, feature_of)

@@ -50,11 +50,11 @@ def create_pool(make_pool, split_heads: bool, mesh):
 
 
 def create_state(make_state, mesh) -> DecodeState:
-    """The decode state, every [B, ...] array split over data by rows."""
+    """The decode state, every [B, ...] array split over data by rows (the grammar table whole)."""
     if mesh is None:
         return make_state()
     abstract = jax.eval_shape(make_state)
-    return create(make_state, jax.tree.map(lambda _: P(DATA), abstract), mesh)
+    return create(make_state, abstract.specs(DATA), mesh)
 
 
 def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]

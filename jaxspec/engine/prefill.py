@@ -24,6 +24,7 @@ from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.controls import Controls, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext
+from jaxspec.model.grammar import FREE, Grammar
 from jaxspec.model.sampling import pick_tokens
 from jaxspec.model.targets import target_forward, target_logits
 
@@ -40,6 +41,7 @@ def request_arrays(rows: int, *, max_new: int = 0, num_stop: int = 1, control_vo
         repetition_penalty=np.ones(R, np.float32), presence_penalty=np.zeros(R, np.float32),
         frequency_penalty=np.zeros(R, np.float32), logit_bias=np.zeros((R, control_vocab), np.float32),
         prompt_lens=np.full(R, np.iinfo(np.int32).max, np.int32), first=np.full(R, -1, np.int32), steps=np.ones(R, np.int32),
+        grammar=np.full(R, FREE, np.int32),
     )
 
 
@@ -58,6 +60,7 @@ def prefill(
     #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2];
     #                 resuming: prompt_lens i32[R] (tokens past it were generated; default: none), first i32[R] (>= 0:
     #                 the forced first token), steps i32[R] (PRNG draws so far, 1 for a new request);
+    #                 grammar i32[R] the structured-output automaton state before the first token (FREE: none);
     #                 prefix caching: start i32[R] (positions already in the pools' cached pages) and suffix
     #                 i32[R, Ts] (tokens from position start on; absent: start 0, suffix = tokens)
 ):
@@ -85,7 +88,9 @@ def prefill(
     generated = (pos >= prompt_lens[:, None]) & (pos < lens[:, None])  # [R, T] resumed rows' earlier output
     controls = Controls.for_prompts(tokens, prompt_lens, request, request["logit_bias"].shape[-1])
     controls = controls.count(tokens, generated)
-    processed = apply_controls(logits[:, None], controls, None, None)[:, 0]
+    grammar = Grammar(table=state.grammar_table, state=request["grammar"], stop_ids=request["stop_ids"])
+    masked = grammar.mask(logits, grammar.state)  # the grammar first, then the controls (vLLM's order)
+    processed = apply_controls(masked[:, None], controls, None, None)[:, 0]
     first = pick_tokens(processed, request["temperature"], request["top_k"], request["top_p"], keys, plan.greedy_only,
                         plan.filtering, request["min_p"])
     first = jnp.where(request["first"] >= 0, request["first"], first)
@@ -93,12 +98,15 @@ def prefill(
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
     ctx = DraftContext(pt, start, tpool, state_rows=rows, context=(tokens, lens))
     seed, dpool = proposer_for(plan).prefill(plan, dparams, suffix, new_lens, first, out, dpool, ctx, empty)
-    stop = jnp.any(first[:, None] == request["stop_ids"], axis=1)
+    after_first = grammar.advance(grammar.state, first)
+    # A stop token, or a language that allows nothing at all (only the empty string): nothing is emitted.
+    stop_token = jnp.any(first[:, None] == request["stop_ids"], axis=1)
+    stop = stop_token | grammar.terminal(grammar.state)
     out_width = state.out_tokens.shape[1]
     logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)
     r_idx = jnp.arange(R)[:, None]
     if plan.logprobs is not None:  # the first token's, in its column (the earlier ones' are the host's)
-        first_lp = token_logprobs(logits[:, None], first[:, None], plan.logprobs)
+        first_lp = token_logprobs(masked[:, None], first[:, None], plan.logprobs)
         logprobs = jax.tree.map(lambda buf, new: buf.at[r_idx, done[:, None]].set(new, mode="drop"), logprobs,
                                 first_lp)
     out_cols = jnp.where(generated, pos - prompt_lens[:, None], out_width)  # earlier output, from column 0
@@ -108,10 +116,10 @@ def prefill(
     row = dict(
         seq_lens=lens,
         bonus=first,
-        active=real & ~stop & (request["max_new"] > done + 1),
+        active=real & ~stop & (request["max_new"] > done + 1) & ~grammar.terminal(after_first),
         out_tokens=out_tokens,
         out_lens=jnp.where(stop, done, done + 1).astype(jnp.int32),
-        stop_token=jnp.where(stop, first, -1).astype(jnp.int32),
+        stop_token=jnp.where(stop_token, first, -1).astype(jnp.int32),
         max_new=request["max_new"],
         stop_ids=request["stop_ids"],
         temperature=request["temperature"],
@@ -125,6 +133,7 @@ def prefill(
         num_verify=jnp.zeros((R,), jnp.int32),
         accept_log=jnp.zeros((R, out_width), jnp.int32),
         seed=seed,
+        grammar=jnp.where(stop, grammar.state, after_first),
     )
     put = lambda old, new: old.at[rows].set(new.astype(old.dtype), mode="drop")  # noqa: E731
     return dataclasses.replace(state, **jax.tree.map(put, {k: getattr(state, k) for k in row}, row)), tpool, dpool

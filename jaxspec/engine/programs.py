@@ -82,9 +82,9 @@ def _spec_leaves(values: tuple, specs: tuple) -> list:
 def prefill_program(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table, rows, tokens, lens, request):
     fn = _per_data_shard(
         functools.partial(prefill, plan), plan,
-        in_specs=(P(), P(), _rows(state), _slots(tpool), _slots(dpool), P(DATA), P(DATA), P(DATA), P(DATA),
+        in_specs=(P(), P(), state.specs(DATA), _slots(tpool), _slots(dpool), P(DATA), P(DATA), P(DATA), P(DATA),
                   _rows(request)),
-        out_specs=(_rows(state), _slots(tpool), _slots(dpool)),
+        out_specs=(state.specs(DATA), _slots(tpool), _slots(dpool)),
     )
     return fn(tparams, dparams, state, tpool, dpool, page_table, rows, tokens, lens, request)
 
@@ -114,8 +114,8 @@ def decode_steps(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool,
         steps, state, tpool, dpool = jax.lax.while_loop(cond, body, (jnp.int32(0), state, tpool, dpool))
         return state, tpool, dpool, steps
 
-    run = _per_data_shard(run, plan, in_specs=(P(), P(), _rows(state), _slots(tpool), _slots(dpool), P(DATA)),
-                          out_specs=(_rows(state), _slots(tpool), _slots(dpool), P()))
+    run = _per_data_shard(run, plan, in_specs=(P(), P(), state.specs(DATA), _slots(tpool), _slots(dpool), P(DATA)),
+                          out_specs=(state.specs(DATA), _slots(tpool), _slots(dpool), P()))
     return run(tparams, dparams, state, tpool, dpool, page_table)
 
 

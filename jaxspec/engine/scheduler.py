@@ -58,6 +58,7 @@ class Request:
     resume: Any = None  # what a preempted request carries back (``jaxspec.generate._Resume``)
     start: int = 0  # positions of its context found in the prefix cache at its latest admission
     cached_tokens: int = 0  # prompt positions found in the prefix cache at its first admission
+    constraint: int | None = None  # which structured-output automaton of the call it follows (None: none)
 
     @property
     def context(self) -> list[int]:

@@ -15,6 +15,7 @@ from jaxspec.draft.plan import StepRows
 from jaxspec.draft.step import StepOutput
 from jaxspec.model.controls import Controls, TokenLogprobs
 from jaxspec.model.drafts.base import DraftSeed
+from jaxspec.model.grammar import FREE, Grammar, GrammarTable, path_states
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +39,9 @@ class DecodeState:
       logprobs: raw log-probabilities of the emitted tokens, ``TokenLogprobs`` with chosen
         f32[B, M] and top ids / values [B, M, k] beside ``out_tokens`` (M = 0 when no request
         asks for them).
+      grammar: i32[B] each row's structured-output automaton state after its last emitted token
+        (``FREE`` for unconstrained rows); grammar_table: the automata of the call, shared by every
+        row (not split by rows on a mesh; [0, 1] when no request is constrained).
       seed: the draft's seed for the next step (its kind's pytree, every leaf [B, ...]; a
         ``DraftSeed`` with hidden [B, Hd] for the recurrent drafts).
     """
@@ -61,14 +65,18 @@ class DecodeState:
     accept_log: jax.Array
     logprobs: TokenLogprobs
     seed: DraftSeed
+    grammar: jax.Array
+    grammar_table: GrammarTable
 
     @classmethod
     def empty(cls, *, batch: int, out_width: int, num_stop: int, seed=None, hidden_size: int = 1,
-              hidden_dtype=jnp.float32, control_vocab: int = 0, top_logprobs: int | None = None):
+              hidden_dtype=jnp.float32, control_vocab: int = 0, top_logprobs: int | None = None,
+              grammar_table: GrammarTable | None = None):
         """Zeroed state for ``batch`` rows; ``seed`` is the draft's empty seed (default: a
         ``DraftSeed`` of width ``hidden_size``). ``control_vocab``: the vocabulary the controls
         cover (0: none in use); ``top_logprobs``: top log-probabilities kept per token (None:
-        log-probabilities off)."""
+        log-probabilities off); ``grammar_table``: the call's automata (None: no request is
+        constrained)."""
         B = batch
         M_lp = out_width if top_logprobs is not None else 0
         k = top_logprobs or 0
@@ -94,7 +102,16 @@ class DecodeState:
             logprobs=TokenLogprobs(chosen=jnp.zeros((B, M_lp), jnp.float32), top_ids=zeros_i(B, M_lp, k),
                                    top=jnp.zeros((B, M_lp, k), jnp.float32)),
             seed=DraftSeed.empty(B, hidden_size, hidden_dtype) if seed is None else seed,
+            grammar=jnp.full((B,), FREE, jnp.int32),
+            grammar_table=GrammarTable.empty() if grammar_table is None else grammar_table,
         )
+
+    def specs(self, rows_axis):
+        """PartitionSpecs: every per-row array split over ``rows_axis``, the grammar table whole."""
+        from jax.sharding import PartitionSpec as P
+
+        row = jax.tree.map(lambda _: P(rows_axis), dataclasses.replace(self, grammar_table=None))
+        return dataclasses.replace(row, grammar_table=jax.tree.map(lambda _: P(), self.grammar_table))
 
     def step_rows(self) -> StepRows:
         """What one speculative step reads, with this step's PRNG key per row:
@@ -102,13 +119,18 @@ class DecodeState:
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(self.keys), self.steps)
         return StepRows(seq_lens=self.seq_lens, bonus=self.bonus, active=self.active, temperature=self.temperature,
                         top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, controls=self.controls, keys=keys,
-                        seed=self.seed)
+                        seed=self.seed, grammar=self.constraint())
+
+    def constraint(self) -> Grammar:
+        """The rows' structured-output automata (their states, the call's table, their stop ids)."""
+        return Grammar(table=self.grammar_table, state=self.grammar, stop_ids=self.stop_ids)
 
 
 def commit(state: DecodeState, out: StepOutput) -> DecodeState:
     """Appends ``out.emitted[b, :accept_lens[b]]`` (cut at the first stop token, which is not
-    emitted, and at max_new), retires finished rows, and takes the next bonus and seed for
-    rows that were active."""
+    emitted, at max_new, and after a token that completes a structured-output match the language
+    cannot extend), retires finished rows, advances their automata, and takes the next bonus and
+    seed for rows that were active."""
     emitted, accept_lens = out.emitted, out.accept_lens
     B, A = emitted.shape
     M = state.out_tokens.shape[1]
@@ -118,8 +140,12 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
     is_stop = jnp.any(emitted[:, :, None] == state.stop_ids[:, None, :], axis=-1) & within
     first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), A)
     room = state.max_new - state.out_lens
-    keep = jnp.where(active, jnp.minimum(jnp.minimum(first_stop, accept_lens), room), 0)
-    done = (first_stop < accept_lens) | (state.out_lens + keep >= state.max_new)
+    grammar = state.constraint()
+    path = path_states(grammar, emitted)  # [B, A] each emitted token's automaton state
+    ends = grammar.terminal(path) & within  # a complete match nothing may extend: the request ends there
+    through_end = jnp.where(jnp.any(ends, axis=1), jnp.argmax(ends, axis=1) + 1, A + 1)
+    keep = jnp.where(active, jnp.minimum(jnp.minimum(jnp.minimum(first_stop, accept_lens), room), through_end), 0)
+    done = (first_stop < accept_lens) | (state.out_lens + keep >= state.max_new) | (through_end <= keep)
     stopped = active & (first_stop < jnp.minimum(accept_lens, room))  # a stop token came before the length cap
     stop_token = jnp.take_along_axis(emitted, jnp.minimum(first_stop, A - 1)[:, None], axis=1)[:, 0]
     col = jnp.where(j < keep[:, None], state.out_lens[:, None] + j, M)
@@ -147,4 +173,6 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
         accept_log=state.accept_log.at[jnp.arange(B), log_col].set(accept_lens, mode="drop"),
         bonus=if_active(out.bonus, state.bonus),
         seed=jax.tree.map(if_active, out.seed, state.seed),
+        grammar=jnp.where(keep > 0, jnp.take_along_axis(path, jnp.maximum(keep - 1, 0)[:, None], axis=1)[:, 0],
+                          state.grammar),
     )

@@ -45,6 +45,7 @@ from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
+from jaxspec.model.grammar import Grammar
 from jaxspec.model.layers import lm_head, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
 from jaxspec.model.sampling import sample_with_uniform, target_probs
 
@@ -405,28 +406,41 @@ class DFlashDraft(Draft):
 
     # --------------------------------------------------------------------------- proposals
 
-    def candidates(self, params, hidden, anchor, width: int):
+    def candidates(self, params, hidden, anchor, width: int, grammar: Grammar | None = None):
         """Greedy proposals and alternatives from one block forward.
 
         hidden: [B, S, H] the block's outputs at the S proposal positions; anchor: i32[B].
         Returns (tokens i32[B, S, k], probs f32[B, S, k]) with k = ``width``: at each position
         the ``width`` best tokens by the draft's softmax, best first, so ``tokens[:, :, 0]`` is
-        the greedy path. ``width == 1`` uses argmax (no top_k)."""
+        the greedy path. ``width == 1`` uses argmax (no top_k). With a ``grammar`` each position
+        proposes only what its structured-output state allows after the greedy path before it."""
         logits = self.logits(params, hidden)  # [B, S, V]
+        if grammar is not None and grammar.enabled:
+            logits = greedy_path_masked(logits, grammar)
         probs = jax.nn.softmax(logits, axis=-1)
         if width == 1:
             return jnp.argmax(logits, axis=-1)[..., None].astype(jnp.int32), jnp.max(probs, axis=-1, keepdims=True)
         p, idx = jax.lax.top_k(probs, width)
         return idx.astype(jnp.int32), p
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool):
+    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+                    grammar: Grammar | None = None):
         """Draws the proposals of every position from the draft's sampling distribution q
-        (each row's temperature / top_k / top_p; one-hot argmax for greedy rows).
+        (each row's temperature / top_k / top_p; one-hot argmax for greedy rows), over the tokens a
+        ``grammar`` allows after the tokens drawn before (then position by position).
 
         hidden: [B, S, H]; temperature, top_p: f32[B]; top_k: i32[B]; uniform: f32[B, S].
         Returns (tokens i32[B, S], q f32[B, S, V]: the distribution each token was drawn from)."""
         S = hidden.shape[1]
         logits = self.logits(params, hidden)
+        if grammar is not None and grammar.enabled:
+            states, toks, qs = grammar.state, [], []
+            for t in range(S):
+                q_t = target_probs(grammar.mask(logits[:, t], states), temperature, top_k, top_p, filtering)
+                toks.append(sample_with_uniform(q_t, uniform[:, t]))
+                qs.append(q_t)
+                states = grammar.advance(states, toks[-1])
+            return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)
         rows = lambda x: jnp.broadcast_to(x[:, None], x.shape[:1] + (S,))  # noqa: E731
         q = target_probs(logits, rows(temperature), rows(top_k), rows(top_p), filtering)
         return sample_with_uniform(q, uniform), q
@@ -455,15 +469,17 @@ class DFlash2Draft(DFlashDraft):
                           preferred_element_type=jnp.float32)
         return unary_t + edge
 
-    def candidates(self, params, hidden, anchor, width: int):
+    def candidates(self, params, hidden, anchor, width: int, grammar: Grammar | None = None):
         """The selector's greedy path (argmax of the score given the chosen predecessor) and, at
         each position, the next best candidates given the same predecessor. probs: the softmax of
-        the scores over the ``selector_top_k`` candidates."""
+        the scores over the ``selector_top_k`` candidates (those a ``grammar`` allows there)."""
         unary, cand, hp, succ = self._selector_inputs(params, hidden)
         pred = anchor
+        states = None if grammar is None else grammar.state
         toks, probs = [], []
         for t in range(hidden.shape[1]):
             score = self._scores(params, pred, unary[:, t], hp[:, t], succ[:, t])  # [B, k_sel]
+            score = _mask_candidates(score, cand[:, t], grammar, states)
             p = jax.nn.softmax(score, axis=-1)
             if width == 1:
                 j = jnp.argmax(score, axis=-1)[:, None]
@@ -472,25 +488,30 @@ class DFlash2Draft(DFlashDraft):
             toks.append(jnp.take_along_axis(cand[:, t], j, axis=1))
             probs.append(jnp.take_along_axis(p, j, axis=1))
             pred = toks[-1][:, 0]
+            states = None if grammar is None else grammar.advance(states, pred)
         return jnp.stack(toks, axis=1), jnp.stack(probs, axis=1)  # [B, S, width]
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool):
+    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+                    grammar: Grammar | None = None):
         """The selector's sampled path: at each position ``softmax(score / T)`` over the
-        candidates given the drawn predecessor (argmax for greedy rows); q is that distribution
-        placed in the vocabulary."""
+        candidates given the drawn predecessor (argmax for greedy rows; only those a ``grammar``
+        allows there); q is that distribution placed in the vocabulary."""
         del top_k, top_p, filtering  # the selector samples from its own q (temperature only)
         unary, cand, hp, succ = self._selector_inputs(params, hidden)
         B, S, k_sel = cand.shape
         greedy = temperature <= 0.0
         t_safe = jnp.where(greedy, 1.0, temperature)[:, None]
         pred = anchor
+        states = None if grammar is None else grammar.state
         toks, qs = [], []
         for t in range(S):
             score = self._scores(params, pred, unary[:, t], hp[:, t], succ[:, t])
+            score = _mask_candidates(score, cand[:, t], grammar, states)
             onehot = jax.nn.one_hot(jnp.argmax(score, axis=-1), k_sel, dtype=jnp.float32)
             q_t = jnp.where(greedy[:, None], onehot, jax.nn.softmax(score / t_safe, axis=-1))  # [B, k_sel]
             j = sample_with_uniform(q_t, uniform[:, t])
             pred = jnp.take_along_axis(cand[:, t], j[:, None], axis=1)[:, 0]
+            states = None if grammar is None else grammar.advance(states, pred)
             toks.append(pred)
             qs.append(q_t)
         q_cand = jnp.stack(qs, axis=1)  # [B, S, k_sel]
@@ -504,6 +525,26 @@ class DFlash2Draft(DFlashDraft):
         if spec.topk > self.model.selector_top_k:
             raise ValueError(f"a DFlash 2 tree branches over the selector's candidates: topk={spec.topk} > "
                              f"selector_top_k={self.model.selector_top_k}")
+
+
+def greedy_path_masked(logits: jax.Array, grammar: Grammar) -> jax.Array:  # f32[B, S, V] -> f32[B, S, V]
+    """A block's logits with each position masked by the structured-output state after the greedy
+    tokens of the positions before it (the grammar's states followed left to right)."""
+    states, out = grammar.state, []
+    for t in range(logits.shape[1]):
+        masked = grammar.mask(logits[:, t], states)
+        out.append(masked)
+        states = grammar.advance(states, jnp.argmax(masked, axis=-1).astype(jnp.int32))
+    return jnp.stack(out, axis=1)
+
+
+def _mask_candidates(score, cand, grammar: Grammar | None, states):  # f32[B, k], i32[B, k] -> f32[B, k]
+    """The selector's scores with the candidates the rows' grammar states do not allow at -inf."""
+    if grammar is None or not grammar.enabled:
+        return score
+    ok = jnp.take_along_axis(grammar.allowed(states), cand, axis=1)
+    ok = ok | ~jnp.any(ok, axis=1, keepdims=True)  # none allowed: leave them (nothing of this block is accepted)
+    return jnp.where(ok, score, -jnp.inf)
 
 
 def dflash_draft_for(cfg: DFlashConfig) -> DFlashDraft:

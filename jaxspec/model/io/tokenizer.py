@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
@@ -35,6 +38,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def token_bytes(self) -> tuple[bytes | None, ...]:
+        """Each token id's text as bytes, as the tokenizer's decoder writes that token inside a
+        sequence (a byte-level token's bytes, a SentencePiece piece with its space marker as a space
+        and ``<0xNN>`` byte-fallback pieces as that byte); None for special tokens. What structured
+        output matches the generated text against (``jaxspec.structured``).
+
+        Raises:
+          ValueError: a decoder whose per-token text is not defined here (WordPiece, CTC, ...).
+        """
+        return vocabulary_bytes(self._tok)
+
     def decode_stream(self) -> "TextStream":
         """An incremental decoder of this tokenizer's ids (special tokens skipped)."""
         return TextStream(self._tok)
@@ -60,6 +75,59 @@ class TextStream:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tok, int(token_id)) or ""
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(decoder: dict | None) -> list[str]:
+    if decoder is None:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [k for d in decoder.get("decoders", []) for k in _decoder_kinds(d)]
+    return [decoder.get("type")]
+
+
+def vocabulary_bytes(tok: _HFTokenizer) -> tuple[bytes | None, ...]:
+    """``Tokenizer.token_bytes`` of a ``tokenizers.Tokenizer``."""
+    spec = json.loads(tok.to_str())
+    kinds = set(_decoder_kinds(spec.get("decoder")))
+    unsupported = kinds - {"ByteLevel", "Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
+    if unsupported:
+        raise ValueError(f"the tokenizer's decoder ({sorted(unsupported)[0]}) does not give each token a text of "
+                         f"its own; structured output supports byte-level BPE and SentencePiece tokenizers")
+    byte_level = "ByteLevel" in kinds
+    alphabet = _byte_level_alphabet() if byte_level else None
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+    out: list[bytes | None] = [None] * tok.get_vocab_size(with_added_tokens=True)
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        if i in special:
+            continue
+        if i in added:  # added tokens hold their text as written (not in the byte-level alphabet)
+            out[i] = added[i].encode()
+        elif byte_level:
+            try:
+                out[i] = bytes(alphabet[c] for c in text)
+            except KeyError:
+                out[i] = None  # not a byte-level token: never generated under a constraint
+        else:
+            m = _BYTE_FALLBACK.fullmatch(text)
+            out[i] = bytes([int(m.group(1), 16)]) if m else text.replace("\u2581", " ").encode()
+    return tuple(out)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

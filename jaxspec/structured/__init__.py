@@ -1,0 +1,56 @@
+"""Structured output: regular expressions and JSON schemas compiled on the host into token-level
+automata that the compiled decode loop follows on device (``jaxspec.model.grammar``).
+
+    regex.py       Python regexes -> DFAs over bytes (refusing what a DFA cannot express)
+    charsets.py    code point sets, Python's categories and case folding, UTF-8 byte sequences
+    schema.py      JSON Schema -> regex (outlines-core), keyword checks, numeric bounds, patterns
+    ranges.py      numeric intervals as regular languages
+    automaton.py   byte DFA -> token-level automaton over a vocabulary; the automata of a call
+                   joined into one device table
+
+``compile_constraints`` is what ``generate()`` calls: one automaton per distinct constraint of a
+call, cached by its text and the vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jaxspec.structured.automaton import Automaton, AutomatonCache, GrammarSet, compile_automaton, join_automata
+from jaxspec.structured.regex import ByteDFA, compile_dfa
+from jaxspec.structured.schema import schema_regex
+
+__all__ = ["Automaton", "GrammarSet", "compile_constraint", "compile_constraints", "constraint_dfa"]
+
+_CACHE = AutomatonCache()
+
+
+def constraint_dfa(kind: str, text: str) -> ByteDFA:
+    """The byte-level DFA of a constraint: ("regex", Python pattern) or ("json_schema", JSON text)."""
+    if kind == "regex":
+        return compile_dfa(text)
+    regex, splices = schema_regex(text)
+    return compile_dfa(regex, re.ASCII, splices)
+
+
+def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str) -> Automaton:
+    """The automaton of one constraint over ``tokenizer``'s vocabulary (``vocab_size`` ids: the
+    model's, which may exceed the tokenizer's), cached."""
+    token_bytes = tokenizer.token_bytes
+    key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes))
+    what = f"{kind} {text!r}" if len(text) < 200 else f"{kind} ({len(text)} characters)"
+    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size, what=what))
+
+
+def compile_constraints(tokenizer, vocab_size: int, constraints) -> tuple[GrammarSet | None, list[int | None]]:
+    """The call's table and, per request, which of its automata it follows (None: none).
+    ``constraints``: per request, None or (kind, text) (``SamplingParams.constraint``)."""
+    distinct = list(dict.fromkeys(c for c in constraints if c is not None))
+    if not distinct:
+        return None, [None] * len(constraints)
+    if tokenizer is None:
+        raise ValueError("structured output (regex / json_schema) needs the target's tokenizer (tokenizer.json next "
+                         "to its weights): the constraint is on the output text")
+    automata = [compile_constraint(tokenizer, vocab_size, kind, text) for kind, text in distinct]
+    which = {c: i for i, c in enumerate(distinct)}
+    return join_automata(automata, vocab_size), [None if c is None else which[c] for c in constraints]
