@@ -210,7 +210,12 @@ class GrammarSet:
         return self.next_state.nbytes + self.token_class.nbytes + self.final.nbytes + self.terminal.nbytes
 
 
-def _pow2(x: int, least: int = 4) -> int:
+# Smallest table bucket: calls whose constraints fit share their compiled programs (512 x 128 int32
+# is 256 KiB).
+MIN_STATES, MIN_CLASSES = 512, 128
+
+
+def _pow2(x: int, least: int) -> int:
     return max(least, 1 << max(0, x - 1).bit_length())
 
 
@@ -225,7 +230,7 @@ def join_automata(automata: list[Automaton], vocab_size: int) -> GrammarSet:
         first, joint = np.zeros(1, np.int64), np.zeros(V, np.int32)
     C = len(first)
     S = 2 + sum(a.num_states for a in automata)
-    S_pad, C_pad = _pow2(S), _pow2(C)
+    S_pad, C_pad = _pow2(S, MIN_STATES), _pow2(C + 1, MIN_CLASSES)
     table = np.full((S_pad, C_pad), DEAD, np.int32)  # padding rows behave as DEAD
     table[FREE, :] = FREE
     final = np.zeros(S_pad, bool)
