@@ -30,6 +30,7 @@ from jaxspec.draft.step import verify_and_accept
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.controls import Controls
 from jaxspec.model.drafts.base import DraftSeed
+from jaxspec.model.grammar import Grammar, GrammarTable
 from jaxspec.model.io.llama import init_llama_params
 from jaxspec.model.io.qwen3_next import init_hybrid_params
 from jaxspec.model.targets import create_target_pool
@@ -65,7 +66,9 @@ def step_fn(cfg, params, n: int, batch: int, context: int):
     rows = StepRows(seq_lens=jnp.full((batch,), context, jnp.int32), bonus=tree.tokens[:, 0],
                     active=jnp.ones((batch,), bool), temperature=jnp.zeros((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
                     top_p=jnp.ones((batch,)), min_p=jnp.zeros((batch,)), controls=Controls.empty(batch, 0),
-                    keys=jax.random.split(jax.random.PRNGKey(0), batch), seed=DraftSeed.empty(batch, 1, jnp.float32))
+                    keys=jax.random.split(jax.random.PRNGKey(0), batch), seed=DraftSeed.empty(batch, 1, jnp.float32),
+                    grammar=Grammar(table=GrammarTable.empty(), state=jnp.zeros((batch,), jnp.int32),
+                                    stop_ids=jnp.full((batch, 1), -1, jnp.int32)))
 
     @jax.jit
     def step(params, pool):

@@ -42,6 +42,14 @@ from jaxspec.model.io.tables import init_params
 from jaxspec.model.targets import Model, create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
 
+# --constraint: every row writes a JSON array of records (unbounded, so rows keep generating).
+TIMING_SCHEMA = {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "size": {"type": "integer", "minimum": 0, "maximum": 10000},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                                     "ok": {"type": "boolean"}},
+    "required": ["name", "size"], "additionalProperties": False}}
+
 # Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -82,20 +90,22 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
 
 
 def time_controls_pair(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
-                       implementation=None, temperature: float = 0.0) -> tuple[float, float]:
+                       implementation=None, temperature: float = 0.0, grammars=None) -> tuple[float, float]:
     """Median seconds per step with every control off and on, the two calls alternated so both
-    see the same machine load."""
-    off, on = (prepare(target, draft, spec, batch, context, steps, repeats, implementation, c, temperature)
-               for c in (False, True))
+    see the same machine load. ``grammars``: compare no constraint with every row constrained by
+    this ``GrammarSet``'s first automaton instead of the controls."""
+    off, on = (prepare(target, draft, spec, batch, context, steps, repeats, implementation,
+                       c and grammars is None, temperature, grammars if c else None) for c in (False, True))
     off(), on()  # compile
     times = [(off(), on()) for _ in range(repeats)]
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int, implementation,
-            controls: bool, temperature: float):
+            controls: bool, temperature: float, grammars=None):
     """Prefilled state and pools for ``time_steps``; returns a function running one decode call
-    (``steps`` steps) and returning its seconds per step."""
+    (``steps`` steps) and returning its seconds per step. ``grammars``: a ``GrammarSet`` whose
+    first automaton constrains every row."""
     page = 16
     V = target.config.vocab_size
     plan = Plan(target=target.config, draft=None if draft is None else draft.config, spec=spec, page_size=page,
@@ -112,13 +122,16 @@ def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, re
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * page)
     state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, seed=seed, hidden_dtype=dtype,
-                              control_vocab=V if controls else 0, top_logprobs=plan.logprobs)
+                              control_vocab=V if controls else 0, top_logprobs=plan.logprobs,
+                              grammar_table=None if grammars is None else grammars.device_table())
     table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     table = jnp.asarray(table)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
     req = request_arrays(batch, max_new=out_width - plan.max_accept, control_vocab=V if controls else 0)
     req["temperature"][:] = temperature
+    if grammars is not None:
+        req["grammar"][:] = grammars.initial(0)
     if controls:
         req["repetition_penalty"][:], req["presence_penalty"][:], req["frequency_penalty"][:] = 1.2, 0.5, 0.5
         req["min_p"][:] = 0.05
@@ -151,6 +164,12 @@ def main(argv=None) -> int:
     ap.add_argument("--controls", action="store_true",
                     help="time every config again with all generation controls on (bias, penalties, min-p, "
                          "20 logprobs) and print the on / off ratio")
+    ap.add_argument("--constraint", action="store_true",
+                    help="time every config again with every row under a JSON-schema constraint (structured "
+                         "output) and print the on / off ratio")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --constraint: the tokenizer.json whose vocabulary the automaton is built over "
+                         "(default: the demo's; its vocabulary must cover the shape's)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: sampled rows")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -171,6 +190,14 @@ def main(argv=None) -> int:
     wbytes = param_bytes(params)
     results = {"device": kind, "shape": shape, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context,
                "temperature": args.temperature, "rows": []}
+    grammars = None
+    if args.constraint:
+        from jaxspec.demo import DEMO_TARGET
+        from jaxspec.model.io.tokenizer import load_tokenizer
+        from jaxspec.structured import compile_constraints
+
+        tok = load_tokenizer(args.tokenizer or DEMO_TARGET)
+        grammars, _ = compile_constraints(tok, cfg.vocab_size, [("json_schema", json.dumps(TIMING_SCHEMA))])
     specs = [("plain", None, None), ("chain S=5", js.SpecConfig.chain(5), draft),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), draft),
              ("dflash chain S=15 (block 16)", js.SpecConfig.chain(15), dflash)]
@@ -179,16 +206,16 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = None
         for name, spec, d in specs:
-            if args.controls:
+            if args.controls or args.constraint:
                 secs = time_controls_pair(target, d, spec, batch, args.context, args.steps, args.repeats,
-                                          args.implementation, args.temperature)
+                                          args.implementation, args.temperature, grammars)
             else:
                 secs = (time_steps(target, d, spec, batch, args.context, args.steps, args.repeats,
                                    args.implementation, temperature=args.temperature),)
             plain = plain or secs[0]
             roof = wbytes / bw * 1e3 if bw else float("nan")
             for j, sec in enumerate(secs):
-                config = name + (" + controls" if j else "")
+                config = name + ((" + constraint" if grammars is not None else " + controls") if j else "")
                 label = config + (f" ({sec / secs[0]:.3f}x of off)" if j else "")
                 row = dict(batch=batch, config=config, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain,
                            roofline_ms=roof)

@@ -60,6 +60,14 @@ def _draft_from(args, target, draft_path):
     return js.HybridDraft(draft, ngram) if args.ngram_tokens else draft
 
 
+def _json_schema(value: str | None):
+    """--json-schema: a file's text when it names a file, else the text itself."""
+    if value is not None and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
 def cmd_generate(args) -> int:
     import jaxspec as js
 
@@ -77,6 +85,7 @@ def cmd_generate(args) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), logprobs=args.logprobs,
         max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.ignore_eos else None, stop=args.stop or None,
+        regex=args.regex, json_schema=_json_schema(args.json_schema),
     )
     engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len)
     if args.chat is not None:  # rendered with the checkpoint's own template
@@ -185,6 +194,9 @@ def main(argv=None) -> int:
     g.add_argument("--logit-bias", default=None, help='JSON object of token id -> bias, e.g. \'{"13": -5}\'')
     g.add_argument("--logprobs", type=int, default=None,
                    help="print each token's log-probability and the top N alternatives (0: the token's only)")
+    g.add_argument("--regex", default=None, help="structured output: the output must match this regex (Python syntax)")
+    g.add_argument("--json-schema", default=None,
+                   help="structured output: a JSON schema (its text, or a path to a .json file) the output must follow")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)

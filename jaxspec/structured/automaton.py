@@ -3,9 +3,9 @@
 Built once per distinct constraint (cached by its text and the vocabulary), on the host:
 
 1. The regex is compiled into a DFA over bytes (``jaxspec.structured.regex``).
-2. Every token is run through that DFA from every state at once (numpy, tokens grouped by their
-   byte length): ``next[s, t]`` is the state after token ``t``'s bytes, or dead. A token is allowed
-   in ``s`` when its bytes never leave the language.
+2. Every token is run through that DFA from every state at once, down a trie of the vocabulary's
+   texts (numpy, level by level, keeping only the pairs still alive): ``next[s, t]`` is the state
+   after token ``t``'s bytes. A token is allowed in ``s`` when its bytes never leave the language.
 3. States from which no final state can be reached with the vocabulary's tokens are dropped (a
    token leading there is not allowed), so a request can always finish; if the initial state is
    such a state, no string of the language can be spelled and the constraint is refused.
@@ -31,10 +31,6 @@ import numpy as np
 
 from jaxspec.model.grammar import DEAD, FREE, GrammarTable
 from jaxspec.structured.regex import ByteDFA
-
-_HASH_A = np.uint64(0x9E3779B97F4A7C15)
-_HASH_B = np.uint64(0xC2B2AE3D27D4EB4F)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Automaton:
@@ -72,17 +68,98 @@ class Automaton:
         return self.next_state.nbytes + self.token_class.nbytes + self.final.nbytes
 
 
-def _token_groups(token_bytes, vocab_size: int):
-    """Token ids with a non-empty text, grouped by byte length: {L: (ids i32[n], bytes u8[n, L])}."""
-    by_len = collections.defaultdict(list)
-    for i, b in enumerate(token_bytes[:vocab_size]):
-        if b:
-            by_len[len(b)].append(i)
-    groups = {}
-    for L, ids in by_len.items():
-        data = b"".join(token_bytes[i] for i in ids)
-        groups[L] = (np.asarray(ids, np.int32), np.frombuffer(data, np.uint8).reshape(len(ids), L))
-    return groups
+@dataclasses.dataclass(frozen=True, eq=False)
+class VocabTrie:
+    """The vocabulary's token texts as a trie of bytes (regex-independent: built once per
+    vocabulary). Nodes are numbered level by level, children of a node contiguous and sorted by
+    byte, node 0 the root (the empty prefix).
+
+    child_start: i32[N + 1] node u's children are ``child_start[u] .. child_start[u + 1] - 1``;
+    byte: u8[N] the byte leading into each node; token_start: i32[N + 1] and token_ids: i32[T] the
+    tokens whose text ends at each node (``token_start[u] .. token_start[u + 1] - 1`` into
+    ``token_ids``)."""
+
+    child_start: np.ndarray
+    byte: np.ndarray
+    token_start: np.ndarray
+    token_ids: np.ndarray
+    depth: int
+
+
+def vocab_trie(token_bytes, vocab_size: int) -> VocabTrie:
+    """The trie of the non-empty texts of ids ``0 .. vocab_size - 1``."""
+    texts = [(b, i) for i, b in enumerate(token_bytes[:vocab_size]) if b]
+    depth = max((len(b) for b, _ in texts), default=0)
+    prefixes = [set() for _ in range(depth + 1)]
+    for b, _ in texts:
+        for n in range(1, len(b) + 1):
+            prefixes[n].add(b[:n])
+    number = {b"": 0}
+    parents, bytes_ = [-1], [0]
+    for n in range(1, depth + 1):  # level n sorted by (parent's number, last byte): children contiguous
+        for p in sorted(prefixes[n], key=lambda x: (number[x[:-1]], x[-1])):
+            number[p] = len(parents)
+            parents.append(number[p[:-1]])
+            bytes_.append(p[-1])
+    N = len(parents)
+    counts = np.bincount(np.asarray(parents[1:], np.int64), minlength=N)
+    child_start = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int32)
+    nodes = np.asarray([number[b] for b, _ in texts], np.int64)
+    ids = np.asarray([i for _, i in texts], np.int32)
+    order = np.argsort(nodes, kind="stable")
+    token_start = np.searchsorted(nodes[order], np.arange(N + 1)).astype(np.int32)
+    return VocabTrie(child_start=child_start, byte=np.asarray(bytes_, np.uint8), token_start=token_start,
+                     token_ids=ids[order], depth=depth)
+
+
+_TRIES: collections.OrderedDict = collections.OrderedDict()
+
+
+def _trie_for(token_bytes, vocab_size: int) -> VocabTrie:
+    key = (vocab_size, len(token_bytes), hash(token_bytes))
+    if key not in _TRIES:
+        _TRIES[key] = vocab_trie(token_bytes, vocab_size)
+        while len(_TRIES) > 4:
+            _TRIES.popitem(last=False)
+    return _TRIES[key]
+
+
+def token_transitions(dfa: np.ndarray, trie: VocabTrie) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (start state, token, end state) whose token's bytes stay alive from the start state:
+    a walk down the trie from every state at once, level by level, carrying only the (trie node,
+    start state) pairs still alive (most tokens die on their first bytes in most states).
+    dfa: i32[Q + 1, 256] with dead = Q. Returns (q, t, s), each i32[E]."""
+    Q = dfa.shape[0] - 1
+    node = np.zeros(Q, np.int32)
+    start = np.arange(Q, dtype=np.int32)
+    cur = start.copy()
+    out_q, out_t, out_s = [], [], []
+    for _ in range(trie.depth):
+        lo = trie.child_start[node]
+        count = trie.child_start[node + 1] - lo
+        # Each pair repeated once per child of its node; a node's children are contiguous.
+        child = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int32)
+        nxt = dfa[np.repeat(cur, count), trie.byte[child]]
+        alive = nxt < Q
+        node, start, cur = child[alive], np.repeat(start, count)[alive], nxt[alive]
+        first = trie.token_start[node]
+        ntok = trie.token_start[node + 1] - first
+        if ntok.any():
+            tok = np.repeat(first - (np.cumsum(ntok) - ntok), ntok) + np.arange(int(ntok.sum()), dtype=np.int32)
+            out_q.append(np.repeat(start, ntok))
+            out_t.append(trie.token_ids[tok])
+            out_s.append(np.repeat(cur, ntok))
+        if not len(node):
+            break
+    cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)  # noqa: E731
+    return cat(out_q), cat(out_t), cat(out_s)
+
+
+def _mix(x: np.ndarray, salt: int) -> np.ndarray:
+    """A 64-bit mix of each value (two multiply-xorshift rounds)."""
+    z = (x.astype(np.uint64) + np.uint64(salt)) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(29))
 
 
 def compile_automaton(byte_dfa: ByteDFA, token_bytes, vocab_size: int, *, what: str = "constraint") -> Automaton:
@@ -93,58 +170,39 @@ def compile_automaton(byte_dfa: ByteDFA, token_bytes, vocab_size: int, *, what: 
     dfa, byte_final, byte_initial = byte_dfa.table, byte_dfa.final, byte_dfa.initial
     Q = dfa.shape[0] - 1
     V = vocab_size
-    groups = _token_groups(token_bytes, V)
-    h1 = np.zeros(V, np.uint64)
-    h2 = np.zeros(V, np.uint64)
-    successors: list[np.ndarray] = []
-    chunk = max(1, min(Q, (1 << 22) // max(1, V)))
-    for q0 in range(0, Q, chunk):
-        qs = np.arange(q0, min(Q, q0 + chunk), dtype=np.int32)
-        rows = np.full((len(qs), V), Q, np.int32)  # dead unless a token's bytes stay alive
-        for L, (ids, data) in groups.items():
-            cur = np.broadcast_to(qs[:, None], (len(qs), len(ids)))
-            for p in range(L):
-                cur = dfa[cur, data[None, :, p]]
-            rows[:, ids] = cur
-        for row in rows:
-            h1 = h1 * _HASH_A + row.astype(np.uint64) + np.uint64(1)
-            h2 = (h2 ^ (row.astype(np.uint64) + np.uint64(0x632BE5AB))) * _HASH_B
-            successors.append(np.unique(row[row < Q]))
+    q, t, s = token_transitions(dfa, _trie_for(token_bytes, V))
     # States from which the vocabulary can reach a final state (backwards from the finals).
+    edges = np.unique(q.astype(np.int64) * (Q + 1) + s)
     predecessors = collections.defaultdict(list)
-    for q, succ in enumerate(successors):
-        for s in succ.tolist():
-            predecessors[s].append(q)
+    for a, b in zip((edges // (Q + 1)).tolist(), (edges % (Q + 1)).tolist()):
+        predecessors[b].append(a)
     live = byte_final.copy()
     todo = list(np.flatnonzero(live))
     while todo:
-        for q in predecessors[todo.pop()]:
-            if not live[q]:
-                live[q] = True
-                todo.append(q)
+        for a in predecessors[todo.pop()]:
+            if not live[a]:
+                live[a] = True
+                todo.append(a)
     if not live[byte_initial]:
         raise ValueError(f"{what}: no string of its language can be spelled with this model's vocabulary")
-    # Token classes: tokens with equal next-state rows (a 128-bit hash of the rows).
-    _, first, token_class = np.unique(np.stack([h1, h2], axis=1), axis=0, return_index=True, return_inverse=True)
-    token_class = token_class.reshape(-1).astype(np.int32)
-    reps = first.astype(np.int32)  # one token of each class
-    # The table on representatives only, live states renumbered 0..S-1, everything else -1.
-    number = np.full(Q + 1, -1, np.int32)
+    keep = live[q] & live[s]  # a token leading where nothing can finish is not allowed
+    q, t, s = q[keep], t[keep], s[keep]
+    number = np.full(Q, -1, np.int32)
     number[np.flatnonzero(live)] = np.arange(int(live.sum()), dtype=np.int32)
-    rep_next = np.full((Q, len(reps)), Q, np.int32)
-    rep_bytes = [token_bytes[i] if i < len(token_bytes) else None for i in reps]
-    for c, b in enumerate(rep_bytes):
-        if b:
-            cur = np.arange(Q, dtype=np.int32)
-            for byte in b:
-                cur = dfa[cur, byte]
-            rep_next[:, c] = cur
-    table = number[rep_next[live]]  # [S, C]
-    # Classes that differ only in states that were dropped are merged.
-    _, keep, merged = np.unique(table.T, axis=0, return_index=True, return_inverse=True)
-    table = np.ascontiguousarray(table[:, keep])
-    token_class = merged.reshape(-1).astype(np.int32)[token_class]
-    return Automaton(next_state=table.astype(np.int32), token_class=token_class, final=byte_final[live],
+    q, s = number[q], number[s]
+    S = int(live.sum())
+    # Token classes: tokens with the same (state -> state) moves everywhere (a 128-bit hash of each
+    # token's set of moves; tokens with none share the class nothing allows).
+    h1, h2 = np.zeros(V, np.uint64), np.zeros(V, np.uint64)
+    pair = q.astype(np.int64) * (S + 1) + s
+    np.add.at(h1, t, _mix(pair, 0x9E3779B97F4A7C15))
+    np.add.at(h2, t, _mix(pair, 0xC2B2AE3D27D4EB4F))
+    _, reps, token_class = np.unique(np.stack([h1, h2], axis=1), axis=0, return_index=True, return_inverse=True)
+    token_class = token_class.reshape(-1).astype(np.int32)
+    table = np.full((S, len(reps)), -1, np.int32)
+    is_rep = reps[token_class[t]] == t
+    table[q[is_rep], token_class[t[is_rep]]] = s[is_rep]
+    return Automaton(next_state=table, token_class=token_class, final=byte_final[live],
                      initial=int(number[byte_initial]), build_seconds=time.perf_counter() - t0)
 
 

@@ -284,9 +284,45 @@ def compile_dfa(pattern: str, flags: int = 0, splices: dict[int, Splice] | None 
         moves.append(row)
         i += 1
     Q = len(order)
-    widths = np.diff(bounds)
-    table = np.full((Q + 1, 256), Q, np.int32)
-    for q, row in enumerate(moves):
-        table[q] = np.repeat(np.where(np.asarray(row) >= 0, row, Q), widths)
+    classes = np.asarray([[r if r >= 0 else Q for r in row] for row in moves] + [[Q] * len(reps)], np.int32)
     final = np.asarray([accept in s for s in order], bool)
-    return ByteDFA(table=table, final=final, initial=0)
+    classes, final, initial = _minimize(classes, final, 0)
+    return ByteDFA(table=np.repeat(classes, np.diff(bounds), axis=1), final=final, initial=initial)
+
+
+def _mix(x: np.ndarray, salt: int) -> np.ndarray:
+    z = (x.astype(np.uint64) + np.uint64(salt)) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(29))
+
+
+def _minimize(table: np.ndarray, final: np.ndarray, initial: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The minimal DFA (Moore's partition refinement; rows compared by a 128-bit hash of their
+    successors' blocks). table: i32[Q + 1, K] over byte classes, row Q the dead state. States
+    that cannot reach a final state join the dead one. Returns (table [Q' + 1, K] with dead = Q',
+    final [Q'], initial)."""
+    Q1, K = table.shape
+    is_final = np.append(final, False)
+    block = is_final.astype(np.int64)
+    count = len(np.unique(block))
+    salts = (np.arange(K, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    while True:
+        succ = block[table]  # [Q + 1, K]
+        h1 = _mix(block, 1) + (_mix(succ, 2) * (salts | np.uint64(1))).sum(axis=1)
+        h2 = _mix(block, 3) ^ (_mix(succ, 5) + salts).sum(axis=1)
+        _, new = np.unique(np.stack([h1, h2], axis=1), axis=0, return_inverse=True)
+        new = new.reshape(-1)
+        if new.max() + 1 == count:
+            break
+        block, count = new, int(new.max()) + 1
+    # Renumber: the dead state's block last, the rest in order of first appearance.
+    dead = block[Q1 - 1]
+    order = [b for b in dict.fromkeys(block.tolist()) if b != dead] + [dead]
+    number = np.empty(count, np.int32)
+    number[order] = np.arange(count, dtype=np.int32)
+    first = np.unique(block, return_index=True)[1]  # a state of each block
+    rows = np.empty((count, K), np.int32)
+    rows[number[block[first]]] = number[block[table[first]]]
+    fin = np.zeros(count, bool)
+    fin[number[block[first]]] = is_final[first]
+    return rows, fin[:-1], int(number[block[initial]])
