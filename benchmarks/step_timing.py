@@ -42,13 +42,31 @@ from jaxspec.model.io.tables import init_params
 from jaxspec.model.targets import Model, create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
 
-# --constraint: every row writes a JSON array of records (unbounded, so rows keep generating).
-TIMING_SCHEMA = {"type": "array", "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                     "size": {"type": "integer", "minimum": 0, "maximum": 10000},
-                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-                                     "ok": {"type": "boolean"}},
-    "required": ["name", "size"], "additionalProperties": False}}
+# --constraint: every row writes records of this schema (as JSON lines, so rows keep generating).
+TIMING_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "size": {"type": "integer", "minimum": 0, "maximum": 10000},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}}, "required": ["name", "size"], "additionalProperties": False}
+
+
+
+def timing_grammar(tokenizer_path: str | None, vocab_size: int):
+    """Rows writing JSON lines of TIMING_SCHEMA records, one after another: a realistic table that
+    never reaches a complete match nothing may extend (timed rows must keep generating)."""
+    import re
+
+    from jaxspec.demo import DEMO_TARGET
+    from jaxspec.model.io.tokenizer import load_tokenizer
+    from jaxspec.structured.automaton import compile_automaton, join_automata
+    from jaxspec.structured.regex import compile_dfa
+    from jaxspec.structured.schema import schema_regex
+
+    tok = load_tokenizer(tokenizer_path or DEMO_TARGET)
+    regex, splices = schema_regex(json.dumps(TIMING_SCHEMA))
+    dfa = compile_dfa(f"(?:{regex}\n)+", re.ASCII, splices)
+    return join_automata([compile_automaton(dfa, tok.token_bytes, vocab_size)], vocab_size)
+
 
 # Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -192,12 +210,7 @@ def main(argv=None) -> int:
                "temperature": args.temperature, "rows": []}
     grammars = None
     if args.constraint:
-        from jaxspec.demo import DEMO_TARGET
-        from jaxspec.model.io.tokenizer import load_tokenizer
-        from jaxspec.structured import compile_constraints
-
-        tok = load_tokenizer(args.tokenizer or DEMO_TARGET)
-        grammars, _ = compile_constraints(tok, cfg.vocab_size, [("json_schema", json.dumps(TIMING_SCHEMA))])
+        grammars = timing_grammar(args.tokenizer, cfg.vocab_size)
     specs = [("plain", None, None), ("chain S=5", js.SpecConfig.chain(5), draft),
              ("tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), draft),
              ("dflash chain S=15 (block 16)", js.SpecConfig.chain(15), dflash)]

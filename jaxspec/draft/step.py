@@ -72,9 +72,10 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
 
 def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of):
     """verify -> accept -> compact under ``shape``. Every node is judged by its logits masked by
-    its own structured-output state, then processed with the row's controls over its own path. Returns (accept_lens i32[B], predict i32[B, a]
-    emitted tokens front-compacted, the draft's feature [B, a, F] or None, the emitted tokens'
-    raw ``TokenLogprobs`` [B, a] or None, tpool); a = 1 for the root alone, else S + 1."""
+    its own structured-output state, then processed with the row's controls over its own path.
+    Returns (accept_lens i32[B], predict i32[B, a] emitted tokens front-compacted, the draft's
+    feature [B, a, F] or None, the emitted tokens' raw ``TokenLogprobs`` [B, a] or None, tpool);
+    a = 1 for the root alone, else S + 1."""
     logits, out, tpool = target_verify(plan, tparams, rows, tree, tpool, page_table, shape=shape)
     # The grammar mask comes first (as vLLM applies its bitmask): every node with its own state.
     logits = rows.grammar.mask(logits, node_states(rows.grammar, tree.tokens, tree.parent, plan.spec_depth))

@@ -146,7 +146,8 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
     through_end = jnp.where(jnp.any(ends, axis=1), jnp.argmax(ends, axis=1) + 1, A + 1)
     keep = jnp.where(active, jnp.minimum(jnp.minimum(jnp.minimum(first_stop, accept_lens), room), through_end), 0)
     done = (first_stop < accept_lens) | (state.out_lens + keep >= state.max_new) | (through_end <= keep)
-    stopped = active & (first_stop < jnp.minimum(accept_lens, room))  # a stop token came before the length cap
+    # A stop token came before the length cap (and before a complete match ended the request).
+    stopped = active & (first_stop < jnp.minimum(jnp.minimum(accept_lens, room), through_end))
     stop_token = jnp.take_along_axis(emitted, jnp.minimum(first_stop, A - 1)[:, None], axis=1)[:, 0]
     col = jnp.where(j < keep[:, None], state.out_lens[:, None] + j, M)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))

@@ -133,7 +133,8 @@ def test_demo_drafts_equal_plain_under_constraints(draft, spec, page, sampling):
     target, prompts = demo()
     out = run(target, prompts, SAMPLINGS[sampling], draft=demo_draft(draft), spec=spec, page=page)
     assert out.token_ids == demo_plain(sampling).token_ids
-    assert [s.finish_reason for s in out.stats] == [s.finish_reason for s in demo_plain(sampling).stats]
+    reasons = lambda o: [(s.finish_reason, s.stop_reason) for s in o.stats]  # noqa: E731
+    assert reasons(out) == reasons(demo_plain(sampling))
     assert out.kv_pages_free == out.kv_pages_total
     if draft in ("eagle3", "dflash"):
         assert out.mean_accept_len > 1.3  # drafts propose what the grammar allows: they are accepted
