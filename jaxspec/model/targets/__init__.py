@@ -117,6 +117,8 @@ def kv_span(cfg) -> int | None:
     """Committed positions behind a request's length that a model with a window pool keeps
     resident (its sliding window, or more when compressor windows still read them); None without
     a window pool."""
+    if cfg is None or type(cfg) not in _FAMILIES:
+        return None
     span = _family(cfg).span(cfg)
     return kv_window(cfg) if span is None else span
 

@@ -167,10 +167,9 @@ def _row(tree: dict | None, i: jax.Array):
                         tree)
 
 
-def layer_schedule(cfg: DeepseekV4Config, kinds: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
+def layer_schedule(kinds: tuple[str, ...], mlp: tuple[str, ...]) -> dict[str, jax.Array]:
     """Per layer (i32[L] each): its attention branch, its row among the layers of its kind, whether it
     is hash-routed and its row among the layers of its routing kind (the scan's per-layer inputs)."""
-    kinds = cfg.layer_kinds if kinds is None else kinds
     present = [k for k in (SLIDING, CSA, HCA) if k in kinds]
     count = {k: 0 for k in present}
     branch, row = [], []
@@ -178,7 +177,6 @@ def layer_schedule(cfg: DeepseekV4Config, kinds: tuple[str, ...] | None = None) 
         branch.append(present.index(k))
         row.append(count[k])
         count[k] += 1
-    mlp = cfg.mlp_kinds if len(cfg.mlp_kinds) == len(kinds) else (TOPK,) * len(kinds)
     mcount = {HASH: 0, TOPK: 0}
     mrow = []
     for k in mlp:
@@ -189,15 +187,16 @@ def layer_schedule(cfg: DeepseekV4Config, kinds: tuple[str, ...] | None = None) 
             "mlp_row": i32(mrow), "layer": i32(range(len(kinds)))}
 
 
-def run_layers(params: dict, layers: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], x: jax.Array,
+def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp: tuple[str, ...], x: jax.Array,
                tokens: jax.Array, positions: jax.Array, pool: CompressedPool, attn: AttentionInputs, taps: AuxTaps,
                aux, *, implementation=None):
-    """The layers over the streams ``x [B, T, N, H]``: one ``lax.scan``, its attention a
-    ``lax.switch`` over the kinds present (one compiled body per kind, whatever the depth). Returns
-    (streams, pool, aux, Closing [L, ...] of a verify or None)."""
+    """The layers (``params``: ``layers/`` stacked, ``csa/`` ``hca/`` ``hash/`` ``topk/`` as present;
+    attention ``kinds`` and routing ``mlp`` kinds per layer) over the streams ``x [B, T, N, H]``: one
+    ``lax.scan``, its attention a ``lax.switch`` over the kinds present (one compiled body per kind,
+    whatever the depth). Returns (streams, pool, aux, Closing [L, ...] of a verify or None)."""
     B, T, N, H = x.shape
     present = [k for k in (SLIDING, CSA, HCA) if k in kinds]
-    sched = layer_schedule(cfg, kinds)
+    sched = layer_schedule(kinds, mlp)
 
     def attention(kind):
         def run(lp, row, layer, h, pool):
@@ -226,7 +225,7 @@ def run_layers(params: dict, layers: dict, cfg: DeepseekV4Config, kinds: tuple[s
                    None if bias is None else bias["router_bias"], s["hashed"])
         return (expand(x, y.astype(x.dtype), post, comb), pool, aux), closing
 
-    (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (layers, sched))
+    (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (params["layers"], sched))
     return x, pool, aux, closings
 
 
@@ -258,7 +257,7 @@ def deepseek_v4_forward(
     x = jnp.broadcast_to(e[:, :, None, :], (B, T, N, H))
     taps = AuxTaps(cfg.num_layers, aux_layers)
     aux = taps.empty(x.reshape(B, T, N * H))
-    x, pool, aux, closings = run_layers(params, params["layers"], cfg, cfg.layer_kinds, x, tokens, positions, pool,
+    x, pool, aux, closings = run_layers(params, cfg, cfg.layer_kinds, cfg.mlp_kinds, x, tokens, positions, pool,
                                         attn, taps, aux, implementation=implementation)
     streams = x.reshape(B, T, N * H)
     hidden = norm(hc_head(params, cfg, x), params["norm"], cfg.rms_norm_eps)
