@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.kvcache.paging import compressed_tables, positions_to_slots, window_table
+from jaxspec.kvcache.paging import WindowTable, window_table
 
 
 def _spec(buffer: jax.Array, data_axis):
@@ -151,7 +151,19 @@ class CompressedPool:
         return self.window
 
 
-def entry_slots(tables, rate_index: int, entries: jax.Array, page_size: int) -> jax.Array:  # i32[B, ...]
-    """Pool slots of entry indices ``entries`` (< 0: scratch slot 0) through the page table of the
-    ``rate_index``-th compression rate."""
-    return positions_to_slots(compressed_tables(tables)[rate_index], entries, page_size)
+def compressed_write_targets(
+    ring: WindowTable,
+    write_positions: jax.Array,  # i32[B, T] where each row's token is written (< 0: padding)
+    positions: jax.Array,  # i32[B, T] each row's logical position
+    rates: tuple[int, ...],
+    page_size: int,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Where a forward's compressed-KV writes go: the ring slots of its rows' compressor inputs
+    (i32[B, T]: beside their K = V rows), and per compression rate the entry each row closes (i32[B, T],
+    -1 when it closes none: entry ``w`` closes at position ``(w + 1) * rate - 1``). A draft step's rows
+    come from the one draft-scratch layout (``jaxspec.kvcache.layout.per_step_draft_locs``), so its
+    compressed write targets are that step's row of the layout and nothing else (seed 004)."""
+    slots = ring.slots(write_positions, page_size)
+    real = write_positions >= 0
+    closes = tuple(jnp.where(real & ((positions + 1) % m == 0), (positions + 1) // m - 1, -1) for m in rates)
+    return slots, closes

@@ -41,8 +41,9 @@ def raw_config() -> dict:
 
 
 def test_logits_and_greedy_match_hf():
-    """No-cache logits of HF over prompt + greedy continuation (64 positions at most), every row; and
-    the argmax of each continuation step is HF's greedy token."""
+    """No-cache logits of HF over prompt + greedy continuation (64 positions at most), every row; the
+    argmax of each continuation step is HF's greedy token; the last layer's streams (tap L, what the
+    MTP layer reads) are those the golden's MTP input was taken from."""
     ref = arrays(CASE)
     seqs = [np.concatenate([ref[f"prompt_{i}"], ref[f"greedy_{i}"]]) for i in range(3)]
     T = max(len(s) for s in seqs)
@@ -50,12 +51,17 @@ def test_logits_and_greedy_match_hf():
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s
     m = golden_model()
-    logits = np.asarray(jax.jit(lambda p, t: forward_fresh(m.config, p, t, dtype=np.float32)[0])(m.params, batch))
+    L = m.config.num_layers
+    logits, _, streams = jax.jit(lambda p, t: forward_fresh(m.config, p, t, dtype=np.float32, aux_layers=(L,)))(
+        m.params, batch)
+    logits = np.asarray(logits)
     for i, s in enumerate(seqs):
         want = ref[f"full_logits_{i}"]
         np.testing.assert_allclose(logits[i, : len(s)], want, atol=CASE["atol"], rtol=CASE["rtol"])
         n = len(ref[f"prompt_{i}"])
         np.testing.assert_array_equal(logits[i, n - 1: len(s) - 1].argmax(-1), ref[f"greedy_{i}"])
+    mtp_in = ref["mtp_hidden_in"]
+    np.testing.assert_allclose(np.asarray(streams[0, : len(mtp_in)]), mtp_in, atol=CASE["atol"], rtol=CASE["rtol"])
 
 
 # ------------------------------------------------------------------------------------ config

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.kvcache.compressed import CompressedPool, EntryPart, RingPart
+from jaxspec.kvcache.compressed import CompressedPool, EntryPart, RingPart, compressed_write_targets
 from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.targets.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -230,7 +230,9 @@ def v4_attention(
     kv = norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps)  # [B, T, D]
     kv = rope_tail(kv[:, :, None], positions, rope, R)[:, :, 0]
 
-    wslots = ring_table.slots(attn.write_positions, P).reshape(B * T)
+    m = cfg.rate(kind) if kind != SLIDING else 1
+    wslots, (closes,) = compressed_write_targets(ring_table, attn.write_positions, positions, (m,), P)
+    wslots = wslots.reshape(B * T)
     ring = dataclasses.replace(ring, kv=ring.kv.at[layer, wslots].set(kv.reshape(B * T, D).astype(ring.kv.dtype)))
     inputs = None
     if kind != SLIDING:
@@ -260,8 +262,8 @@ def v4_attention(
     closing = Closing.none(B, T, cfg, h.dtype) if attn.pending else None
     entries = pool.entries
     if kind != SLIDING:
-        keys_c, entries, closing = _compressed_keys(cp, cfg, kind, h, q_res, positions, inputs, ring, pool, kind_index,
-                                                    attn, implementation)
+        keys_c, entries, closing = _compressed_keys(cp, cfg, kind, h, q_res, positions, inputs, ring, pool,
+                                                    kind_index, attn, closes, implementation)
         keys += keys_c
     pool = dataclasses.replace(pool, window=ring, entries=entries)
 
@@ -293,7 +295,7 @@ def v4_attention(
 
 
 def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, inputs, ring: RingPart,
-                     pool: CompressedPool, kind_index: int, attn: AttentionInputs, implementation):
+                     pool: CompressedPool, kind_index, attn: AttentionInputs, closes: jax.Array, implementation):
     """The compressed key sets of one layer ([(keys, visibility)]), the entry pools (written in a
     committing forward) and, for a verify, the entries its nodes close."""
     B, T = positions.shape
@@ -343,13 +345,11 @@ def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, 
         blk_kv, blk_ik = _entries_of(x, path >= 0, jnp.broadcast_to(w * m, (B, T, C)), cp, cfg, kind)
         visible_blk = None
         if attn.pending:  # a verify: the entry each node closes, and where the commit puts it
-            closes = ((positions + 1) % m == 0) & (attn.write_positions >= 0)
-            k_self = jnp.clip((positions + 1) // m - 1 - E[:, None], 0, C - 1)  # [B, T]
+            k_self = jnp.clip(closes - E[:, None], 0, C - 1)  # [B, T] the row's own closing among its C
             pick = lambda x: jnp.take_along_axis(x, k_self[:, :, None, None], 2)[:, :, 0]  # noqa: E731
-            target = jnp.where(closes, (positions + 1) // m - 1, -1)
             index_k = pick(blk_ik) if blk_ik is not None else jnp.zeros((B, T, cfg.index_head_dim), blk_kv.dtype)
             closing = Closing(kv=pick(blk_kv), index_k=index_k,
-                              slots=jnp.where(closes, positions_to_slots(table, target, P), -1))
+                              slots=jnp.where(closes >= 0, positions_to_slots(table, closes, P), -1))
     pool_entries = tuple(part if i == rate_index else e for i, e in enumerate(pool.entries))
 
     # Entries in the pool: committed ones (< E) for every row, plus (committing) this chunk's.
