@@ -69,6 +69,29 @@ class RingPart:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class RingBuffer:
+    """One buffer of the ring part as a part of its own (``map_parts``: compaction moves it)."""
+
+    buffer: jax.Array
+    page_size: int = dataclasses.field(metadata=dict(static=True), default=16)
+
+    @property
+    def buffers(self) -> tuple[jax.Array, ...]:
+        return (self.buffer,)
+
+    def with_buffers(self, buffers) -> "RingBuffer":
+        return dataclasses.replace(self, buffer=buffers[0])
+
+    @property
+    def num_layers(self) -> int:
+        return self.buffer.shape[0]
+
+    def specs(self, data_axis, model_axis=None):
+        return dataclasses.replace(self, buffer=_spec(self.buffer, data_axis))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class EntryPart:
     """kv: [Lk, Ne, D] compressed entries; index_k: [Lk, Ne, Di] the indexer's compressed keys
     (CSA), or None."""
@@ -137,13 +160,15 @@ class CompressedPool:
                                    entries=tuple(e.specs(data_axis) for e in self.entries))
 
     def map_parts(self, tables, fn: Callable) -> "CompressedPool":
-        """``fn`` on the ring part (position-addressed: compaction moves it like KV); entries are
-        committed, never moved by position."""
+        """``fn`` on each buffer of the ring part (position-addressed: compaction moves them like KV;
+        one at a time, their layer counts differ); entries are committed, never moved by position."""
         ring = window_table(tables)
         if ring is None:
             raise ValueError("a compressed-KV pool needs PageTables with a window table")
         page = self.window.page_size
-        return dataclasses.replace(self, window=fn(self.window, lambda positions: ring.slots(positions, page)))
+        slots_of = lambda positions: ring.slots(positions, page)  # noqa: E731
+        moved = tuple(fn(RingBuffer(b, page), slots_of).buffer for b in self.window.buffers)
+        return dataclasses.replace(self, window=self.window.with_buffers(moved))
 
     def part(self, name: str):
         if name != "window":
