@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.engine.allocator import PageAllocator
+from jaxspec.engine.allocator import PageAllocator, check_no_strays, check_table
 from jaxspec.kvcache.paging import pages_needed
 
 
@@ -61,20 +61,7 @@ class EntryPages:
     def check(self, rows: list) -> None:
         """Every page free or held by one running request; each running row's table holds exactly
         its request's pages (``rows``: the request of each batch row, or None)."""
-        owners = set()
         for a in self.allocators:
             a.check()
-        for row, req in enumerate(rows):
-            table = self.table[row]
-            if req is None:
-                if table.any():
-                    raise AssertionError(f"row {row} is free but its rate-{self.rate} entry table holds pages")
-                continue
-            owners.add(req.index)
-            owned = self.allocator_of(row).pages_of(req.index)
-            if table[: len(owned)].tolist() != owned or table[len(owned):].any():
-                raise AssertionError(f"row {row}: rate-{self.rate} entry table {table.tolist()} != its pages {owned}")
-        for a in self.allocators:
-            stray = set(a.owners()) - owners
-            if stray:
-                raise AssertionError(f"entry pages held by requests that are not running: {sorted(stray)}")
+        owners = check_table(self.table, rows, self.allocator_of, f"rate-{self.rate} entry table")
+        check_no_strays(self.allocators, owners, f"rate-{self.rate} entry pages")

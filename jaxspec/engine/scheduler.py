@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from jaxspec.config import SamplingParams
-from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator
+from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator, check_no_strays, check_table
 from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.prefix_cache import PrefixCache
 from jaxspec.engine.window import WindowPages
@@ -150,21 +150,8 @@ class Scheduler:
         if self.window is not None:
             for a in self.window.allocators:
                 a.check()
-        owners = set()
-        for row, req in enumerate(self.rows):
-            table = self.page_table[row]
-            if req is None:
-                if table.any():
-                    raise AssertionError(f"row {row} is free but its page table holds pages {table[table > 0]}")
-                continue
-            owners.add(req.index)
-            owned = self.allocator_of(row).pages_of(req.index)
-            if table[: len(owned)].tolist() != owned or table[len(owned):].any():
-                raise AssertionError(f"row {row}: page table {table.tolist()} != request {req.index}'s pages {owned}")
-        for a in self.allocators + (self.window.allocators if self.window is not None else []):
-            stray = set(a.owners()) - owners
-            if stray:
-                raise AssertionError(f"pages held by requests that are not running: {sorted(stray)}")
+        owners = check_table(self.page_table, self.rows, self.allocator_of)
+        check_no_strays(self.allocators + (self.window.allocators if self.window is not None else []), owners)
         for e in self.entries:
             e.check(self.rows)
 

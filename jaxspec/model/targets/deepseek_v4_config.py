@@ -196,18 +196,26 @@ def _rates(raw: dict, where: str) -> dict[str, int]:
     return rates
 
 
+def _listed(raw: dict, key: str, table: dict[str, str], L: int, what: str, where: str) -> tuple[str, ...] | None:
+    """``raw[key]`` (one HF type name per layer) as our kinds, None when absent; unknown names refused."""
+    types = raw.get(key)
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) < L:
+        raise ConfigError(f"{where}: {key} must list the {L} layers, got {types!r}")
+    bad = [t for t in types[:L] if t not in table]
+    if bad:
+        raise ConfigError(f"{where}: {what}(s) {bad} are not supported for DeepSeek-V4 (supported: {sorted(table)})")
+    return tuple(table[t] for t in types[:L])
+
+
 def _layer_kinds(raw: dict, L: int, rates: dict[str, int], where: str) -> tuple[tuple[str, ...], str]:
     """(per-layer attention kinds, the MTP layer's kind) from ``layer_types`` or ``compress_ratios``."""
-    types, ratios = raw.get("layer_types"), raw.get("compress_ratios")
+    ratios = raw.get("compress_ratios")
     mtp = SLIDING
-    if types is not None:
-        if not isinstance(types, list) or len(types) < L:
-            raise ConfigError(f"{where}: layer_types must list the {L} layers, got {types!r}")
-        bad = [t for t in types[:L] if t not in _LAYER_TYPES]
-        if bad:
-            raise ConfigError(f"{where}: layer type(s) {bad} are not supported for DeepSeek-V4 "
-                              f"(supported: {sorted(_LAYER_TYPES)})")
-        return tuple(_LAYER_TYPES[t] for t in types[:L]), mtp
+    kinds = _listed(raw, "layer_types", _LAYER_TYPES, L, "layer type", where)
+    if kinds is not None:
+        return kinds, mtp
     if ratios is not None:
         by_rate = {0: SLIDING, rates["compressed_sparse_attention"]: CSA, rates["heavily_compressed_attention"]: HCA}
         if rates["compressed_sparse_attention"] == rates["heavily_compressed_attention"]:
@@ -228,15 +236,9 @@ def _layer_kinds(raw: dict, L: int, rates: dict[str, int], where: str) -> tuple[
 
 
 def _mlp_kinds(raw: dict, L: int, where: str) -> tuple[str, ...]:
-    types = raw.get("mlp_layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) < L:
-            raise ConfigError(f"{where}: mlp_layer_types must list the {L} layers, got {types!r}")
-        bad = [t for t in types[:L] if t not in _MLP_TYPES]
-        if bad:
-            raise ConfigError(f"{where}: MLP layer type(s) {bad} are not supported for DeepSeek-V4 "
-                              f"(supported: {sorted(_MLP_TYPES)})")
-        return tuple(_MLP_TYPES[t] for t in types[:L])
+    kinds = _listed(raw, "mlp_layer_types", _MLP_TYPES, L, "MLP layer type", where)
+    if kinds is not None:
+        return kinds
     n_hash = _int(raw, "num_hash_layers", where, default=3, minimum=0) if raw.get("num_hash_layers") is not None else 3
     return tuple(HASH if i < n_hash else TOPK for i in range(L))
 
