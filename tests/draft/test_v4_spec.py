@@ -16,7 +16,6 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 

@@ -47,7 +47,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.kvcache.compressed import CompressedPool, EntryPart, RingPart, compressed_write_targets
 from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
@@ -161,8 +160,8 @@ def path_write_positions(attn: AttentionInputs, positions: jax.Array, want: jax.
     return jnp.where(flat >= 0, out, -1).reshape(want.shape)
 
 
-def _inputs_along(ring: RingPart, buf: jax.Array, ring_slots, layer: int, own: jax.Array | None,
-                  own_rows: jax.Array | None) -> jax.Array:
+def _inputs_along(buf: jax.Array, ring_slots, layer, own: jax.Array | None, own_rows: jax.Array | None
+                  ) -> jax.Array:
     """Compressor inputs at ring slots, or (where ``own_rows >= 0``) from this forward's own rows."""
     x = buf[layer, ring_slots]
     if own is None:
@@ -320,7 +319,7 @@ def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, 
         real = (row < T) & (jnp.take_along_axis(attn.write_positions, jnp.clip(row, 0, T - 1), axis=1) >= 0)
         path = last[..., None] + offs  # [B, Wn, K] positions (< prefix: in the ring; else this chunk's rows)
         own_rows = jnp.where(path >= attn.prefix_lens[:, None, None], path - attn.prefix_lens[:, None, None], -1)
-        x = _inputs_along(ring, buf, attn.window.slots(path, ring.page_size), kind_index, inputs, own_rows)
+        x = _inputs_along(buf, attn.window.slots(path, ring.page_size), kind_index, inputs, own_rows)
         e, ik = _entries_of(x, path >= 0, w * m, cp, cfg, kind)  # [B, Wn, D], [B, Wn, Di]
         slots = positions_to_slots(table, jnp.where(real, w, -1), P)
         slots = jnp.where(real, slots, -1).reshape(-1)
