@@ -216,6 +216,9 @@ def v4_attention(
     *,
     implementation=None,
 ) -> tuple[jax.Array, CompressedPool, Closing | None]:  # [B, T, H], pool, what a verify leaves
+    """One layer (module docstring): its rows' K = V rows and compressor inputs go into the ring (at the
+    write targets ``compressed_write_targets`` gives), the entries a committing forward closes into
+    the entry pool; then one softmax over the window, the compressed entries it sees and the sink."""
     B, T, _ = h.shape
     Hq, D, R, W = cfg.num_heads, cfg.head_dim, cfg.rope_dim, cfg.sliding_window
     rope = cfg.rope_of(kind)
