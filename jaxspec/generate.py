@@ -25,7 +25,10 @@ from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
-from jaxspec.model.targets import Model, create_target_pool, has_recurrent_state, kv_window
+from jaxspec.engine.entries import EntryPages
+from jaxspec.model.targets import (Model, create_target_pool, kv_entry_rates, kv_span, kv_window,
+                                   uncacheable_reason)
+from jaxspec.model.targets.deepseek_v4 import entry_pages_for
 from jaxspec.structured import compile_constraints
 
 
@@ -366,30 +369,46 @@ class Engine:
         num_pages = data_shards * (-(-engine.num_pages // data_shards) if engine.num_pages else
                                    (batch // data_shards) * width + 1)
         step_growth = engine.steps_per_call * plan.max_accept
+        spans = [s for s in (kv_span(target.config) if windows else None,
+                             _draft_span(draft) if draft is not None else None) if s]
         window = window_pages_for(max(windows), batch=batch, width=width, page_size=engine.page_size,
-                                  ahead=step_growth + plan.lookahead, data_shards=data_shards) if windows else None
+                                  ahead=step_growth + plan.lookahead, data_shards=data_shards,
+                                  span=max(spans, default=None)) if windows else None
         window_pages = window.num_pages if window is not None else None
+        # Compressed-KV entry pools (DeepSeek-V4): one page table per compression rate, shared by the target
+        # and a standalone draft of the same model kind.
+        rates = kv_entry_rates(target.config)
+        draft_rates = kv_entry_rates(getattr(draft.config, "model", None)) if draft is not None else ()
+        if draft_rates and draft_rates != rates:
+            raise ValueError(f"a standalone draft with compressed KV at rates {draft_rates} cannot share the "
+                             f"target's entry page tables (rates {rates or 'none'})")
+        P_ = engine.page_size
+        entries = tuple(EntryPages(rate=m, batch=batch, width=pages_needed(width * P_ // m + 2, P_),
+                                   pages_per_shard=entry_pages_for(num_pages // data_shards, batch // data_shards, m),
+                                   page_size=P_, data_shards=data_shards) for m in rates)
+        entry_pages = tuple(e.num_pages for e in entries) or None
         # Why a model's prompts are not cached (None: they are, when the engine caches at all).
-        recurrent = has_recurrent_state(target.config) or (
-            draft is not None and has_recurrent_state(getattr(draft.config, "model", None)))
-        self.uncacheable = ("its recurrent state (linear-attention layers) is not paged" if recurrent else
-                            "its sliding-window KV pages leave the window" if windows else None)
+        self.uncacheable = (uncacheable_reason(target.config)
+                            or (uncacheable_reason(getattr(draft.config, "model", None)) if draft is not None else None)
+                            or ("its sliding-window KV pages leave the window" if windows else None))
         if engine.prefix_cache and self.uncacheable:
             raise ValueError(f"EngineConfig(prefix_cache=True): this model's prompts cannot be cached: "
                              f"{self.uncacheable}")
         self.pages = PagePools(batch=batch, width=width, num_pages=num_pages, page_size=engine.page_size,
                                lookahead=plan.lookahead, step_growth=step_growth, data_shards=data_shards,
-                               window=window, prefix_cache=engine.prefix_cache is not False and not self.uncacheable)
+                               window=window, prefix_cache=engine.prefix_cache is not False and not self.uncacheable,
+                               entries=entries)
         dtype = jnp.dtype(target.dtype)
-        P_ = engine.page_size
         self.tpool = create_pool(lambda: create_target_pool(target.config, num_pages=num_pages, page_size=P_,
-                                                            dtype=dtype, window_pages=window_pages, rows=batch),
+                                                            dtype=dtype, window_pages=window_pages, rows=batch,
+                                                            entry_pages=entry_pages),
                                  getattr(target.config, "tensor_parallel", 1) > 1, mesh)
         if draft is None:
             self.dpool = create_pool(lambda: zero_pool(P_, dtype), False, mesh)
         else:
+            extra = {"entry_pages": entry_pages} if draft_rates else {}
             self.dpool = create_pool(lambda: draft.config.create_pool(num_pages=num_pages, page_size=P_, dtype=dtype,
-                                                                      window_pages=window_pages, rows=batch),
+                                                                      window_pages=window_pages, rows=batch, **extra),
                                      draft.config.tensor_parallel > 1, mesh)
         self.target, self.draft, self.spec, self.plan, self.config = target, draft, spec, plan, engine
         self.dtype, self.batch, self.width = dtype, batch, width
@@ -688,13 +707,22 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, me
 
 
 def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
-    """The live page table, with the window pool's ring table (fixed width) when there is one
-    (both with their rows split over the data shards)."""
+    """The live page table, with the window pool's ring table (fixed width) and the compressed-KV
+    entry tables (cut like the full one, at 1/rate of its positions) when there are (all with their
+    rows split over the data shards)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
-    if sched.window is None:
+    if sched.window is None and not sched.entries:
         return full
     w = sched.window
-    return PageTables(full=full, window=WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh)))
+    ring = None if w is None else WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh))
+    compressed = tuple(place_table(e.table[:, : min(e.width, next_pow2(e.pages_for(positions)))], mesh)
+                       for e in sched.entries)
+    return PageTables(full=full, window=ring, compressed=compressed)
+
+
+def _draft_span(draft) -> int | None:
+    """Positions a draft with its own window pool reads behind a request's length (None: none)."""
+    return kv_span(getattr(draft.config, "model", None)) if draft.config.kv_window else None
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine, grammars=None):

@@ -133,3 +133,28 @@ class PageAllocator:
             raise AssertionError("a page outside the prefix cache is held by two requests")
         if not set(self.parked) <= self.cached:
             raise AssertionError("a parked page is not in the prefix cache")
+
+
+def check_table(table, rows, allocator_of, what: str = "page table") -> set[int]:
+    """The accounting of one page table ``[batch, W]``: a free row (``rows[row]`` None) holds no page,
+    a running row's table holds exactly its request's pages (``allocator_of(row)``). Returns the
+    running requests' indices."""
+    owners = set()
+    for row, req in enumerate(rows):
+        held = table[row]
+        if req is None:
+            if held.any():
+                raise AssertionError(f"row {row} is free but its {what} holds pages {held[held > 0]}")
+            continue
+        owners.add(req.index)
+        owned = allocator_of(row).pages_of(req.index)
+        if held[: len(owned)].tolist() != owned or held[len(owned):].any():
+            raise AssertionError(f"row {row}: {what} {held.tolist()} != request {req.index}'s pages {owned}")
+    return owners
+
+
+def check_no_strays(allocators, owners: set[int], what: str = "pages") -> None:
+    for a in allocators:
+        stray = set(a.owners()) - owners
+        if stray:
+            raise AssertionError(f"{what} held by requests that are not running: {sorted(stray)}")

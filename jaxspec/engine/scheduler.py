@@ -14,7 +14,10 @@ Two admission policies (``EngineConfig.admission``):
 Either way pages are granted lazily, a few steps ahead of use, and every granted page returns to the
 allocator when its request retires or is preempted. A target with sliding-window layers also has a
 window pool (``jaxspec.engine.window``): its pages are granted and returned as each request's window
-moves; it holds a ring for every batch row, so it never forces a preemption.
+moves; it holds a ring for every batch row, so it never forces a preemption. A target with compressed
+KV (DeepSeek-V4) has one entry pool per compression rate (``jaxspec.engine.entries``), granted as the
+request's length grows at 1/rate of the token rate; sized never to run out first, it never forces a
+preemption either.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from jaxspec.config import SamplingParams
-from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator
+from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator, check_no_strays, check_table
+from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.prefix_cache import PrefixCache
 from jaxspec.engine.window import WindowPages
 from jaxspec.kvcache.paging import pages_needed
@@ -82,7 +86,7 @@ class Scheduler:
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
                  lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None,
                  admission: str = "reserve", allocators: list[PageAllocator] | None = None,
-                 caches: list[PrefixCache] | None = None):
+                 caches: list[PrefixCache] | None = None, entries: tuple[EntryPages, ...] = ()):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         if window is not None and len(window.allocators) != data_shards:
@@ -96,6 +100,7 @@ class Scheduler:
         self.caches = caches  # one prefix cache per data shard, or None
         self.page_table = np.zeros((batch, width), np.int32)
         self.window = window
+        self.entries = entries
         self.waiting: deque[Request] = deque(requests)
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
@@ -146,21 +151,10 @@ class Scheduler:
         if self.window is not None:
             for a in self.window.allocators:
                 a.check()
-        owners = set()
-        for row, req in enumerate(self.rows):
-            table = self.page_table[row]
-            if req is None:
-                if table.any():
-                    raise AssertionError(f"row {row} is free but its page table holds pages {table[table > 0]}")
-                continue
-            owners.add(req.index)
-            owned = self.allocator_of(row).pages_of(req.index)
-            if table[: len(owned)].tolist() != owned or table[len(owned):].any():
-                raise AssertionError(f"row {row}: page table {table.tolist()} != request {req.index}'s pages {owned}")
-        for a in self.allocators + (self.window.allocators if self.window is not None else []):
-            stray = set(a.owners()) - owners
-            if stray:
-                raise AssertionError(f"pages held by requests that are not running: {sorted(stray)}")
+        owners = check_table(self.page_table, self.rows, self.allocator_of)
+        check_no_strays(self.allocators + (self.window.allocators if self.window is not None else []), owners)
+        for e in self.entries:
+            e.check(self.rows)
 
     def _need(self, req: Request, committed: int, growth: int) -> int:
         """Pages ``req`` holds after a grant for ``growth`` positions past ``committed``."""
@@ -279,9 +273,11 @@ class Scheduler:
         have = len(alloc.pages_of(req.index))
         new = alloc.grow(req.index, target)
         self.page_table[req.row, have:have + len(new)] = new
+        total = len(req.prompt) + req.sampling.max_new_tokens + self.lookahead  # as reserved
         if self.window is not None:
-            total = len(req.prompt) + req.sampling.max_new_tokens + self.lookahead  # as reserved
             self.window.advance(req.row, req.index, committed, min(reach, total))
+        for e in self.entries:
+            e.grant(req.row, req.index, min(reach, total))
 
     def retire(self, row: int, tokens: list[int], accept_lens: list[int]) -> Request:
         req = self.rows[row]
@@ -305,6 +301,8 @@ class Scheduler:
         if self.window is not None:
             self.window.release(row, req.index)
             self.reserved_window[self.shard_of(row)] -= req.worst_window_pages
+        for e in self.entries:
+            e.release(row, req.index)
         self.page_table[row] = 0
         self.rows[row] = None
 
@@ -324,6 +322,7 @@ class PagePools:
     data_shards: int = 1
     window: WindowPages | None = None
     prefix_cache: bool = False
+    entries: tuple[EntryPages, ...] = ()
     allocators: list[PageAllocator] = dataclasses.field(init=False)
     caches: list[PrefixCache] | None = dataclasses.field(init=False)
 
@@ -337,4 +336,4 @@ class PagePools:
         return Scheduler(requests, batch=self.batch, width=self.width, num_pages=self.num_pages,
                          page_size=self.page_size, lookahead=self.lookahead, step_growth=self.step_growth,
                          data_shards=self.data_shards, window=self.window, admission=admission,
-                         allocators=self.allocators, caches=self.caches)
+                         allocators=self.allocators, caches=self.caches, entries=self.entries)

@@ -26,12 +26,14 @@ def ring_pages(*, retain: int, ahead: int, page_size: int) -> int:
 
 
 def window_pages_for(window: int, *, batch: int, width: int, page_size: int, ahead: int,
-                     data_shards: int = 1) -> "WindowPages":
+                     data_shards: int = 1, span: int | None = None) -> "WindowPages":
     """The window pool of a decode: ``window`` the largest sliding window read, ``width`` the
     full page table's width (a request never needs more), ``ahead`` the positions a decode
-    call may touch past the committed length (step growth + lookahead); the pool holds a ring
-    for every batch row, and each of ``data_shards`` shards a scratch page of its own."""
-    retain = window + 1  # a frozen-KV assistant reads the last W + 1 committed positions
+    call may touch past the committed length (step growth + lookahead), ``span`` the committed
+    positions a model reads behind its length when more than its window (DeepSeek-V4's open
+    compressor windows); the pool holds a ring for every batch row, and each of ``data_shards``
+    shards a scratch page of its own."""
+    retain = max(window, span or 0) + 1  # a frozen-KV assistant reads the last W + 1 committed positions
     ring = min(width, ring_pages(retain=retain, ahead=ahead, page_size=page_size))
     per_shard = (batch // data_shards) * ring + 1
     return WindowPages(batch=batch, ring=ring, num_pages=data_shards * per_shard, page_size=page_size, retain=retain,

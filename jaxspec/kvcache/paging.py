@@ -75,11 +75,15 @@ class WindowTable:
 @dataclasses.dataclass(frozen=True)
 class PageTables:
     """The page tables of one decode: ``full`` (i32[B, W], every position) and, for models with
-    sliding-window layers, the ring table of the window pool (``None`` otherwise). Passed
-    wherever a page table goes; a bare ``[B, W]`` array means ``PageTables(full=array)``."""
+    sliding-window layers, the ring table of the window pool (``None`` otherwise); for models
+    with compressed KV (DeepSeek-V4), one page table per compression rate (``compressed``,
+    i32[B, We] each, addressed by entry index: entry ``e`` of rate ``m`` covers positions
+    ``[e*m, (e+1)*m)``, so these tables advance at ``1/m`` of the token rate). Passed wherever a
+    page table goes; a bare ``[B, W]`` array means ``PageTables(full=array)``."""
 
     full: jax.Array
     window: WindowTable | None = None
+    compressed: tuple[jax.Array, ...] = ()
 
 
 def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
@@ -88,6 +92,10 @@ def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
 
 def window_table(tables) -> WindowTable | None:
     return tables.window if isinstance(tables, PageTables) else None
+
+
+def compressed_tables(tables) -> tuple[jax.Array, ...]:
+    return tables.compressed if isinstance(tables, PageTables) else ()
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +116,8 @@ class AttentionInputs:
       pending: static. True for a verify forward: its tokens are candidates, so recurrent state is
         not written but returned per token (``ForwardOutput.pending``), for the accepted path to be
         committed; False (a prefill) writes the state after each row's last token.
+      compressed: the page tables of the compressed-KV pools, one per compression rate
+        (``PageTables.compressed``).
     """
 
     page_table: jax.Array
@@ -118,6 +128,7 @@ class AttentionInputs:
     window: WindowTable | None = None
     state_rows: jax.Array | None = None
     pending: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    compressed: tuple[jax.Array, ...] = ()
 
     @classmethod
     def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None, *, state_rows=None,
@@ -134,4 +145,5 @@ class AttentionInputs:
             window=window_table(page_table),
             state_rows=state_rows,
             pending=pending,
+            compressed=compressed_tables(page_table),
         )

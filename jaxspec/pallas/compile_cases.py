@@ -17,6 +17,11 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   indexer's top-k), decode at batch 1 and 32, verify n=8 at batch 32.
 * DeepSeek-V3.2 lightning indexer scores: 64 heads x 128 over 64k positions (page 64), decode
   at batch 1 and tree verify n=8 at batch 32.
+* DeepSeek-V4-Flash (43 layers: 21 CSA, 20 HCA; one K = V head of 512): the lightning indexer
+  (64 heads x 128) over the CSA entries of a 128k context (32k entries, rate 4; page 64), decode at
+  batch 1 and verify n=8 at batch 32; compaction of its ring pool (the K = V rows of every layer, the
+  CSA layers' compressor inputs of each token; each buffer moves on its own, their layer counts
+  differ); the MTP seed gather of the flattened streams (4 x 4096).
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
   512 (full layers, 32 / 4 heads). They need not meet the spill criterion, but then the
@@ -123,14 +128,17 @@ def mla_sparse_attention_case(batch: int, rows: int, selected: int = 2048, conte
     return fn, (q_latent, q_rope, pool, _sds((), _I32), slots)
 
 
-def dsa_indexer_case(batch: int, rows: int, context: int = 65536, page_size: int = 64):
+def dsa_indexer_case(batch: int, rows: int, context: int = 65536, page_size: int = 64, layers: int = 61,
+                     mask_width: int | None = None):
     """DeepSeek-V3.2's lightning indexer scores: 64 heads of width 128 over ``context``
-    positions per request (bf16 indexer keys, 61 layers); ``rows`` > 1 is a tree verify (block mask)."""
+    positions per request (bf16 indexer keys, 61 layers); ``rows`` > 1 is a tree verify (block mask,
+    ``mask_width`` columns: default ``rows``). DeepSeek-V4 runs the same scores over compressed
+    entries (``context`` entries, its CSA layers)."""
     W = context // page_size
     index_q = _sds((batch, rows, 64, 128), _BF16)
     weights = _sds((batch, rows, 64), jnp.float32)
-    pool = _sds((61, (batch * W + 1) * page_size, 128), _BF16)
-    mask = _sds((batch, rows, rows), jnp.bool_) if rows > 1 else None
+    pool = _sds((layers, (batch * W + 1) * page_size, 128), _BF16)
+    mask = _sds((batch, rows, mask_width or rows), jnp.bool_) if rows > 1 or mask_width else None
 
     def fn(q, w, k, layer, table, prefix, mask):
         return index_scores_pallas(q, w, k, layer, table, prefix, mask, page_size=page_size, interpret=False)
@@ -254,6 +262,19 @@ CASES: list[CompileCase] = [
     CompileCase("deepseek-v3.2 indexer decode B=1 64k", "dsa_indexer", functools.partial(dsa_indexer_case, 1, 1)),
     CompileCase("deepseek-v3.2 indexer verify n=8 B=32 64k", "dsa_indexer",
                 functools.partial(dsa_indexer_case, 32, 8)),
+    # DeepSeek-V4-Flash: the indexer over 32k CSA entries (a 128k context at rate 4), the ring pool's compaction
+    # (K = V rows of 43 layers, 21 CSA layers' compressor inputs 4*512 + 4*128 wide, 20 HCA layers' 2*512; a ring
+    # of 4 pages of 64 per request) and the MTP seed gather of the streams
+    CompileCase("deepseek-v4-flash indexer decode B=1 32k entries", "dsa_indexer",
+                functools.partial(dsa_indexer_case, 1, 1, 32768, layers=21, mask_width=1)),
+    CompileCase("deepseek-v4-flash indexer verify n=8 B=32 32k entries", "dsa_indexer",
+                functools.partial(dsa_indexer_case, 32, 8, 32768, layers=21, mask_width=1)),
+    CompileCase("kv_move deepseek-v4-flash ring kv B=32 S=6", "kv_move",
+                functools.partial(kv_move_case, 43, (32 * 4 + 1) * 64, ((512,),), 32, 6)),
+    CompileCase("kv_move deepseek-v4-flash ring csa inputs B=32 S=6", "kv_move",
+                functools.partial(kv_move_case, 21, (32 * 4 + 1) * 64, ((2560,),), 32, 6)),
+    CompileCase("gather deepseek-v4-flash mtp streams B=32 n=8", "gather_spec_extras",
+                functools.partial(gather_case, 32, 8, 4 * 4096), reads_kv=False),
     # KV move (tree compaction, S = 5 accepted at most) and the fused gather
     CompileCase("kv_move llama3-8b k+v B=32 S=6", "kv_move",
                 functools.partial(kv_move_case, 32, 32 * CTX + 16, ((8, 128), (8, 128)), 32, 6)),

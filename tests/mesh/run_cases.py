@@ -193,7 +193,7 @@ def assistant_golden_on_mesh(name, tp):
 def _spec(params) -> str:
     """The partition spec of the first layer group's output projection (row-parallel: split on its input)."""
     group = next(params[k] for k in ("layers", "moe", "dense", "sliding") if k in params)
-    return str(group["wo"].sharding.spec)
+    return str(group["wo" if "wo" in group else "wo_b"].sharding.spec)  # DeepSeek-V4: wo_b after the grouped wo_a
 
 
 def collective_counts(target_name, tp):
@@ -269,6 +269,10 @@ CASES = {
     "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(
         "qwen3_5_dense", 2, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "qwen3_5_tp2_dp2_chain_mtp": lambda: hybrid_lossless("qwen3_5_dense", 2, 2, js.SpecConfig.chain(3), 1, "mtp"),
+    # DeepSeek-V4: query heads (with their output groups), experts and vocabulary split, the one K = V head,
+    # the compressors, indexers and every compressed pool whole on both shards; its MTP layer, tree, page 16
+    "deepseek_v4_tp2_tree_mtp": lambda: lossless("deepseek_v4", 2, 1,
+                                                 js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "errors": errors,

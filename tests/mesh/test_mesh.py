@@ -63,6 +63,9 @@ def case(results, name) -> dict:
     # A hybrid (Qwen3.5) target: Gated DeltaNet heads and their recurrent state split over model, rows over data
     ("qwen3_5_tp2_tree_perturbed", "standalone"),  # a hybrid draft's tree, partly accepted, page 16
     ("qwen3_5_tp2_dp2_chain_mtp", "qwen_mtp"),  # its MTP layer, TP=2 x DP=2, page 1
+    # DeepSeek-V4 (CSA / sliding / HCA layers, hyper-connections): query heads and experts split, the K = V head,
+    # compressors and compressed pools whole on both shards; its MTP layer, tree, page 16
+    ("deepseek_v4_tp2_tree_mtp", "v4_mtp"),
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)

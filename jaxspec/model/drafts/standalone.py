@@ -27,9 +27,9 @@ class StandaloneDraft(Draft):
     def kv_window(self) -> int | None:
         return kv_window(self.model)
 
-    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1):
+    def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1, entry_pages=None):
         return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                                  window_pages=window_pages, rows=rows)
+                                  window_pages=window_pages, rows=rows, entry_pages=entry_pages)
 
     def open_scratch(self, pool, width: int):
         """A hybrid LM drafting a tree keeps its scratch nodes' pending state beside their KV."""

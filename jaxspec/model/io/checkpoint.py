@@ -65,11 +65,16 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def fp8_block_size(raw: dict, where: str) -> tuple[int, int] | None:
-    """The ``[rows, cols]`` block of a block-scaled FP8 checkpoint's ``weight_scale_inv``
-    (DeepSeek-V3's ``quantization_config``: ``quant_method`` "fp8", ``fmt`` "e4m3",
-    ``weight_block_size``), None when the checkpoint is not quantized; any other quantization
-    is refused by name."""
+    """The ``[rows, cols]`` block of a block-scaled FP8 checkpoint's weight scales
+    (DeepSeek-V3 / V4's ``quantization_config``: ``quant_method`` "fp8", ``fmt`` "e4m3",
+    ``weight_block_size``, ``scale_fmt`` float or ue8m0; V4's routed experts may instead be FP4,
+    ``expert_dtype`` "fp4", e2m1 values two per byte with their own scales), None when the
+    checkpoint is not quantized; any other quantization is refused by name."""
     q = raw.get("quantization_config")
+    expert_dtype = (q or {}).get("expert_dtype", raw.get("expert_dtype"))
+    if expert_dtype not in (None, "fp8", "fp4", "bf16"):
+        raise CheckpointError(f"{where}: expert_dtype {expert_dtype!r} is not supported; supported: fp8, fp4 "
+                              f"(e2m1, two per byte, with block scales), dequantized while loading")
     if not q:
         return None
     method = q.get("quant_method")
@@ -77,8 +82,11 @@ def fp8_block_size(raw: dict, where: str) -> tuple[int, int] | None:
     if method != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
         raise CheckpointError(
             f"{where}: quantization {method!r} (fmt {q.get('fmt')!r}, weight_block_size {block!r}) is not supported; "
-            f"supported: block-scaled fp8 e4m3 (DeepSeek-V3), dequantized while loading"
+            f"supported: block-scaled fp8 e4m3 (DeepSeek-V3 / V4), dequantized while loading"
         )
+    if q.get("scale_fmt") not in (None, "float", "ue8m0"):
+        raise CheckpointError(f"{where}: fp8 scale_fmt {q.get('scale_fmt')!r} is not supported; supported: float, "
+                              f"ue8m0")
     return int(block[0]), int(block[1])
 
 
@@ -120,7 +128,7 @@ def read_config(path: str) -> dict[str, Any]:
 # safetensors dtype names -> numpy dtypes (float8 through ml_dtypes: numpy has none).
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }

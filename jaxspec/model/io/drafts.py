@@ -18,6 +18,7 @@ from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
 from jaxspec.model.drafts.assistant import assistant_draft
 from jaxspec.model.drafts.base import DraftModel
+from jaxspec.model.drafts.deepseek_v4_mtp import v4_mtp_draft
 from jaxspec.model.drafts.eagle import eagle_draft
 from jaxspec.model.drafts.mtp import mtp_draft
 from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
@@ -28,11 +29,14 @@ from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, 
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
 from jaxspec.model.io.loader import TARGET_FAMILIES, target_family, warn_unread
+from jaxspec.model.io.deepseek_v4_mtp import find_v4_mtp_layers, load_v4_mtp_params
 from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
 from jaxspec.model.io.qwen_mtp import load_qwen_mtp_params
 from jaxspec.model.io.tables import load_params, shardings_for
 from jaxspec.model.targets import Model
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
+from jaxspec.model.targets.deepseek_v4_config import ARCHITECTURES as V4_ARCHITECTURES
+from jaxspec.model.targets.deepseek_v4_config import DeepseekV4Config
 from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.targets.qwen3_next_config import ARCHITECTURES as HYBRID_ARCHITECTURES
@@ -90,6 +94,12 @@ def _load_mtp(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(mtp_draft(cfg, params, path), mesh=target.mesh)
 
 
+def _load_v4_mtp(ckpt, raw, target: Model, dtype, where, path):
+    params, cfg = load_v4_mtp_params(ckpt, target.config, target.params, dtype, mesh=target.mesh,
+                                     fp8_block=fp8_block_size(raw, where))
+    return dataclasses.replace(v4_mtp_draft(cfg, params, path), mesh=target.mesh)
+
+
 def _load_qwen_mtp(ckpt, raw, target: Model, dtype, where, path):
     params, cfg = load_qwen_mtp_params(ckpt, target.config, target.params, dtype, mesh=target.mesh)
     return dataclasses.replace(qwen_mtp_draft(cfg, params, path), mesh=target.mesh)
@@ -131,7 +141,8 @@ def _load_dflash(ckpt, raw, target: Model, dtype, where, path):
 
 
 def _is_lm(names: set[str]) -> bool:
-    return any(n.startswith("model.layers.") for n in names) and "fc.weight" not in names and not find_mtp_layers(names)
+    return (any(n.startswith(("model.layers.", "layers.")) for n in names) and "fc.weight" not in names
+            and not find_mtp_layers(names) and not find_v4_mtp_layers(names))
 
 
 DRAFT_FORMATS = (
@@ -145,6 +156,8 @@ DRAFT_FORMATS = (
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
     DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
+    DraftFormat("DeepSeek-V4 MTP layer", V4_ARCHITECTURES, lambda names: bool(find_v4_mtp_layers(names)),
+                (DeepseekV4Config,), _load_v4_mtp),
     DraftFormat("Qwen3-Next / Qwen3.5 MTP layer", tuple(HYBRID_ARCHITECTURES),
                 lambda names: "mtp.fc.weight" in names, (HybridConfig,), _load_qwen_mtp),
     DraftFormat("DFlash 2 block draft", ("DFlash2DraftModel",), dflash_io.is_dflash2,
@@ -153,7 +166,7 @@ DRAFT_FORMATS = (
                 lambda names: dflash_io.is_dflash(names) and not dflash_io.is_dflash2(names),
                 (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_dflash),
     DraftFormat("standalone LM", LM_ARCHITECTURES, lambda names: _is_lm(names) and "mtp.fc.weight" not in names,
-                (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_standalone),
+                (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig, DeepseekV4Config), _load_standalone),
 )
 
 
@@ -183,7 +196,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     (z-lab layout; ``block_size`` on the result), a standalone LM of a supported
     family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
     Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3,
-    Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's directory).
+    DeepSeek-V4, Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's
+    directory).
 
     Raises:
       ValueError: an unknown or mismatched kind, or a draft that does not fit the target

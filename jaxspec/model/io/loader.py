@@ -15,6 +15,7 @@ from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
 from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, read_config, read_eos_ids, resolve_dtype
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
+from jaxspec.model.io import deepseek_v4 as v4_io
 from jaxspec.model.io.gemma4 import gemma4_table
 from jaxspec.model.io.llama import llama_table
 from jaxspec.model.io.qwen3_next import has_fused_experts as hybrid_fused_experts
@@ -23,6 +24,7 @@ from jaxspec.model.io.tables import load_params, shardings_for, unread_tensors
 from jaxspec.model.io.tokenizer import load_tokenizer
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import deepseek_config as ds
+from jaxspec.model.targets import deepseek_v4_config as v4
 from jaxspec.model.targets import gemma4_config as gemma4
 from jaxspec.model.targets import llama_config as llama
 from jaxspec.model.targets import qwen3_next_config as hybrid
@@ -53,6 +55,8 @@ TARGET_FAMILIES = (
     TargetFamily("deepseek", tuple(ds.ARCHITECTURES), tuple(ds.MODEL_TYPES), ds.deepseek_config_from_hf,
                  lambda cfg, ckpt: deepseek_table(cfg, fused_experts=has_fused_experts(ckpt, cfg)),
                  ds.deepseek_for_tensor_parallel, leaves_unread=_mtp_layer),
+    TargetFamily("deepseek_v4", v4.ARCHITECTURES, v4.MODEL_TYPES, v4.deepseek_v4_config_from_hf,
+                 v4_io.checkpoint_table, v4.deepseek_v4_for_tensor_parallel, leaves_unread=v4_io.leaves_unread),
     TargetFamily("gemma4", gemma4.ARCHITECTURES, gemma4.MODEL_TYPES, gemma4.gemma4_config_from_hf,
                  lambda cfg, ckpt: gemma4_table(cfg),  # text weights only (CondGen towers ignored)
                  gemma4.gemma4_for_tensor_parallel,

@@ -185,11 +185,19 @@ def _names(e: Entry) -> Iterator[tuple[tuple[int, ...], str]]:
             yield idx, name
 
 
+def scale_names(name: str) -> tuple[str, ...]:
+    """Where a quantized weight's block scales may be stored: ``<name>_scale_inv`` (HF, DeepSeek-V3),
+    or ``<module>.scale`` beside ``<module>.weight`` (DeepSeek-V4's release)."""
+    out = (name + "_scale_inv",)
+    return out + ((name.removesuffix("weight") + "scale",) if name.endswith(".weight") else ())
+
+
 def unread_tensors(table: Table, names) -> list[str]:
-    """The checkpoint tensor ``names`` no entry of ``table`` reads (an FP8 weight's
-    ``_scale_inv`` counts as read with it), sorted."""
+    """The checkpoint tensor ``names`` no entry of ``table`` reads (a quantized weight's scales
+    count as read with it), sorted."""
     read = {name for e in table for _, name in _names(e)}
-    return sorted(n for n in names if n not in read and n.removesuffix("_scale_inv") not in read)
+    scales = {s for n in read for s in scale_names(n)}
+    return sorted(n for n in names if n not in read and n not in scales)
 
 
 def _shapes(e: Entry) -> list[tuple[str, tuple[int, ...]]]:
@@ -285,10 +293,41 @@ def _load_entry(e: Entry, ckpt, dt, shards, fp8_block) -> list:
     return jax.block_until_ready(bufs)
 
 
+def _scale_of(ckpt, name: str) -> str | None:
+    return next((s for s in scale_names(name) if s in ckpt), None)
+
+
+def _is_fp4(ckpt, name: str, e, hf_shape) -> bool:
+    """``name`` holds e2m1 values packed two per byte (int8 / uint8, half the expected columns)
+    with block scales: DeepSeek-V4's FP4 experts."""
+    return (e.dtype in ("I8", "U8") and len(e.shape) == len(hf_shape) >= 2 and tuple(e.shape[:-1]) == tuple(
+        hf_shape[:-1]) and 2 * e.shape[-1] == hf_shape[-1] and _scale_of(ckpt, name) is not None)
+
+
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:  # [..., r, c/2] bytes -> f32[..., r, c]
+    """e2m1 pairs (low nibble first, as HF's loader reads them) times their block scales; the block
+    is the weight shape over the scale shape."""
+    u8 = np.asarray(packed).view(np.uint8)
+    x = np.stack([FP4_E2M1[u8 & 0xF], FP4_E2M1[u8 >> 4]], axis=-1).reshape(u8.shape[:-1] + (2 * u8.shape[-1],))
+    s = np.asarray(scale, np.float32)
+    r, c = x.shape[-2:]
+    if r % s.shape[-2] or c % s.shape[-1]:
+        raise CheckpointError(f"fp4 weight of shape {x.shape} does not split into scale blocks {s.shape}")
+    return x * _expand_blocks(s, x.shape, (r // s.shape[-2], c // s.shape[-1]), np)
+
+
 def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, align: int = 1):
     """(rows, tensor piece, its fp8 block scale or None) over the first axis of ``name``, each at
-    most ``CHUNK_BYTES`` (whole heads / scale blocks per piece; ``whole``: one piece)."""
+    most ``CHUNK_BYTES`` (whole heads / scale blocks per piece; ``whole``: one piece). FP4 tensors
+    come dequantized (one piece, float32, no scale)."""
     e = ckpt.entry(name)
+    if _is_fp4(ckpt, name, e, hf_shape):
+        scale = ckpt.read(_scale_of(ckpt, name))
+        yield (0, e.shape[0]), dequantize_fp4(ckpt.read(name), scale), None
+        return
     if tuple(e.shape) != tuple(hf_shape):
         raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(hf_shape)}")
     n = e.shape[0] if e.shape else 1
@@ -304,15 +343,16 @@ def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, 
         x = ckpt.read(name, rows=(r0, r1)) if e.shape else first
         scale = None
         if fp8:
-            scale_name = name + "_scale_inv"
-            if fp8_block is None or scale_name not in ckpt:
+            scale_name = _scale_of(ckpt, name)
+            if fp8_block is None or scale_name is None:
                 raise CheckpointError(
                     f"{ckpt.path}: tensor {name!r} is {x.dtype} but the checkpoint has no "
-                    f"{'quantization_config weight_block_size' if fp8_block is None else repr(scale_name)} to dequantize it"
+                    f"{'quantization_config weight_block_size' if fp8_block is None else repr(scale_names(name)[0])} "
+                    f"to dequantize it"
                 )
             want = (-(-e.shape[-2] // fp8_block[0]), -(-e.shape[-1] // fp8_block[1]))
             ckpt.read(scale_name, e.shape[:-2] + want)  # (checks its shape)
-            scale = ckpt.read(scale_name, rows=(r0 // fp8_block[0], -(-r1 // fp8_block[0])))
+            scale = np.asarray(ckpt.read(scale_name, rows=(r0 // fp8_block[0], -(-r1 // fp8_block[0]))), np.float32)
         yield (r0, r1), x, scale
 
 

@@ -17,6 +17,9 @@ from jaxspec.model.layers import lm_head
 from jaxspec.model.targets.base import ForwardOutput, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
+from jaxspec.model.targets.deepseek_v4 import commit_accepted as v4_commit
+from jaxspec.model.targets.deepseek_v4 import create_v4_pool, deepseek_v4_forward
+from jaxspec.model.targets.deepseek_v4_config import DeepseekV4Config
 from jaxspec.model.targets.gemma4 import create_gemma4_pool, gemma4_forward, gemma4_logits
 from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama import create_llama_pool, llama_forward
@@ -25,8 +28,8 @@ from jaxspec.model.targets.qwen3_next import commit_accepted, create_hybrid_pool
 from jaxspec.model.targets.qwen3_next_config import HybridConfig
 
 __all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_fresh", "forward_sequence", "has_recurrent_state",
-           "kv_window",
-           "target_commit", "target_forward", "target_logits"]
+           "kv_entry_rates", "kv_span", "kv_window", "target_commit", "target_forward", "target_logits",
+           "uncacheable_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,12 @@ class _Family:
     window: Callable = lambda cfg: None  # noqa: E731  (cfg) -> sliding window of its window layers, or None
     # (cfg, pool, pending, accept_index, accept_lens, active) -> pool: a verify's recurrent state committed
     commit: Callable = lambda cfg, pool, pending, accept_index, accept_lens, active: pool  # noqa: E731
+    # (cfg) -> committed positions behind a request's length its window pool keeps (None: the window)
+    span: Callable = lambda cfg: None  # noqa: E731
+    # (cfg) -> compression rates of its compressed-KV pools, in the order of PageTables.compressed
+    entry_rates: Callable = lambda cfg: ()  # noqa: E731
+    # (cfg) -> why its prompts cannot be prefix-cached, or None
+    uncacheable: Callable = lambda cfg: None  # noqa: E731
 
 
 def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
@@ -45,6 +54,11 @@ def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
 
 def _paged_only(create):  # families whose pools hold no per-row state
     return lambda cfg, *, rows=1, **kw: create(cfg, **kw)
+
+
+def _v4_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1, entry_pages=None):
+    return create_v4_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, window_pages=window_pages,
+                          rows=rows, entry_pages=entry_pages)
 
 
 def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
@@ -56,7 +70,13 @@ _FAMILIES: dict[type, _Family] = {
     DeepseekConfig: _Family(deepseek_forward, _mla_pool),
     Gemma4Config: _Family(gemma4_forward, _paged_only(create_gemma4_pool), logits=gemma4_logits,
                           window=lambda cfg: cfg.sliding_window if cfg.num_sliding_layers else None),
-    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted),
+    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted,
+                          uncacheable=lambda cfg: "its recurrent state (linear-attention layers) is not paged"
+                          if cfg.num_linear_layers else None),
+    DeepseekV4Config: _Family(deepseek_v4_forward, _v4_pool, window=lambda cfg: cfg.sliding_window, commit=v4_commit,
+                              span=lambda cfg: cfg.window_span, entry_rates=lambda cfg: cfg.entry_rates,
+                              uncacheable=lambda cfg: "its compressed KV entries and compressor state follow the "
+                              "request (the sliding window and the running compressor windows are not cached)"),
 }
 
 
@@ -93,14 +113,36 @@ def kv_window(cfg) -> int | None:
     return _family(cfg).window(cfg)
 
 
+def kv_span(cfg) -> int | None:
+    """Committed positions behind a request's length that a model with a window pool keeps
+    resident (its sliding window, or more when compressor windows still read them); None without
+    a window pool."""
+    if cfg is None or type(cfg) not in _FAMILIES:
+        return None
+    span = _family(cfg).span(cfg)
+    return kv_window(cfg) if span is None else span
+
+
+def kv_entry_rates(cfg) -> tuple[int, ...]:
+    """Compression rates of a model's compressed-KV pools (one page table each; DeepSeek-V4), else ()."""
+    return tuple(_family(cfg).entry_rates(cfg)) if cfg is not None and type(cfg) in _FAMILIES else ()
+
+
+def uncacheable_reason(cfg) -> str | None:
+    """Why a model's prompts cannot be prefix-cached (a state that is not paged by position), or None."""
+    return _family(cfg).uncacheable(cfg) if cfg is not None and type(cfg) in _FAMILIES else None
+
+
 def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None,
-                       rows: int = 1):
+                       rows: int = 1, entry_pages: tuple[int, ...] | None = None):
     """The target's KV pool: MHA ``[L, slots, Hkv, D]``, MLA latent (+ indexer keys), for a
     model with sliding-window layers a ``SplitPool`` whose window part has ``window_pages``
-    pages (default: ``num_pages``), or for a hybrid model a ``HybridPool`` with the recurrent
-    state of ``rows`` requests (one per batch row)."""
+    pages (default: ``num_pages``), for a hybrid model a ``HybridPool`` with the recurrent
+    state of ``rows`` requests (one per batch row), for DeepSeek-V4 a ``CompressedPool`` (ring
+    part of ``window_pages`` pages, entry parts of ``entry_pages`` pages per compression rate)."""
+    kw = {} if entry_pages is None else {"entry_pages": entry_pages}
     return _family(cfg).create_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype,
-                                    window_pages=window_pages, rows=rows)
+                                    window_pages=window_pages, rows=rows, **kw)
 
 
 def target_commit(cfg, pool, pending, accept_index: jax.Array, accept_lens: jax.Array, active: jax.Array):
@@ -128,8 +170,9 @@ def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ..
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(dtype), rows=B)
-    pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in both pools
-    tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)))
+    pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in every pool
+    tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)),
+                        compressed=tuple(pages for _ in kv_entry_rates(cfg)))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     attn = AttentionInputs.build(tables, jnp.zeros((B,), jnp.int32), positions, T)
     out = target_forward(cfg, params, tokens, positions, pool, attn, aux_layers=aux_layers,

@@ -1,0 +1,267 @@
+"""Speculative decoding on a DeepSeek-V4 target (the HF golden: CSA / sliding / HCA layers, window 8,
+rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
+
+* lossless: the V4 MTP layer (chain, tree), n-gram lookup and a perturbed copy of the target as a
+  standalone draft, pages 1 and 16, a ragged batch of 3, equal HF's greedy tokens (the golden, itself
+  equal to plain greedy); the paged verify's log-probabilities equal HF's no-cache logits; forced
+  preemption (resume by prefill) changes nothing; every page of every pool comes back;
+* rollback: a rejected tree node that closes a CSA and an HCA window leaves no trace: after commit and
+  compaction every entry pool and the ring (K = V rows and compressor inputs) equal a fresh forward over
+  the accepted tokens, and the verify itself wrote no entry;
+* seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
+  helper, and the jitted and eager paths agree on them;
+* the MTP layer against an independent torch implementation of DeepSeek's documented forward;
+* speculative sampling on a tiny V4 target (vocabulary 5) has the target's exact distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.draft.compact import compact_pool
+from jaxspec.kvcache.compressed import compressed_write_targets
+from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
+from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
+from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, v4_mtp_draft, v4_mtp_forward, v4_mtp_logits
+from jaxspec.model.io.deepseek_v4 import init_deepseek_v4_params
+from jaxspec.model.io.deepseek_v4_mtp import init_v4_mtp_params
+from jaxspec.model.targets import Model, create_target_pool, target_commit, target_forward
+from jaxspec.model.targets.deepseek_v4_config import DeepseekV4Config
+from tests.model.golden import GOLDEN, arrays, cases
+
+CASE = next(c for c in cases() if c["name"] == "deepseek_v4")
+PATH = os.path.join(GOLDEN, "deepseek_v4")
+
+
+@functools.cache
+def golden():
+    target = js.load_model(PATH, dtype="float32", progress=False)
+    return target, js.load_draft(PATH, target), arrays(CASE)
+
+
+@functools.cache
+def perturbed():
+    target, _, _ = golden()
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
+    noisy = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)
+                         if x.dtype == jnp.float32 else x, target.params)
+    return standalone_draft(Model(config=target.config, params=noisy, dtype=target.dtype))
+
+
+def test_mtp_layer_matches_its_reference():
+    """The MTP layer over the target's last-layer streams (tests/model/test_deepseek_v4.py checks that the
+    target's tap L gives them) equals the independent torch forward of the golden (streams out, logits)."""
+    target, draft, ref = golden()
+    T = len(ref["mtp_input_ids"])
+    pool = draft.config.create_pool(num_pages=2, page_size=T, dtype=jnp.float32)
+    page = jnp.ones((1, 1), jnp.int32)
+    pos = jnp.asarray(ref["mtp_positions"], jnp.int32)[None]
+    attn = AttentionInputs.build(PageTables(full=page, window=WindowTable(pages=page, first=jnp.zeros(1, jnp.int32))),
+                                 jnp.zeros(1, jnp.int32), pos, T)
+
+    @jax.jit
+    def run(params, tokens, streams):
+        h, _ = v4_mtp_forward(params, draft.config.model, tokens, streams, pos, pool, attn)
+        return h, v4_mtp_logits(params, draft.config.model, h)
+
+    h, logits = run(draft.params, jnp.asarray(ref["mtp_input_ids"], jnp.int32)[None], jnp.asarray(ref["mtp_hidden_in"])[None])
+    np.testing.assert_allclose(np.asarray(h[0]), ref["mtp_hidden_out"], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["mtp_logits"], atol=2e-4, rtol=2e-4)
+
+
+# ------------------------------------------------------------------------------------ lossless
+
+TREE = js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4)
+
+
+@pytest.mark.parametrize("draft,spec,page,extra", [
+    ("mtp", js.SpecConfig.chain(2), 1, dict(logprobs=True)),
+    ("mtp", TREE, 1, dict(preempt_every=2)),
+    ("ngram", js.SpecConfig.chain(3), 16, {}),
+    ("perturbed", TREE, 16, {}),
+], ids=["mtp-chain-page1-logprobs", "mtp-tree-page1-preempted", "ngram-chain-page16", "perturbed-tree-page16"])
+def test_speculative_greedy_equals_hf_greedy(draft, spec, page, extra):
+    target, mtp, ref = golden()
+    d = {"mtp": mtp, "ngram": js.NgramDraft(max_ngram=3, min_ngram=1), "perturbed": perturbed()}[draft]
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+    sampling = js.SamplingParams(max_new_tokens=CASE["greedy_new_tokens"], logprobs=0 if extra.get("logprobs") else None)
+    out = js.generate(target, prompts, draft=d, spec=spec, sampling=sampling, progress=False,
+                      engine=js.EngineConfig(page_size=page, max_batch=4, max_seq_len=96, check_pages=True,
+                                             preempt_every=extra.get("preempt_every", 0)))
+    for i in range(3):
+        assert out.token_ids[i] == ref[f"greedy_{i}"].tolist(), i
+    assert out.kv_pages_free == out.kv_pages_total
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    if draft == "perturbed":
+        assert lens.mean() > 1.3 and (lens < spec.num_steps + 1).any(), lens  # partly accepted: paths compacted
+    if extra.get("preempt_every"):
+        assert sum(s.preemptions for s in out.stats) > 0
+    if extra.get("logprobs"):  # the paged verify's logits are HF's no-cache ones
+        for i in range(3):
+            n = len(prompts[i])
+            full = ref[f"full_logits_{i}"][n - 1: n - 1 + len(out.token_ids[i])]
+            want = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1,
+                                                                                                             keepdims=True)
+            want = np.take_along_axis(want, np.asarray(out.token_ids[i])[:, None], 1)[:, 0]
+            np.testing.assert_allclose(out.logprobs[i], want, atol=2e-4)
+
+
+# ------------------------------------------------------------------------------------ rollback
+
+
+def _tables(B: int, pages: int):
+    table = jnp.asarray(1 + np.arange(B * pages, dtype=np.int32).reshape(B, pages))  # a plain table as the ring
+    return PageTables(full=table, window=WindowTable(pages=table, first=jnp.zeros(B, jnp.int32)),
+                      compressed=(table, table))
+
+
+def test_a_rejected_node_closing_windows_leaves_no_trace():
+    """Prompt of 29 tokens; a verify tree root(29) -> {a, b}(30) -> {c under a, d under b}(31): position 31
+    closes a CSA entry (rate 2) and an HCA entry (rate 4). The path root -> b -> d is accepted, so c's
+    closing entries (and a's inputs) are rejected. After commit + compaction every entry pool and the
+    committed ring equal a fresh forward over prompt + [root, b, d]; the verify alone wrote no entry."""
+    target, _, ref = golden()
+    cfg, params = target.config, target.params
+    P, pages = 4, 12  # 48 positions / entries per row
+    tables = _tables(1, pages)
+    prompt = ref["prompt_1"].tolist()  # 29 tokens
+    s = len(prompt)
+    root, a, b, c, d = 5, 17, 23, 41, 50
+    tokens = jnp.asarray([[root, a, b, c, d]], jnp.int32)
+    depth = jnp.asarray([[0, 1, 1, 2, 2]], jnp.int32)
+    parent = [-1, 0, 0, 1, 2]
+    mask = np.eye(5, dtype=bool)
+    for i in range(5):
+        j = parent[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    accept_index = jnp.asarray([[0, 2, 4]], jnp.int32)
+
+    def fresh(seq):  # a committing forward over seq (padded to 32: one compiled program), from an empty pool
+        T = 32
+        toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        write = jnp.where(pos < len(seq), pos, -1)
+        pool = create_target_pool(cfg, num_pages=pages + 1, page_size=P, dtype=jnp.float32)
+        attn = AttentionInputs.build(tables, jnp.zeros(1, jnp.int32), write, P)
+        return _forward(params, toks, pos, pool, attn)
+
+    before = fresh(prompt)
+    seq_lens = jnp.asarray([s], jnp.int32)
+    attn = AttentionInputs.build(tables, seq_lens, s + jnp.arange(5, dtype=jnp.int32)[None], P,
+                                 block_mask=jnp.asarray(mask)[None], pending=True)
+    verified, after = _verify_commit_compact(params, tokens, s + depth, before, attn, tables, seq_lens, accept_index)
+    want = fresh(prompt + [root, b, d])
+    for part_v, part_b in zip(verified.entries, before.entries):  # the verify wrote no entry
+        for x, y in zip(part_v.buffers, part_b.buffers):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for part_a, part_w in zip(after.entries, want.entries):  # committed: exactly the accepted path's entries
+        for x, y in zip(part_a.buffers, part_w.buffers):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
+    for part, entry in zip(after.entries, (15, 7)):  # the entries closed at 31 (CSA 15, HCA 7) are there
+        slot = (1 + entry // P) * P + entry % P
+        assert np.abs(np.asarray(part.kv[:, slot])).max() > 0
+    slots = np.asarray(tables.window.slots(jnp.arange(s + 3, dtype=jnp.int32)[None], P))[0]
+    for x, y in zip(after.window.buffers, want.window.buffers):  # K = V rows and compressor inputs, positions < 32
+        np.testing.assert_allclose(np.asarray(x)[:, slots], np.asarray(y)[:, slots], atol=2e-5)
+
+
+@jax.jit
+def _forward(params, tokens, positions, pool, attn):
+    return target_forward(_cfg(), params, tokens, positions, pool, attn).pool
+
+
+@jax.jit
+def _verify_commit_compact(params, tokens, positions, pool, attn, tables, seq_lens, accept_index):
+    cfg = _cfg()
+    out = target_forward(cfg, params, tokens, positions, pool, attn)
+    lens = jnp.asarray([accept_index.shape[1]], jnp.int32)
+    active = jnp.ones((1,), bool)
+    committed = target_commit(cfg, out.pool, out.pending, accept_index, lens, active)
+    return out.pool, compact_pool(committed, tables, seq_lens, accept_index, lens, active)
+
+
+def _cfg():
+    return golden()[0].config
+
+
+# ------------------------------------------------------------------------------------ seed 004
+
+
+@pytest.mark.parametrize("B,K,S", [(2, 1, 3), (3, 2, 4)])
+def test_per_step_compressed_write_targets_jit_equals_eager(B, K, S):
+    """The draft loop's step i writes K = V rows and compressor inputs at row i of the one layout helper
+    (``per_step_draft_locs``), and the entries it closes follow from those positions: jitted and eager
+    agree, and both are branch j, step i at base + j*S + i (SGLang's c4/c128 bug: a second copy of this
+    layout in the attention backend disagreed with the draft loop's)."""
+    page, rates = 4, (2, 4)
+    base = jnp.asarray(7 + 13 * np.arange(B), jnp.int32)
+    ring = WindowTable(pages=jnp.asarray(1 + np.arange(B * 16, dtype=np.int32).reshape(B, 16)),
+                       first=jnp.zeros(B, jnp.int32))
+
+    def targets(base):
+        per_step = per_step_draft_locs(draft_scratch_positions(base, K, S), B, K, S)  # [S, B*K]
+        out = []
+        for i in range(S):
+            write = per_step[i].reshape(B, K)
+            logical = jnp.broadcast_to((base + i)[:, None], (B, K))
+            out.append(compressed_write_targets(ring, write, logical, rates, page))
+        return out
+
+    jitted = jax.jit(targets)(base)
+    with jax.disable_jit():
+        eager = targets(base)
+    for (sj, cj), (se, ce) in zip(jitted, eager):
+        np.testing.assert_array_equal(np.asarray(sj), np.asarray(se))
+        for a, b in zip(cj, ce):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for i, (slots, closes) in enumerate(jitted):
+        pos = np.asarray(base)[:, None] + np.arange(K)[None, :] * S + i  # branch j, step i
+        np.testing.assert_array_equal(np.asarray(slots), np.asarray(ring.slots(jnp.asarray(pos), page)))
+        logical = np.asarray(base)[:, None] + i
+        for m, c in zip(rates, closes):
+            want = np.where((logical + 1) % m == 0, (logical + 1) // m - 1, -1)
+            np.testing.assert_array_equal(np.asarray(c), np.broadcast_to(want, (B, K)))
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+SMALL = DeepseekV4Config(
+    vocab_size=5, hidden_size=16, moe_intermediate_size=16, num_layers=3, num_heads=2, head_dim=16, q_lora_rank=8,
+    rope_dim=4, layer_kinds=("csa", "hca", "sliding"), mlp_kinds=("hash", "topk", "topk"), csa_rate=2, hca_rate=2,
+    hc_mult=2, hc_sinkhorn_iters=4, num_experts=2, num_experts_per_tok=1, sliding_window=3, o_groups=1, o_lora_rank=8,
+    index_n_heads=2, index_head_dim=8, index_topk=1, swiglu_limit=3.0)
+
+
+@functools.cache
+def small_pair():
+    params = init_deepseek_v4_params(SMALL, seed=3, scale=0.3)
+    target = Model(config=SMALL, params=params, dtype=np.dtype(np.float32))
+    cfg = V4MtpConfig(target=SMALL)
+    return target, v4_mtp_draft(cfg, init_v4_mtp_params(cfg, params, seed=4, scale=0.3))
+
+
+def test_mtp_sampling_matches_the_target_distribution():
+    """Chain rejection sampling with the MTP layer's q on a tiny V4 target whose 8 positions pass its window
+    (3) and its CSA top-1 selection: the joint of the first 4 tokens is the target's (chi-square over 32 x 256
+    samples), and drafts are partly accepted."""
+    from tests.draft.test_spec_sampling import HOT, P_VALUE_MIN, chi_square_p, exact_joint, sample_counts
+
+    target, draft = small_pair()
+    probs = exact_joint(HOT, model=target)
+    spec = js.SpecConfig.chain(2)
+    counts = sample_counts(draft, spec, HOT, calls=32, model=target)
+    assert chi_square_p(counts, probs) > P_VALUE_MIN
+    out = js.generate(target, [[1, 2, 3, 4]] * 256, draft=draft, spec=spec, sampling=HOT, progress=False,
+                      engine=js.EngineConfig(page_size=4, max_batch=256, max_seq_len=32, steps_per_call=4), seed=99)
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    assert 1.05 < lens.mean() < 3.0, lens.mean()
