@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from jaxspec.config import MAX_LOGPROBS, EngineConfig, SamplingParams, SpecConfig
 from jaxspec.draft.plan import Plan
 from jaxspec.engine.adaptive import AdaptiveSteps
-from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context
+from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context, to_host
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import PagePools, Request, Scheduler
@@ -501,12 +501,12 @@ class _Run:
             calls += 1
             adaptive = self.adaptive
             call_plan = self.plans[adaptive.steps] if adaptive else plan
-            before = jax.device_get(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
+            before = to_host(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
             live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
             table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
             self.state, self.tpool, self.dpool, _ = decode_program(call_plan, target.params, self.dparams, self.state,
                                                                    self.tpool, self.dpool, table)
-            host = jax.device_get(dict(
+            host = to_host(dict(
                 seq_lens=self.state.seq_lens, active=self.state.active, out_lens=self.state.out_lens,
                 nv=self.state.num_verify, stop_token=self.state.stop_token,
                 recent=_recent_tokens(self.state.out_tokens, place_rows(seen, target.mesh), window)))
@@ -552,7 +552,7 @@ class _Run:
     def _device_rows(self, with_steps: bool = False) -> dict:
         """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
         plan = self.plan
-        return jax.device_get(dict(log=self.state.accept_log, nv=self.state.num_verify,
+        return to_host(dict(log=self.state.accept_log, nv=self.state.num_verify,
                                    steps=self.state.steps if with_steps else None,
                                    lp=self.state.logprobs if plan.logprobs is not None else None))
 
