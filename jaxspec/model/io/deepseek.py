@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, row_blocks, stacked
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 
@@ -15,14 +15,15 @@ def _kv_b(cfg: DeepseekConfig) -> SplitParam:
     Hq, Dn, Dv, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
 
     def split(x):
-        x = x.reshape(Hq, Dn + Dv, C)
+        x = x.reshape(-1, Dn + Dv, C)  # (all heads, or a shard's)
         return x[:, :Dn, :], np.transpose(x[:, Dn:, :], (0, 2, 1))
 
     def join(w_uk, w_uv):
         return np.concatenate([w_uk, np.transpose(w_uv, (0, 2, 1))], axis=1).reshape(Hq * (Dn + Dv), C)
 
     return SplitParam(parts=(("w_uk", (Hq, Dn, C)), ("w_uv", (Hq, C, Dv))), hf="self_attn.kv_b_proj.weight",
-                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join, tp=0)
+                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join, tp=0,
+                      shard_rows=row_blocks(Hq * (Dn + Dv)))
 
 
 def _experts(cfg: DeepseekConfig, fused: bool) -> list:
@@ -45,7 +46,7 @@ def _experts(cfg: DeepseekConfig, fused: bool) -> list:
 
     return [
         SplitParam(parts=(("experts_gate", (E, H, Im)), ("experts_up", (E, H, Im))), hf="mlp.experts.gate_up_proj",
-                   hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts"),
+                   hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts", shard_rows=row_blocks(E)),
         Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1), tp="experts"),
     ]
 

@@ -53,8 +53,8 @@ class _Stripped:
     def entry(self, name):
         return self.ckpt.entry(self._real(name))
 
-    def read(self, name, shape=None, rows=None):
-        return self.ckpt.read(self._real(name), shape, rows)
+    def read(self, name, shape=None, rows=None, band=None):
+        return self.ckpt.read(self._real(name), shape, rows, band)
 
     def get(self, name, shape=None, dtype=None):
         return self.ckpt.get(self._real(name), shape, dtype)
