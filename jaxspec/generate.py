@@ -24,6 +24,7 @@ from jaxspec.engine.text import RequestText
 from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
+from jaxspec.model.config import padded_vocab_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool, has_recurrent_state, kv_window
 
@@ -430,7 +431,7 @@ class _Run:
         batch, dtype, draft = eng.batch, eng.dtype, eng.draft
         draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype,
                                                                         max_len=eng.width * engine.page_size)
-        control_vocab = target.config.vocab_size if plan.controls else 0
+        control_vocab = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width
         self.state = create_state(lambda: DecodeState.empty(
             batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
             control_vocab=control_vocab, top_logprobs=plan.logprobs), target.mesh)
@@ -692,7 +693,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     suffix, start = np.zeros((R, Ts), np.int32), np.zeros(R, np.int32)
     lens = np.zeros(R, np.int32)
     rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
-    V = target.config.vocab_size if plan.controls else 0
+    V = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width (a padded vocabulary)
     req = request_arrays(R, num_stop=num_stop, control_vocab=V)
     for d, rs in enumerate(by_shard):
         for j, r in enumerate(rs):

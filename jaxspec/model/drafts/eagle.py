@@ -29,9 +29,9 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.config import RopeConfig
+from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, layer_tail, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.model.layers import embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -128,7 +128,8 @@ def eagle_logits(params: dict, cfg: EagleConfig, hidden: jax.Array) -> jax.Array
     """Draft-vocabulary logits (EAGLE-3: ``lm_head(norm(h))``; EAGLE-1: the target's head)."""
     if cfg.version == 3:
         hidden = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return mask_padded_vocab(logits, cfg.vocab_size)  # EAGLE-1: the target's head, padded on a mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,10 +173,11 @@ class Eagle3Draft(EagleDraft):
     def to_target_ids(self, params, index):
         return params["hot_ids"][index] if "hot_ids" in params else index.astype(jnp.int32)
 
-    def target_vocab_logits(self, params, logits):
+    def target_vocab_logits(self, params, logits):  # -> [..., V'] the target's padded vocabulary
+        width = pad_vocab(self.vocab_size, self.model.vocab_parallel)
         if "hot_ids" not in params:
-            return logits
-        full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
+            return mask_padded_vocab(logits, self.vocab_size, width)
+        full = jnp.full(logits.shape[:-1] + (width,), -jnp.inf, logits.dtype)
         return full.at[..., params["hot_ids"]].set(logits)
 
 

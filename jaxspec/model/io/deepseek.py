@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, row_blocks, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 
@@ -100,9 +100,9 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
 def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: bool = False) -> Table:
     """Every tensor of the main model (MTP layers at index >= num_hidden_layers are read by
     ``jaxspec.model.io.mtp``): the dense prefix and the MoE layers stack separately."""
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H = cfg.hidden_size
     layer = prefix + "layers.{i}."
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    table: Table = [embedding("embed", prefix + "embed_tokens.weight", cfg)]
     if cfg.num_dense_layers:
         table += stacked(layer_entries(cfg, moe=False), "dense/", layer, range(cfg.num_dense_layers))
     if cfg.num_moe_layers:
@@ -110,7 +110,7 @@ def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: b
                          range(cfg.num_dense_layers, cfg.num_layers))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

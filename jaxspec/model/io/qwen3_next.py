@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, row_blocks, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
 from jaxspec.model.targets.qwen3_next_config import FULL, HybridConfig
 
 
@@ -161,15 +161,15 @@ def layer_entries(cfg: HybridConfig, layer: int, fused_experts: bool = False) ->
 def hybrid_table(cfg: HybridConfig, fused_experts: bool = False) -> Table:
     """Every tensor of the text model. Layers stack per position of the layer pattern's period:
     ``p{j}/...`` holds layers j, j + p, j + 2p, ... (``HybridConfig.period``)."""
-    H, V, p = cfg.hidden_size, cfg.vocab_size, cfg.period
+    H, p = cfg.hidden_size, cfg.period
     prefix = cfg.prefix
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    table: Table = [embedding("embed", prefix + "embed_tokens.weight", cfg)]
     for j in range(p):
         table += stacked(layer_entries(cfg, j, fused_experts), f"p{j}/", prefix + "layers.{i}.",
                          range(j, cfg.num_layers, p))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="zeros"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxspec.mesh import MODEL
+from jaxspec.model.config import padded_vocab_size
 from jaxspec.model.io.checkpoint import SAFETENSORS_DTYPES, CheckpointError, ShardView
 
 LINEAR = (1, 0)  # nn.Linear [out, in] -> ours [in, out]
@@ -158,6 +159,20 @@ def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
 
     return rows
 Table = list[Entry]
+
+
+def embedding(path: str, hf: str, cfg) -> Param:
+    """A target's token embedding ``[V', H]``, split by vocabulary rows over the model axis;
+    ``V'`` is the vocabulary padded to split evenly (``padded_vocab_size``; zero rows)."""
+    V, Vp = cfg.vocab_size, padded_vocab_size(cfg)
+    return Param(path, hf, (Vp, cfg.hidden_size), tp=0, pad=Vp - V)
+
+
+def output_head(path: str, hf: str, cfg) -> Param:
+    """A target's output head ``[H, V']`` (``nn.Linear [V, H]`` in checkpoints), split by
+    vocabulary over the model axis, padded as ``embedding``."""
+    V, Vp = cfg.vocab_size, padded_vocab_size(cfg)
+    return Param(path, hf, (cfg.hidden_size, Vp), perm=LINEAR, tp=1, pad=Vp - V)
 
 
 def stacked(entries: Sequence[Entry], path_prefix: str, hf_prefix: str, layers: Sequence[int]) -> list[Entry]:
@@ -594,6 +609,12 @@ def check_divisible(table: Table, shards: int, where: str) -> None:
 def replicated(entries: Sequence[Entry]) -> list[Entry]:
     """The same entries, never split (small heads kept whole on every shard)."""
     return [dataclasses.replace(e, tp=None) for e in entries]
+
+
+def whole_on(x: np.ndarray, mesh) -> jax.Array:
+    """A small host array whole on every device of ``mesh`` (every process passes the same
+    value), or on the default device without one."""
+    return jnp.asarray(x) if mesh is None else jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
 
 
 def shardings_for(table, mesh, split: bool):
