@@ -13,6 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxspec.mesh import same_on_every_process, spans_processes
+
 DTYPES = {
     "float32": np.float32,
     "bfloat16": ml_dtypes.bfloat16,
@@ -274,6 +276,18 @@ class SafetensorsCheckpoint:
 
     def close(self):
         """Nothing stays open between reads (kept for callers that close checkpoints)."""
+
+
+def check_same_checkpoint(path: str, raw: dict, ckpt: SafetensorsCheckpoint, dtype, mesh) -> None:
+    """On a mesh spanning several processes: every process must be loading the same checkpoint
+    (a checksum of its config.json, its tensor index and the dtype asked for; not its path,
+    which may differ between hosts), else a ValueError on every process before anything is read."""
+    if not spans_processes(mesh):
+        return
+    h = hashlib.sha256(json.dumps(raw, sort_keys=True).encode())
+    h.update(ckpt.index_digest().encode())
+    h.update(np.dtype(dtype).name.encode())
+    same_on_every_process(f"the checkpoint {path} (its config.json, tensor index or dtype)", h.hexdigest())
 
 
 def read_eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:

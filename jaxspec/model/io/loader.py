@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
-from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, read_config, read_eos_ids, resolve_dtype
+from jaxspec.model.io.checkpoint import (SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size, read_config,
+                                         read_eos_ids, resolve_dtype)
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.io.gemma4 import gemma4_table
 from jaxspec.model.io.llama import llama_table
@@ -108,7 +109,8 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
       ValueError (ConfigError / CheckpointError): unsupported architecture, a bad config
         field, a missing or misshaped tensor, an unknown dtype, an unsupported quantization
         (block-scaled FP8 weights, as DeepSeek-V3 ships them, are dequantized while loading), a
-        mesh the model cannot be split over (heads, vocabulary or experts not divisible).
+        mesh the model cannot be split over (heads or experts not divisible; any vocabulary is
+        padded), processes of a ``jax.distributed`` job loading different checkpoints.
     """
     path = os.fspath(path)
     np_dtype = resolve_dtype(dtype)
@@ -118,6 +120,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
     fp8_block = fp8_block_size(raw, where)
     cfg = family.for_mesh(family.parse(raw, where), axis_size(mesh, MODEL), where)
     ckpt = SafetensorsCheckpoint(path)
+    check_same_checkpoint(path, raw, ckpt, np_dtype, mesh)
     table = family.table(cfg, ckpt)
     warn_unread(family, cfg, table, ckpt, path)
     params = load_params(table, ckpt, np_dtype, sharding_of=shardings_for(table, mesh, split=True),
