@@ -227,8 +227,8 @@ def odd_vocab(tp, dp):
     """A vocabulary of 251 (odd: split over no mesh without padding; padded to 256 here): greedy
     output with raw log-probabilities and sampled output on the mesh equal one device's (the
     padding's logits are -inf: they take no probability), plain and speculative, with an EAGLE-3
-    head over a 96-token d2t vocabulary (TP=2 x DP=2) or its own embedding and head and a
-    standalone draft's tree (TP=4)."""
+    head over a 96-token d2t vocabulary, greedy and sampled (TP=2 x DP=2), or with its own
+    embedding and head and a standalone draft's tree (TP=4)."""
     from jaxspec.model.config import padded_vocab_size
     from jaxspec.model.io.eagle import init_eagle_params
     from jaxspec.model.io.llama import export_llama, init_llama_params
@@ -251,6 +251,10 @@ def odd_vocab(tp, dp):
         single = js.load_model(f"{d}/target", dtype="float32", progress=False)
         want = js.generate(single, prompts, sampling=greedy, engine=engine(1, 2), progress=False)
         want_sampled = js.generate(single, prompts, sampling=sampled, engine=engine(1, 2), progress=False).token_ids
+        if d2t:  # speculative sampling: the draft's q over the target's (padded) vocabulary
+            want_spec = js.generate(single, prompts, draft=js.load_draft(f"{d}/eagle3", single),
+                                    spec=js.SpecConfig.chain(3), sampling=sampled, engine=engine(1, 2),
+                                    progress=False).token_ids
         mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
         target = js.load_model(f"{d}/target", dtype="float32", progress=False, mesh=mesh)
         eagle3 = js.load_draft(f"{d}/eagle3", target)
@@ -261,13 +265,16 @@ def odd_vocab(tp, dp):
     if d2t:
         runs["eagle3_d2t_chain"] = js.generate(target, prompts, draft=eagle3, spec=js.SpecConfig.chain(3),
                                                sampling=greedy, engine=engine(1, 2), progress=False).token_ids
+        runs["eagle3_d2t_sampled"] = js.generate(target, prompts, draft=eagle3, spec=js.SpecConfig.chain(3),
+                                                 sampling=sampled, engine=engine(1, 2), progress=False).token_ids
     else:
         runs["eagle3_tree"] = js.generate(target, prompts, draft=eagle3, spec=tree, sampling=greedy,
                                           engine=engine(1, 2), progress=False).token_ids
         runs["standalone_tree"] = js.generate(target, prompts, draft=js.standalone_draft(target), spec=tree,
                                               sampling=greedy, engine=engine(1, 2), progress=False).token_ids
     logprob_err = max(abs(a - b) for x, y in zip(plain.logprobs, want.logprobs) for a, b in zip(x, y))
-    return dict(equal={k: v == (want_sampled if k == "sampled" else want.token_ids) for k, v in runs.items()},
+    wanted = {"sampled": want_sampled, "eagle3_d2t_sampled": want_spec if d2t else None}
+    return dict(equal={k: v == wanted.get(k, want.token_ids) for k, v in runs.items()},
                 logprob_err=logprob_err, vocab_size=target.config.vocab_size, padded=padded_vocab_size(target.config),
                 embed_shape=list(target.params["embed"].shape), embed_spec=str(target.params["embed"].sharding.spec),
                 top_ids_equal=[list(t) for r in plain.top_logprobs for t in r] == [list(t) for r in want.top_logprobs

@@ -124,13 +124,14 @@ def test_bad_meshes_are_refused_before_device_work(results):
 
 
 @pytest.mark.parametrize("name,runs", [
-    ("odd_vocab_tp2_dp2", {"plain", "sampled", "eagle3_d2t_chain"}),
+    ("odd_vocab_tp2_dp2", {"plain", "sampled", "eagle3_d2t_chain", "eagle3_d2t_sampled"}),
     ("odd_vocab_tp4", {"plain", "sampled", "eagle3_tree", "standalone_tree"}),
 ])
 def test_an_odd_vocabulary_is_padded_on_a_mesh(results, name, runs):
     """Vocabulary 251 split over 2 and 4 model shards: embedding and head padded to 256 rows
     (config.vocab_size stays 251); greedy, sampled and speculative output (EAGLE-3 over a d2t
-    vocabulary, EAGLE-3 with its own embedding and head, a standalone draft's tree) and raw
+    vocabulary, greedy and sampled; EAGLE-3 with its own embedding and head, a standalone draft's
+    tree) and raw
     log-probabilities equal one device's, so the padding never takes probability."""
     r = case(results, name)
     assert (r["vocab_size"], r["padded"], r["embed_shape"]) == (251, 256, [256, 32])

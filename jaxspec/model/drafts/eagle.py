@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
-from jaxspec.model.config import RopeConfig, pad_vocab
+from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
 from jaxspec.model.layers import embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -173,11 +173,10 @@ class Eagle3Draft(EagleDraft):
     def to_target_ids(self, params, index):
         return params["hot_ids"][index] if "hot_ids" in params else index.astype(jnp.int32)
 
-    def target_vocab_logits(self, params, logits):  # -> [..., V'] the target's padded vocabulary
-        width = pad_vocab(self.vocab_size, self.model.vocab_parallel)
+    def target_vocab_logits(self, params, logits):
         if "hot_ids" not in params:
-            return mask_padded_vocab(logits, self.vocab_size, width)
-        full = jnp.full(logits.shape[:-1] + (width,), -jnp.inf, logits.dtype)
+            return logits
+        full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
         return full.at[..., params["hot_ids"]].set(logits)
 
 
