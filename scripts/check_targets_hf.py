@@ -245,8 +245,9 @@ def _window(family: str, cfg) -> str | int | None:
     return _attr(cfg, "sliding_window") if family in ("mistral", "gemma4", "qwen2", "qwen3") else None
 
 
-def make_case(case_dir: Path, family: str, seed: int) -> dict:
-    """Saves a random target, its one-layer draft and HF's greedy continuations; returns check.json."""
+def make_case(case_dir: Path, family: str, seed: int, vocab: int | None = None) -> dict:
+    """Saves a random target, its one-layer draft and HF's greedy continuations; returns check.json.
+    ``vocab``: the vocabulary size (default 256 or 512, drawn)."""
     import torch
     import transformers
     from make_golden import greedy
@@ -254,7 +255,7 @@ def make_case(case_dir: Path, family: str, seed: int) -> dict:
     transformers.utils.logging.disable_progress_bar()
 
     rng = random.Random(seed)
-    vocab = rng.choice([256, 512])
+    vocab = rng.choice([256, 512]) if vocab is None else vocab
     cfg = draw_config(family, rng, vocab, layers=rng.randint(2, 4))
     model = build(family, cfg, seed)
     model.save_pretrained(case_dir)

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
+
+from scripts.processes import cpu_env, die_with_parent, run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "tests", "data", "golden")
@@ -103,60 +100,25 @@ def worker(i: int, port: int) -> dict:
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch() -> int:
-    """Starts both processes, waits for them (``LAUNCHER_SECONDS`` at most), prints their results;
-    kills both when one fails or time runs out."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
-    port = free_port()
-    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.mesh.multiprocess", "WORKER", str(i), str(port)],
-                              cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    deadline = time.monotonic() + LAUNCHER_SECONDS
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break  # one failed (the other would wait for it in a collective) or time is up
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    """Starts both processes, waits for them (``LAUNCHER_SECONDS`` at most), prints their results
+    (both killed when one fails or time runs out)."""
+    done = run_processes(lambda i, port: [sys.executable, "-m", "tests.mesh.multiprocess", "WORKER", str(i), str(port)],
+                         2, env=cpu_env(2, ROOT), timeout=LAUNCHER_SECONDS, cwd=ROOT)
     ok = True
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read()
-        lines = [line for line in text.splitlines() if line.startswith('{"process"')]
-        if p.returncode != 0 or not lines:
+    for i, d in enumerate(done):
+        lines = [line for line in d.output.splitlines() if line.startswith('{"process"')]
+        if d.returncode != 0 or not lines:
             ok = False
-            print(json.dumps({"process": i, "failed": p.returncode, "log": text[-6000:]}), flush=True)
+            print(json.dumps({"process": i, "failed": d.returncode, "log": d.output[-6000:]}), flush=True)
         else:
             print(lines[-1], flush=True)
     return 0 if ok else 1
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the launcher dies (however it dies)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["WORKER"]:
-        _die_with_parent()
-        signal.alarm(WORKER_SECONDS)  # SIGALRM ends the process
+        die_with_parent(WORKER_SECONDS)
         print(json.dumps(worker(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
     else:
         sys.exit(launch())
