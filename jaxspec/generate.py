@@ -554,8 +554,8 @@ class _Run:
         """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
         plan = self.plan
         return to_host(dict(log=self.state.accept_log, nv=self.state.num_verify,
-                                   steps=self.state.steps if with_steps else None,
-                                   lp=self.state.logprobs if plan.logprobs is not None else None))
+                            steps=self.state.steps if with_steps else None,
+                            lp=self.state.logprobs if plan.logprobs is not None else None))
 
     def _history(self, r: Request, out: dict, row: int) -> _Resume:
         """Request ``r``'s accept lengths, PRNG position and logprobs so far: what earlier stints in

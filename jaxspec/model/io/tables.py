@@ -145,6 +145,7 @@ class SplitParam:
 
 
 Entry = Param | SplitParam
+Table = list[Entry]
 
 
 def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
@@ -158,7 +159,6 @@ def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
         return out
 
     return rows
-Table = list[Entry]
 
 
 def embedding(path: str, hf: str, cfg) -> Param:
@@ -331,7 +331,7 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
     checkpoint bytes, ``_shard_of``) onto one device holding it and copied to the others (its
     replicas over data); a replicated entry is read once per process. An entry whose shards
     cannot be read alone (a fused tensor without ``shard_rows``, FP8 scale blocks straddling a
-    shard bound) is read whole, in one program over the mesh."""
+    shard bound: decided alike on every process) is read whole, in one program over the mesh."""
     sharding = shardings[0]
     mesh = sharding.mesh
     n = mesh.shape[MODEL]
@@ -341,8 +341,8 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
     groups: dict = {}  # model shard (None: the whole entry) -> this process's devices holding it
     for d in sharding.addressable_devices:
         groups.setdefault(coord[d] if split else None, []).append(d)
-    local = {k: (e, ckpt) if k is None else _shard_of(e, k, n, ckpt, fp8_block) for k in groups}
-    if any(v is None for v in local.values()):
+    local = {k: _shard_of(e, k, n, ckpt, fp8_block) for k in range(n)} if split else {None: (e, ckpt)}
+    if any(v is None for v in local.values()):  # every shard, not only this process's: all take one path
         return _load_entry(e, ckpt, dt, shardings, fp8_block)
     reads: dict = {}  # what is read (model shards holding copies of one KV head read it once) -> devices
     for k, devices in groups.items():
