@@ -453,6 +453,11 @@ def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
+@functools.cache
+def _default_device():  # where jit puts host arrays
+    return jax.local_devices()[0]
+
+
 def _is_fp8(e) -> bool:  # e: a TensorEntry
     return np.dtype(SAFETENSORS_DTYPES.get(e.dtype, np.uint8)) in FP8_DTYPES
 
@@ -502,7 +507,9 @@ def _write(buf, x, scale, start, how: _Layout):  # buf [*lead, *shape]; x a piec
     # Two programs on purpose: XLA:CPU runs a transpose fused into the in-place update several
     # times slower than the transpose alone followed by the update.
     device = next(iter(buf.sharding.device_set))
-    x, scale = jax.device_put((x, scale), device)
+    if device != _default_device():  # a mesh's device: jit would put host pieces on the default one (and the
+        # explicit transfer costs the default path about 10% of its load time, so it is left to jit there)
+        x, scale = jax.device_put((x, scale), device)
     piece = _convert(x, scale, how, buf.dtype)
     return _update(buf, piece, start), piece
 
