@@ -79,9 +79,10 @@ def worker(i: int, port: int) -> dict:
 
     sampling = js.SamplingParams(max_new_tokens=16, stop_token_ids=())
     result["chain"] = out.token_ids
-    result["tree"] = js.generate(target, prompts, draft=draft, spec=js.SpecConfig(num_steps=3, topk=2,
-                                                                                    num_draft_tokens=5),
-                                 sampling=sampling).token_ids
+    tree = js.generate(target, prompts, draft=draft, spec=js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5),
+                       sampling=js.SamplingParams(max_new_tokens=16, stop_token_ids=(), logprobs=1))
+    result["tree"], result["logprobs"] = tree.token_ids, tree.logprobs
+    result["top1"] = [[max(d, key=d.get) for d in row] for row in tree.top_logprobs]
     _, result["bytes_dp"], result["rchar_dp"] = counted_load(js.load_model, target_dir, dtype="float32", mesh=mesh,
                                                              progress=False)
     tp4 = js.make_mesh(tensor_parallel=4)  # the model axis across the processes

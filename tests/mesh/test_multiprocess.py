@@ -35,10 +35,14 @@ def processes() -> list[dict]:
 
 def test_every_process_gets_the_whole_greedy_result(processes):
     """TP=2 x DP=2 (data across the processes) with an EAGLE-3 draft, chain and tree, and plain
-    decoding on TP=4 (the model axis across them): every request's tokens on both processes."""
+    decoding on TP=4 (the model axis across them): every request's tokens on both processes, and
+    the tree's log-probabilities (gathered from the rows each process holds) alike on both."""
     for r in processes:
         for run in ("chain", "tree", "plain_tp4"):
             assert r[run] == r["want"], (r["process"], run)
+        assert r["top1"] == r["want"]  # greedy: each emitted token is the most likely
+        assert all(lp <= 0 for row in r["logprobs"] for lp in row) and list(map(len, r["logprobs"])) == [16] * 3
+    assert processes[0]["logprobs"] == processes[1]["logprobs"]
 
 
 def _tensor_bytes(path: str) -> tuple[int, dict[str, int]]:
