@@ -8,7 +8,10 @@ shardings; what XLA cannot partition well (paged attention, KV moves, the embedd
 per shard through ``per_model_shard``, which is a plain call without a mesh.
 
 With a mesh, the compiled programs run under ``jax.set_mesh(mesh)``; inside them
-``model_parallel()`` says how many shards the ``model`` axis has.
+``model_parallel()`` says how many shards the ``model`` axis has. A mesh may span the processes
+of a ``jax.distributed`` job (several hosts): every process runs the same program over it, reads
+device state whole (``jaxspec.engine.placement.to_host``), and checks that the others load the
+same checkpoints (``same_on_every_process``).
 """
 
 from __future__ import annotations

@@ -101,7 +101,9 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
         ``model.safetensors.index.json``); ``tokenizer.json`` is attached when present.
       dtype: "bfloat16" | "float32" | "float16": params are cast to it (on the device).
       mesh: a ``jaxspec.make_mesh`` mesh: the weights are streamed straight into their shards
-        (tensor parallel over its ``model`` axis, replicated over ``data``). None: one device.
+        (tensor parallel over its ``model`` axis, replicated over ``data``; the vocabulary padded
+        to split evenly), each process reading only the bytes of its own devices' shards. None:
+        one device.
       progress: show a progress bar over the tensors.
 
     Raises:
