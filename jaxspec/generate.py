@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from jaxspec.config import MAX_LOGPROBS, EngineConfig, SamplingParams, SpecConfig
 from jaxspec.draft.plan import Plan
 from jaxspec.engine.adaptive import AdaptiveSteps
-from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context
+from jaxspec.engine.placement import create_pool, create_state, place_rows, place_table, run_context, to_host
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.scheduler import PagePools, Request, Scheduler
@@ -24,6 +24,7 @@ from jaxspec.engine.text import RequestText
 from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
 from jaxspec.mesh import DATA, axis_size
+from jaxspec.model.config import padded_vocab_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.engine.entries import EntryPages
 from jaxspec.model.targets import (Model, create_target_pool, kv_entry_rates, kv_span, kv_window,
@@ -294,7 +295,8 @@ def _compile_constraints(target: Model, sampling: list[SamplingParams]):
     """(GrammarSet or None, per request the index of its automaton or None), or a ValueError naming
     a constraint that cannot be compiled (before any device work)."""
     try:
-        return compile_constraints(target.tokenizer, target.config.vocab_size, [s.constraint for s in sampling])
+        # Over the logits' width: a vocabulary padded for a mesh has ids no token text reaches.
+        return compile_constraints(target.tokenizer, padded_vocab_size(target.config), [s.constraint for s in sampling])
     except ValueError as e:
         bad = next((i for i, s in enumerate(sampling) if s.constraint is not None and s.constraint[1] in str(e)), None)
         raise ValueError(f"SamplingParams of request {bad}: {e}" if bad is not None else str(e)) from None
@@ -465,7 +467,7 @@ class _Run:
         batch, dtype, draft = eng.batch, eng.dtype, eng.draft
         draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype,
                                                                         max_len=eng.width * engine.page_size)
-        control_vocab = target.config.vocab_size if plan.controls else 0
+        control_vocab = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width
         grammar_table = None if self.grammars is None else self.grammars.device_table()
         self.state = create_state(lambda: DecodeState.empty(
             batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
@@ -538,12 +540,12 @@ class _Run:
             calls += 1
             adaptive = self.adaptive
             call_plan = self.plans[adaptive.steps] if adaptive else plan
-            before = jax.device_get(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
+            before = to_host(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
             live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
             table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
             self.state, self.tpool, self.dpool, _ = decode_program(call_plan, target.params, self.dparams, self.state,
                                                                    self.tpool, self.dpool, table)
-            host = jax.device_get(dict(
+            host = to_host(dict(
                 seq_lens=self.state.seq_lens, active=self.state.active, out_lens=self.state.out_lens,
                 nv=self.state.num_verify, stop_token=self.state.stop_token,
                 recent=_recent_tokens(self.state.out_tokens, place_rows(seen, target.mesh), window)))
@@ -591,9 +593,9 @@ class _Run:
     def _device_rows(self, with_steps: bool = False) -> dict:
         """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
         plan = self.plan
-        return jax.device_get(dict(log=self.state.accept_log, nv=self.state.num_verify,
-                                   steps=self.state.steps if with_steps else None,
-                                   lp=self.state.logprobs if plan.logprobs is not None else None))
+        return to_host(dict(log=self.state.accept_log, nv=self.state.num_verify,
+                            steps=self.state.steps if with_steps else None,
+                            lp=self.state.logprobs if plan.logprobs is not None else None))
 
     def _history(self, r: Request, out: dict, row: int) -> _Resume:
         """Request ``r``'s accept lengths, PRNG position and logprobs so far: what earlier stints in
@@ -742,7 +744,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     suffix, start = np.zeros((R, Ts), np.int32), np.zeros(R, np.int32)
     lens = np.zeros(R, np.int32)
     rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
-    V = target.config.vocab_size if plan.controls else 0
+    V = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width (a padded vocabulary)
     req = request_arrays(R, num_stop=num_stop, control_vocab=V)
     for d, rs in enumerate(by_shard):
         for j, r in enumerate(rs):

@@ -8,7 +8,10 @@ shardings; what XLA cannot partition well (paged attention, KV moves, the embedd
 per shard through ``per_model_shard``, which is a plain call without a mesh.
 
 With a mesh, the compiled programs run under ``jax.set_mesh(mesh)``; inside them
-``model_parallel()`` says how many shards the ``model`` axis has.
+``model_parallel()`` says how many shards the ``model`` axis has. A mesh may span the processes
+of a ``jax.distributed`` job (several hosts): every process runs the same program over it, reads
+device state whole (``jaxspec.engine.placement.to_host``), and checks that the others load the
+same checkpoints (``same_on_every_process``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, *, devices=None)
     """A ``jax.sharding.Mesh`` of ``data_parallel x tensor_parallel`` devices, axes ("data", "model").
 
     On several hosts call ``jax.distributed.initialize()`` first; ``jax.devices()`` then lists
-    every host's devices and the same code runs on each.
+    every host's devices (host by host) and the same code runs on each: the model axis runs
+    over one host's devices first, so tensor parallelism stays within a host while it can.
 
     Raises:
-      ValueError: a non-positive size, or more devices asked for than are present.
+      ValueError: a non-positive size; more devices asked for than are present (without
+        ``jax.distributed.initialize()`` only this process's devices are); a mesh leaving out
+        every device of some process of a ``jax.distributed`` job (each runs the same program
+        over the mesh).
     """
     for name, n in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -34,14 +41,54 @@ def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, *, devices=None)
     devices = list(jax.devices() if devices is None else devices)
     need = tensor_parallel * data_parallel
     if need > len(devices):
+        hint = ("; a mesh over several hosts needs jax.distributed.initialize() on every host before make_mesh"
+                if jax.process_count() == 1 else f" in the {jax.process_count()} processes")
         raise ValueError(
             f"make_mesh: data_parallel {data_parallel} x tensor_parallel {tensor_parallel} = {need} devices, but "
-            f"only {len(devices)} are present ({devices[0].platform})"
+            f"only {len(devices)} are present ({devices[0].platform}){hint}"
         )
     import numpy as np
 
     grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel, tensor_parallel)
+    missing = sorted(set(range(jax.process_count())) - {d.process_index for d in grid.flat})
+    if missing:
+        raise ValueError(
+            f"make_mesh: a mesh of {need} of the {len(devices)} devices leaves out every device of process(es) "
+            f"{missing}, but each process of a jax.distributed job runs the same program over the mesh; use all "
+            f"{len(devices)} devices (data_parallel x tensor_parallel = {len(devices)})"
+        )
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether ``mesh`` holds devices of several processes (a ``jax.distributed`` job)."""
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+_checks = 0  # calls of same_on_every_process so far (every process makes them in the same order)
+
+
+def same_on_every_process(what: str, digest: str, timeout_s: float = 600.0) -> None:
+    """Raises a ValueError on every process of a ``jax.distributed`` job whose processes hold
+    different ``digest`` values of ``what`` (e.g. a checksum of a checkpoint's config and tensor
+    index): exchanged through the job's coordinator, with no device work. Nothing on one process."""
+    global _checks
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordinator's key-value store (no public handle in JAX)
+
+    client = distributed.global_state.client
+    _checks += 1
+    key = f"jaxspec/same/{_checks}"
+    client.key_value_set(f"{key}/{jax.process_index()}", digest)
+    seen = [client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)) for p in range(jax.process_count())]
+    differ = [p for p, d in enumerate(seen) if d != seen[0]]
+    if differ:
+        raise ValueError(
+            f"{what} differs between the processes of this jax.distributed job: process 0 has {seen[0][:16]}..., "
+            + ", ".join(f"process {p} has {seen[p][:16]}..." for p in differ)
+            + "; every process must load the same checkpoint (its path may differ between hosts)"
+        )
 
 
 def axis_size(mesh: Mesh | None, axis: str) -> int:

@@ -42,17 +42,20 @@ HYBRID = ("qwen3_next", "qwen3_5")  # Gated DeltaNet + gated attention, with an 
 S, F = "sliding_attention", "full_attention"
 
 
-def _heads(rng: random.Random, hidden: int) -> tuple[int, int]:
-    heads = rng.choice([h for h in (2, 4, 8) if hidden % h == 0])
+def _heads(rng: random.Random, hidden: int, shards: int = 1) -> tuple[int, int]:
+    heads = rng.choice([h for h in (2, 4, 8) if hidden % h == 0 and h % shards == 0])
     return heads, rng.choice([k for k in (1, 2, heads) if heads % k == 0])
 
 
-def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
-    """An HF config of ``family`` with ``layers`` layers and ``vocab`` tokens, the rest drawn."""
+def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int, shards: int = 1):
+    """An HF config of ``family`` with ``layers`` layers and ``vocab`` tokens, the rest drawn (so that
+    a model axis of ``shards`` splits it)."""
     import transformers as tf
 
     hidden = rng.choice([32, 64, 96])
-    heads, kv_heads = _heads(rng, hidden)
+    heads, kv_heads = _heads(rng, hidden, shards)
+    if shards > 1 and family in HYBRID:  # their KV heads split, never repeat
+        kv_heads = heads
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=rng.random() < 0.3)
@@ -101,7 +104,7 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int):
             first_k_dense_replace=rng.randint(0, layers - 1) if moe else layers, rope_parameters=rope)
     if family in HYBRID:
         every = rng.choice([2, 3])
-        hk, r = rng.choice([1, 2]), rng.choice([1, 2])
+        hk, r = rng.choice([1, 2] if shards == 1 else [shards]), rng.choice([1, 2])
         gdn = dict(linear_num_key_heads=hk, linear_num_value_heads=hk * r, linear_key_head_dim=rng.choice([8, 16]),
                    linear_value_head_dim=rng.choice([8, 16]), linear_conv_kernel_dim=rng.choice([2, 4]))
         attn = dict(head_dim=rng.choice([16, 32]), partial_rotary_factor=rng.choice([0.25, 0.5]))
@@ -245,8 +248,9 @@ def _window(family: str, cfg) -> str | int | None:
     return _attr(cfg, "sliding_window") if family in ("mistral", "gemma4", "qwen2", "qwen3") else None
 
 
-def make_case(case_dir: Path, family: str, seed: int) -> dict:
-    """Saves a random target, its one-layer draft and HF's greedy continuations; returns check.json."""
+def make_case(case_dir: Path, family: str, seed: int, vocab: int | None = None, shards: int = 1) -> dict:
+    """Saves a random target, its one-layer draft and HF's greedy continuations; returns check.json.
+    ``vocab``: the vocabulary size (default 256 or 512, drawn); ``shards``: a model axis it must split over."""
     import torch
     import transformers
     from make_golden import greedy
@@ -254,8 +258,8 @@ def make_case(case_dir: Path, family: str, seed: int) -> dict:
     transformers.utils.logging.disable_progress_bar()
 
     rng = random.Random(seed)
-    vocab = rng.choice([256, 512])
-    cfg = draw_config(family, rng, vocab, layers=rng.randint(2, 4))
+    vocab = rng.choice([256, 512]) if vocab is None else vocab
+    cfg = draw_config(family, rng, vocab, layers=rng.randint(2, 4), shards=shards)
     model = build(family, cfg, seed)
     model.save_pretrained(case_dir)
     noise = rng.choice([0.005, 0.02, 0.08])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,8 +35,9 @@ class Job:
             self.args = [a.replace("{tmp}", self.tmp) for a in self.args]
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self._deadline = time.monotonic() + self.timeout
+        # A session of its own: stop() ends the command with every process it started.
         self._proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._out, stderr=self._err,
-                                      text=True)
+                                      text=True, start_new_session=True)
         Job.started.append(self)
 
     def result(self) -> subprocess.CompletedProcess:
@@ -57,9 +59,12 @@ class Job:
         return self._result
 
     def stop(self) -> None:
-        """Kills the command if it still runs and removes its directory."""
+        """Kills the command (and what it started) if it still runs and removes its directory."""
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self._proc.wait()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.plan import Plan, StepRows, VerifyPrefix
+from jaxspec.model.config import padded_vocab_size
 from jaxspec.model.drafts.base import DraftContext
 from jaxspec.model.drafts.ngram import NgramConfig, NgramSeed
 
@@ -201,7 +202,7 @@ class Lookup:
             prefix = VerifyPrefix(wanted=jnp.where(match[:, 0] > 0, n, 1), sizes=(1, n))
         # A deterministic proposal is a one-hot q: rejection sampling accepts x with p(x) and
         # resamples from p without x, exactly the target's distribution.
-        q_all = jax.nn.one_hot(tree.tokens[:, 1:], plan.target.vocab_size) if plan.draft_samples else None
+        q_all = jax.nn.one_hot(tree.tokens[:, 1:], padded_vocab_size(plan.target)) if plan.draft_samples else None
         return tree, q_all, prefix, dpool
 
     @staticmethod

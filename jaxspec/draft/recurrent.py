@@ -27,8 +27,10 @@ from jaxspec.draft.shape import broadcast_rows, shape_for
 from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.controls import Controls, steer
+from jaxspec.model.config import padded_vocab_size
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.grammar import Grammar
+from jaxspec.model.layers import mask_padded_vocab
 from jaxspec.model.sampling import sample_categorical, target_probs
 from jaxspec.pallas.gather_extras import gather_spec_extras
 
@@ -39,7 +41,9 @@ def draft_distribution(plan: Plan, dparams: dict, logit_in: jax.Array, rows: Ste
     row's temperature / top_k / top_p (one-hot argmax for greedy rows), over the tokens the
     structured-output ``states`` i32[B, ...] allow."""
     draft = plan.draft
-    logits = draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in))
+    # As wide as the target's logits (a padded vocabulary on a mesh; -inf beyond the real one).
+    logits = mask_padded_vocab(draft.target_vocab_logits(dparams, draft.logits(dparams, logit_in)),
+                               plan.target.vocab_size, padded_vocab_size(plan.target))
     logits = steer(rows.grammar.mask(logits, states), rows.controls)
     lead = logits.shape[:-1]
     t, k, p = (broadcast_rows(x, lead) for x in rows.sampling)

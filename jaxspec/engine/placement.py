@@ -12,6 +12,7 @@ Glossary: B batch rows, D data shards, W page-table width.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,3 +69,22 @@ def place_rows(x: np.ndarray, mesh) -> jax.Array:  # [R, ...] rows grouped by da
     if mesh is None:
         return jnp.asarray(x)
     return jax.device_put(x, NamedSharding(mesh, P(DATA)))
+
+
+def to_host(tree):
+    """Host (numpy) copies of a pytree of device arrays, whole on every process.
+
+    ``jax.device_get`` where this process holds every shard; on a mesh spanning several processes
+    (``jax.distributed``) each array is first replicated over its mesh in one program (an
+    all-gather), so every process gets the same whole values and takes the same host decisions."""
+    leaves = jax.tree.leaves(tree)
+    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return jax.device_get(tree)
+    mesh = next(x.sharding.mesh for x in leaves if not x.is_fully_addressable)
+    whole = _replicate(mesh)(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), whole)
+
+
+@functools.cache
+def _replicate(mesh):
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))

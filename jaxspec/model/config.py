@@ -43,6 +43,26 @@ def optional_number(raw: dict[str, Any], key: str, where: str, default):
     return float(value)
 
 
+VOCAB_PAD = 64  # a vocab-parallel table's rows are padded to a multiple of this (vLLM's choice)
+
+
+def pad_vocab(vocab_size: int, shards: int) -> int:
+    """Rows of a vocabulary table split over ``shards`` model shards: ``vocab_size`` itself on one;
+    else rounded up to a multiple of ``VOCAB_PAD`` and of ``shards`` (vLLM pads to 64 and divides
+    by the tensor-parallel size), so any vocabulary splits evenly. The padding rows are zero and
+    their logits are masked to -inf (``jaxspec.model.layers.mask_padded_vocab``)."""
+    if shards == 1:
+        return vocab_size
+    m = math.lcm(VOCAB_PAD, shards)
+    return -(-vocab_size // m) * m
+
+
+def padded_vocab_size(cfg) -> int:
+    """The logits width of a target config: its vocabulary padded for its model axis
+    (``pad_vocab``); ``cfg.vocab_size`` stays the real vocabulary."""
+    return pad_vocab(cfg.vocab_size, getattr(cfg, "tensor_parallel", 1))
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not scaled)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

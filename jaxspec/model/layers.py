@@ -321,6 +321,20 @@ def routed_experts(
                            shards=tensor_parallel)(xf, experts, weights, w_gate, w_up, w_down)
 
 
+def mask_padded_vocab(logits: jax.Array, vocab_size: int, width: int | None = None) -> jax.Array:  # f32[..., W]
+    """Logits over a vocabulary of ``vocab_size`` tokens, ``width`` columns wide (default: as
+    given; narrower logits are widened), -inf at every column ``>= vocab_size``: the padding of a
+    vocab-parallel head (``jaxspec.model.config.pad_vocab``) never wins an argmax, a sample, a
+    top-k or a log-probability. Elementwise, so a head split over the model axis stays split."""
+    width = logits.shape[-1] if width is None else width
+    if logits.shape[-1] < width:
+        pad = jnp.full(logits.shape[:-1] + (width - logits.shape[-1],), -jnp.inf, logits.dtype)
+        logits = jnp.concatenate([logits, pad], axis=-1)
+    if width <= vocab_size:
+        return logits
+    return jnp.where(jnp.arange(width) < vocab_size, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
 def lm_head(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """Output head in f32: ``params["lm_head"] [H, V]``, or tied to ``params["embed"] [V, H]``."""
     if "lm_head" in params:

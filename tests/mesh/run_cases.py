@@ -223,6 +223,64 @@ def collective_counts(target_name, tp):
     return dict(counts=counts, all_gather_shapes=gathered)
 
 
+def odd_vocab(tp, dp):
+    """A vocabulary of 251 (odd: split over no mesh without padding; padded to 256 here): greedy
+    output with raw log-probabilities and sampled output on the mesh equal one device's (the
+    padding's logits are -inf: they take no probability), plain and speculative, with an EAGLE-3
+    head over a 96-token d2t vocabulary, greedy and sampled (TP=2 x DP=2), or with its own
+    embedding and head and a standalone draft's tree (TP=4)."""
+    from jaxspec.model.config import padded_vocab_size
+    from jaxspec.model.io.eagle import init_eagle_params
+    from jaxspec.model.io.llama import export_llama, init_llama_params
+    from jaxspec.model.targets.llama_config import LlamaConfig
+
+    V = 251
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    params = init_llama_params(cfg, seed=7, scale=0.3)
+    prompts = [[5, 250, 17, 3], [249, 8]]
+    greedy = js.SamplingParams(max_new_tokens=8, logprobs=2, stop_token_ids=())
+    sampled = js.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, stop_token_ids=(),
+                                logit_bias=((V - 1, 1.0),))
+    with tempfile.TemporaryDirectory() as d:
+        export_llama(f"{d}/target", params, cfg)
+        d2t = tp == 2
+        ecfg = eagle3_config_for(cfg, draft_vocab_size=96 if d2t else None)
+        export_eagle3(f"{d}/eagle3", init_eagle_params(ecfg, 5, params, scale=0.3), ecfg, target_num_layers=3,
+                      save_embedding=not d2t)
+        single = js.load_model(f"{d}/target", dtype="float32", progress=False)
+        want = js.generate(single, prompts, sampling=greedy, engine=engine(1, 2), progress=False)
+        want_sampled = js.generate(single, prompts, sampling=sampled, engine=engine(1, 2), progress=False).token_ids
+        if d2t:  # speculative sampling: the draft's q over the target's (padded) vocabulary
+            want_spec = js.generate(single, prompts, draft=js.load_draft(f"{d}/eagle3", single),
+                                    spec=js.SpecConfig.chain(3), sampling=sampled, engine=engine(1, 2),
+                                    progress=False).token_ids
+        mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+        target = js.load_model(f"{d}/target", dtype="float32", progress=False, mesh=mesh)
+        eagle3 = js.load_draft(f"{d}/eagle3", target)
+    plain = js.generate(target, prompts, sampling=greedy, engine=engine(1, 2), progress=False)
+    runs = {"plain": plain.token_ids,
+            "sampled": js.generate(target, prompts, sampling=sampled, engine=engine(1, 2), progress=False).token_ids}
+    tree = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+    if d2t:
+        runs["eagle3_d2t_chain"] = js.generate(target, prompts, draft=eagle3, spec=js.SpecConfig.chain(3),
+                                               sampling=greedy, engine=engine(1, 2), progress=False).token_ids
+        runs["eagle3_d2t_sampled"] = js.generate(target, prompts, draft=eagle3, spec=js.SpecConfig.chain(3),
+                                                 sampling=sampled, engine=engine(1, 2), progress=False).token_ids
+    else:
+        runs["eagle3_tree"] = js.generate(target, prompts, draft=eagle3, spec=tree, sampling=greedy,
+                                          engine=engine(1, 2), progress=False).token_ids
+        runs["standalone_tree"] = js.generate(target, prompts, draft=js.standalone_draft(target), spec=tree,
+                                              sampling=greedy, engine=engine(1, 2), progress=False).token_ids
+    logprob_err = max(abs(a - b) for x, y in zip(plain.logprobs, want.logprobs) for a, b in zip(x, y))
+    wanted = {"sampled": want_sampled, "eagle3_d2t_sampled": want_spec if d2t else None}
+    return dict(equal={k: v == wanted.get(k, want.token_ids) for k, v in runs.items()},
+                logprob_err=logprob_err, vocab_size=target.config.vocab_size, padded=padded_vocab_size(target.config),
+                embed_shape=list(target.params["embed"].shape), embed_spec=str(target.params["embed"].sharding.spec),
+                top_ids_equal=[list(t) for r in plain.top_logprobs for t in r] == [list(t) for r in want.top_logprobs
+                                                                                   for t in r])
+
+
 def errors():
     out = {}
     path, _ = golden("llama3")
@@ -275,6 +333,8 @@ CASES = {
                                                  js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
+    "odd_vocab_tp2_dp2": lambda: odd_vocab(2, 2),
+    "odd_vocab_tp4": lambda: odd_vocab(4, 1),
     "errors": errors,
 }
 

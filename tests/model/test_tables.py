@@ -55,3 +55,32 @@ def test_export_then_load_is_the_identity(tmp_path):
     back = tables.load_params(table, SafetensorsCheckpoint(str(tmp_path)), np.float32)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reads_are_exactly_the_bytes_asked_for(tmp_path):
+    """Rows, a band of another axis, several row ranges (a shard's view): the values numpy's
+    slicing gives, and ``bytes_read`` grows by exactly their bytes (after the headers')."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from jaxspec.model.io.checkpoint import ShardView
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 5, 7)).astype(np.float32)
+    y = rng.standard_normal((4, 9)).astype(ml_dtypes.bfloat16)
+    save_file({"x": x, "y": y}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    assert ckpt.bytes_read == (tmp_path / "model.safetensors").stat().st_size - x.nbytes - y.nbytes  # the header
+    for name, kw, want in [("x", dict(rows=(1, 4), band=(2, 2, 5)), x[1:4, :, 2:5]),
+                           ("x", dict(band=(1, 3, 5)), x[:, 3:5]),
+                           ("y", dict(rows=(2, 3)), y[2:3]),
+                           ("y", dict(band=(1, 0, 4)), y[:, :4])]:
+        before = ckpt.bytes_read
+        got = ckpt.read(name, **kw)
+        np.testing.assert_array_equal(got, want)
+        assert ckpt.bytes_read - before == want.nbytes
+    view = ShardView(ckpt, 0, [(0, 1), (3, 5)])
+    assert view.entry("x").shape == (3, 5, 7)
+    np.testing.assert_array_equal(view.read("x"), x[[0, 3, 4]])
+    np.testing.assert_array_equal(view.read("x", rows=(1, 3)), x[[3, 4]])
+    np.testing.assert_array_equal(ShardView(ckpt, 1, [(4, 9)]).read("y", rows=(1, 3)), y[1:3, 4:9])

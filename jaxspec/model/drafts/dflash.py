@@ -46,7 +46,7 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
 from jaxspec.model.grammar import Grammar
-from jaxspec.model.layers import lm_head, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
+from jaxspec.model.layers import lm_head, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
 from jaxspec.model.sampling import sample_with_uniform, target_probs
 
 _MASK_VALUE = -1e30
@@ -239,13 +239,13 @@ def block_embedding(params: dict, cfg: DFlashConfig, tokens: jax.Array) -> jax.A
 def dflash_logits(params: dict, cfg: DFlashConfig, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """The target's head over the draft's normed output, times ``output_multiplier``, then the
     draft's own soft cap (the target's is never applied)."""
-    logits = lm_head(params, hidden)
+    logits = lm_head(params, hidden)  # the target's: its padded vocabulary on a mesh (masked below)
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier
     cap = cfg.final_logit_softcapping
     if cap is not None and cap > 0:
         logits = cap * jnp.tanh(logits / cap)
-    return logits
+    return mask_padded_vocab(logits, cfg.vocab_size)
 
 
 # ------------------------------------------------------------------------ serving attention

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, swiglu
+from jaxspec.model.layers import embed_lookup, mask_padded_vocab, swiglu
 from jaxspec.model.targets.qwen3_next import full_attention, moe_mlp, norm
 from jaxspec.model.targets.qwen3_next_config import HybridConfig
 
@@ -105,8 +105,9 @@ class QwenMtpDraft(Draft):
                                    implementation=implementation)
         return h, h, pool
 
-    def logits(self, params, logit_in):
-        return jnp.einsum("...h,hv->...v", logit_in, params["head"], preferred_element_type=jnp.float32)
+    def logits(self, params, logit_in):  # the target's head: its padded vocabulary
+        logits = jnp.einsum("...h,hv->...v", logit_in, params["head"], preferred_element_type=jnp.float32)
+        return mask_padded_vocab(logits, self.vocab_size)
 
     @property
     def target_hidden_size(self) -> int:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxspec.model.config import ConfigError, get_field
@@ -27,7 +24,7 @@ from jaxspec.model.io.checkpoint import CheckpointError, write_json
 from jaxspec.model.io.gemma4 import typed_layers
 from jaxspec.model.io.llama import attention_entries, mlp_entries
 from jaxspec.model.io.tables import (LINEAR, Param, Table, export_params, host_rng, init_params, load_params,
-                                    shardings_for, stacked)
+                                    shardings_for, stacked, whole_on)
 from jaxspec.model.targets.gemma4_config import SLIDING, Gemma4Config, attention_shapes, layer_types_of
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -190,8 +187,7 @@ def _finish_gemma4(params: dict, cfg: AssistantConfig, target_params: dict, wher
     params["embed"] = target_params["embed"]
     if cfg.num_centroids:
         cluster = token_clusters(params["token_ordering"], cfg.num_centroids, where)
-        params["token_cluster"] = (jnp.asarray(cluster) if mesh is None else
-                                   jax.device_put(cluster, NamedSharding(mesh, PartitionSpec())))
+        params["token_cluster"] = whole_on(cluster, mesh)
     return params
 
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import struct
+import threading
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from jaxspec.mesh import same_on_every_process, spans_processes
 
 DTYPES = {
     "float32": np.float32,
@@ -145,9 +149,9 @@ class TensorEntry:
     nbytes: int
 
 
-def read_header(file: str) -> dict[str, TensorEntry]:
+def read_header(file: str) -> tuple[dict[str, TensorEntry], int]:
     """The tensor table of one ``.safetensors`` file (8-byte little-endian header length, a JSON
-    header of ``{name: {dtype, shape, data_offsets}}``, then the data)."""
+    header of ``{name: {dtype, shape, data_offsets}}``, then the data) and the header's bytes."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         try:
@@ -160,17 +164,27 @@ def read_header(file: str) -> dict[str, TensorEntry]:
             continue
         begin, end = info["data_offsets"]
         out[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + begin, end - begin)
-    return out
+    return out, 8 + n
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fills ``buf`` from byte ``offset`` of ``fd`` (one read may return less than asked)."""
+    while len(buf):
+        got = os.preadv(fd, [buf], offset)
+        if got <= 0:
+            raise CheckpointError(f"unexpected end of file at byte {offset}")
+        buf, offset = buf[got:], offset + got
 
 
 class SafetensorsCheckpoint:
     """Tensors of a checkpoint directory: ``model.safetensors``, or shards listed by
     ``model.safetensors.index.json``, or (fallback) every ``*.safetensors`` file.
 
-    Tensors are read one at a time through a memory map of just their bytes, which is closed as
-    soon as the caller is done with the array: the process never holds more than the tensor it is
-    placing (plus what was already placed), however large the files. (``safetensors.safe_open``
-    keeps a whole file mapped while it is open, and its numpy path refuses float8.)"""
+    Tensors are read piece by piece with plain reads of exactly the bytes asked for (rows of the
+    first axis, optionally a band of another axis: a tensor-parallel shard), so the process
+    holds no more than the pieces in flight and reads nothing a caller did not ask for;
+    ``bytes_read`` counts what was read (headers included). (``safetensors.safe_open`` keeps a
+    whole file mapped while it is open, and its numpy path refuses float8.)"""
 
     def __init__(self, path: str):
         self.path = path
@@ -196,8 +210,12 @@ class SafetensorsCheckpoint:
                     f"model.safetensors.index.json with shards)"
                 )
         self._entries: dict[str, TensorEntry] = {}
+        self._lock = threading.Lock()  # bytes_read is counted from the loader's threads
+        self.bytes_read = 0
         for file in files:
-            self._entries.update(read_header(file))
+            entries, header_bytes = read_header(file)
+            self._entries.update(entries)
+            self.bytes_read += header_bytes
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
@@ -210,30 +228,74 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
         return self._entries[name]
 
-    def read(self, name: str, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """The tensor ``name`` (or its rows ``[start, stop)`` along the first axis) in its stored
-        dtype, as a read-only memory map of just those bytes (nothing is read until used),
-        checked against ``shape``."""
+    def index_digest(self) -> str:
+        """A checksum of the tensor index (every tensor's name, dtype, shape and size; not where
+        the files are), equal for equal checkpoints wherever they are stored."""
+        h = hashlib.sha256()
+        for name in sorted(self._entries):
+            e = self._entries[name]
+            h.update(json.dumps([name, e.dtype, list(e.shape), e.nbytes]).encode())
+        return h.hexdigest()
+
+    def read(self, name: str, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None,
+             band: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The tensor ``name`` in its stored dtype, checked against ``shape``: its rows
+        ``[start, stop)`` along the first axis (``rows``; default all), and of those only
+        ``[start, stop)`` along axis ``band[0] >= 1`` (``band = (axis, start, stop)``). Exactly
+        those bytes are read."""
         e = self.entry(name)
         if shape is not None and tuple(e.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}")
         if e.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.dtype}")
         dt = np.dtype(SAFETENSORS_DTYPES[e.dtype])
-        start, stop = (0, e.shape[0] if e.shape else 1) if rows is None else rows
-        out_shape = (stop - start,) + tuple(e.shape[1:]) if e.shape else ()
-        if e.nbytes == 0 or (e.shape and stop == start):
-            return np.zeros(out_shape, dt)
-        row_bytes = e.nbytes // e.shape[0] if e.shape else e.nbytes
-        return np.memmap(e.file, dtype=dt, mode="r", offset=e.offset + start * row_bytes, shape=out_shape)
+        dims = list(e.shape) or [1]
+        start, stop = (0, dims[0]) if rows is None else rows
+        dims[0] = stop - start
+        axis, b0, b1 = (len(dims), 0, 0) if band is None else band
+        if band is not None:
+            if not 1 <= axis < len(dims):
+                raise ValueError(f"band axis {axis} of a {len(dims)}-axis tensor")
+            dims[axis] = b1 - b0
+        out = np.empty(dims, dt)
+        if out.size == 0:
+            return out.reshape(tuple(e.shape) and dims)
+        # Runs of contiguous bytes: everything from the band's axis on, for each index before it.
+        inner = int(np.prod(e.shape[axis + 1:], dtype=np.int64)) * dt.itemsize if band is not None else 0
+        strides = [int(np.prod(e.shape[i + 1:], dtype=np.int64)) * dt.itemsize for i in range(len(dims))]
+        run = dims[axis] * inner if band is not None else out.nbytes
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            lead = np.ndindex(*dims[:axis]) if band is not None else [()]
+            for i, idx in enumerate(lead):
+                offset = e.offset + start * strides[0] + sum(j * s for j, s in zip(idx, strides)) + b0 * inner
+                _pread_into(fd, flat[i * run:(i + 1) * run], offset)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.bytes_read += out.nbytes
+        return out.reshape(tuple(e.shape) and dims)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtype=None) -> np.ndarray:
         """The tensor ``name`` as an in-memory array (cast to ``dtype``), checked against ``shape``."""
         x = self.read(name, shape)
-        return np.array(x, dtype=dtype if dtype is not None else x.dtype)
+        return x if dtype is None else x.astype(dtype, copy=False)
 
     def close(self):
         """Nothing stays open between reads (kept for callers that close checkpoints)."""
+
+
+def check_same_checkpoint(path: str, raw: dict, ckpt: SafetensorsCheckpoint, dtype, mesh) -> None:
+    """On a mesh spanning several processes: every process must be loading the same checkpoint
+    (a checksum of its config.json, its tensor index and the dtype asked for; not its path,
+    which may differ between hosts), else a ValueError on every process before anything is read."""
+    if not spans_processes(mesh):
+        return
+    h = hashlib.sha256(json.dumps(raw, sort_keys=True).encode())
+    h.update(ckpt.index_digest().encode())
+    h.update(np.dtype(dtype).name.encode())
+    same_on_every_process(f"the checkpoint {path} (its config.json, tensor index or dtype)", h.hexdigest())
 
 
 def read_eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -249,3 +311,54 @@ def read_eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:
             if isinstance(t, int) and t not in ids:
                 ids.append(t)
     return tuple(ids)
+
+
+class ShardView:
+    """One tensor-parallel shard of a checkpoint's tensors: each tensor read through it is cut
+    to ``ranges`` (``[start, stop)`` pairs, concatenated) along its axis ``axis`` (several ranges
+    only on axis 0); a block-scaled FP8 weight's ``<name>_scale_inv`` is cut to the scale blocks
+    of those ranges (``fp8_block`` rows x cols per scale; the ranges start on block bounds).
+    Reads go to ``ckpt`` for exactly the shard's bytes."""
+
+    def __init__(self, ckpt, axis: int, ranges: list[tuple[int, int]], fp8_block: tuple[int, int] | None = None):
+        if axis and len(ranges) != 1:
+            raise ValueError("a shard view cuts several ranges on the first axis only")
+        self.ckpt, self.path, self.axis, self.ranges, self.fp8_block = ckpt, ckpt.path, axis, ranges, fp8_block
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def _ranges(self, name: str) -> list[tuple[int, int]]:
+        e = self.ckpt.entry(name)
+        if not name.endswith("_scale_inv") or self.fp8_block is None:
+            return self.ranges
+        nd = len(e.shape)
+        f = self.fp8_block[0] if self.axis == nd - 2 else self.fp8_block[1] if self.axis == nd - 1 else 1
+        return [(a // f, -(-b // f)) for a, b in self.ranges]
+
+    def entry(self, name: str) -> TensorEntry:
+        e = self.ckpt.entry(name)
+        shape = list(e.shape)
+        shape[self.axis] = sum(b - a for a, b in self._ranges(name))
+        full = int(np.prod(e.shape, dtype=np.int64))
+        nbytes = e.nbytes * int(np.prod(shape, dtype=np.int64)) // full if full else 0
+        return dataclasses.replace(e, shape=tuple(shape), nbytes=nbytes)
+
+    def read(self, name: str, shape=None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        local = self.entry(name)
+        if shape is not None and tuple(local.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} shard has shape {local.shape}, expected {tuple(shape)}")
+        ranges = self._ranges(name)
+        if self.axis:
+            (a, b), = ranges
+            return self.ckpt.read(name, rows=rows, band=(self.axis, a, b))
+        lo, hi = (0, local.shape[0]) if rows is None else rows
+        pieces, at = [], 0
+        for a, b in ranges:  # local rows [at, at + b - a) are the checkpoint's rows [a, b)
+            s, t = max(lo, at), min(hi, at + b - a)
+            if s < t:
+                pieces.append(self.ckpt.read(name, rows=(a + s - at, a + t - at)))
+            at += b - a
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else self.ckpt.read(name, rows=(0, 0))

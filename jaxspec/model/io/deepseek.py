@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 
@@ -15,14 +15,15 @@ def _kv_b(cfg: DeepseekConfig) -> SplitParam:
     Hq, Dn, Dv, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
 
     def split(x):
-        x = x.reshape(Hq, Dn + Dv, C)
+        x = x.reshape(-1, Dn + Dv, C)  # (all heads, or a shard's)
         return x[:, :Dn, :], np.transpose(x[:, Dn:, :], (0, 2, 1))
 
     def join(w_uk, w_uv):
         return np.concatenate([w_uk, np.transpose(w_uv, (0, 2, 1))], axis=1).reshape(Hq * (Dn + Dv), C)
 
     return SplitParam(parts=(("w_uk", (Hq, Dn, C)), ("w_uv", (Hq, C, Dv))), hf="self_attn.kv_b_proj.weight",
-                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join, tp=0)
+                      hf_shape=(Hq * (Dn + Dv), C), split=split, join=join, tp=0,
+                      shard_rows=row_blocks(Hq * (Dn + Dv)))
 
 
 def _experts(cfg: DeepseekConfig, fused: bool) -> list:
@@ -45,7 +46,7 @@ def _experts(cfg: DeepseekConfig, fused: bool) -> list:
 
     return [
         SplitParam(parts=(("experts_gate", (E, H, Im)), ("experts_up", (E, H, Im))), hf="mlp.experts.gate_up_proj",
-                   hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts"),
+                   hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts", shard_rows=row_blocks(E)),
         Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1), tp="experts"),
     ]
 
@@ -99,9 +100,9 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
 def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: bool = False) -> Table:
     """Every tensor of the main model (MTP layers at index >= num_hidden_layers are read by
     ``jaxspec.model.io.mtp``): the dense prefix and the MoE layers stack separately."""
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H = cfg.hidden_size
     layer = prefix + "layers.{i}."
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    table: Table = [embedding("embed", prefix + "embed_tokens.weight", cfg)]
     if cfg.num_dense_layers:
         table += stacked(layer_entries(cfg, moe=False), "dense/", layer, range(cfg.num_dense_layers))
     if cfg.num_moe_layers:
@@ -109,7 +110,7 @@ def deepseek_table(cfg: DeepseekConfig, prefix: str = "model.", fused_experts: b
                          range(cfg.num_dense_layers, cfg.num_layers))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

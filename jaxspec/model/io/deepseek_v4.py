@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, embedding, init_params, output_head, stacked
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, TOPK, DeepseekV4Config
 
 LAYOUTS = ("published", "mixed", "modules")
@@ -181,9 +181,9 @@ def deepseek_v4_table(cfg: DeepseekV4Config, layout: str = "published", fused_ex
     li = LAYOUTS.index(layout)
     fused = layout == "modules" if fused_experts is None else fused_experts
     names, top = layer_names(layout), {k: v[li] for k, v in _TOP.items()}
-    H, V, N, f32 = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, "float32"
+    H, N, f32 = cfg.hidden_size, cfg.hc_mult, "float32"
     prefix = _LAYER_PREFIX[li]
-    table: Table = [Param("embed", top["embed"], (V, H), tp=0)]
+    table: Table = [embedding("embed", top["embed"], cfg)]  # padded over the model axis for any vocabulary
     table += stacked(common_entries(cfg, names, fused_experts=fused), "layers/", prefix, range(cfg.num_layers))
     for kind in (CSA, HCA):
         if cfg.layers_of(kind):
@@ -197,7 +197,7 @@ def deepseek_v4_table(cfg: DeepseekV4Config, layout: str = "published", fused_ex
               Param("hc_head_scale", top["hc_head_scale"], (1,), init="ones", dtype=f32),
               Param("norm", top["norm"], (H,), init="ones", dtype=f32)]
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", top["lm_head"], (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", top["lm_head"], cfg))
     return table
 
 

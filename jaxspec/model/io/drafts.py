@@ -25,7 +25,8 @@ from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
 from jaxspec.model.io import dflash as dflash_io
-from jaxspec.model.io.checkpoint import CheckpointError, SafetensorsCheckpoint, fp8_block_size, read_config, resolve_dtype
+from jaxspec.model.io.checkpoint import (CheckpointError, SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size,
+                                         read_config, resolve_dtype)
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
 from jaxspec.model.io.loader import TARGET_FAMILIES, target_family, warn_unread
@@ -201,13 +202,15 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
 
     Raises:
       ValueError: an unknown or mismatched kind, or a draft that does not fit the target
-        (vocabulary, hidden size, layers), named; FileNotFoundError: missing files.
+        (vocabulary, hidden size, layers), named; processes of a ``jax.distributed`` job loading
+        different drafts; FileNotFoundError: missing files.
     """
     path = os.fspath(path)
     np_dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     raw = read_config(path)
     where = os.path.join(path, "config.json")
     ckpt = SafetensorsCheckpoint(path)
+    check_same_checkpoint(path, raw, ckpt, np_dtype, target.mesh)
     try:
         fmt = detect_draft_format(raw, set(ckpt.keys()), where)
         if not isinstance(target.config, fmt.targets):

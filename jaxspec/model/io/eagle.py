@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxspec.model.config import ConfigError, parse_rope
+from jaxspec.model.config import ConfigError, pad_vocab, parse_rope
 from jaxspec.model.drafts.eagle import EagleConfig
 from jaxspec.model.io.checkpoint import CheckpointError, decoder_fields, resolve_dtype, rope_fields, write_json
 from jaxspec.model.io.llama import attention_entries, mlp_entries
 from jaxspec.model.io.tables import (
     LINEAR, Param, Table, export_params, host_rng, init_params, load_params, replicated, shardings_for, under,
+    whole_on,
 )
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -53,8 +54,8 @@ class _Stripped:
     def entry(self, name):
         return self.ckpt.entry(self._real(name))
 
-    def read(self, name, shape=None, rows=None):
-        return self.ckpt.read(self._real(name), shape, rows)
+    def read(self, name, shape=None, rows=None, band=None):
+        return self.ckpt.read(self._real(name), shape, rows, band)
 
     def get(self, name, shape=None, dtype=None):
         return self.ckpt.get(self._real(name), shape, dtype)
@@ -129,8 +130,9 @@ def eagle_table(cfg: EagleConfig, layer: str = "midlayer.", *, embed: bool = Fal
     if cfg.version == 3:
         table += [Param("norm", "norm.weight", (H,), init="ones"),
                   Param("lm_head", "lm_head.weight", (H, cfg.draft_vocab_size), perm=LINEAR)]
-    if embed:
-        table.append(Param("embed", "embed_tokens.weight", (cfg.vocab_size, H)))
+    if embed:  # its own copy, replicated; looked up vocab-parallel, so padded as the target's
+        Vp = pad_vocab(cfg.vocab_size, cfg.vocab_parallel)
+        table.append(Param("embed", "embed_tokens.weight", (Vp, H), pad=Vp - cfg.vocab_size))
     return table
 
 
@@ -169,7 +171,7 @@ def load_eagle(ckpt, raw: dict, version: int, target_cfg: LlamaConfig, target_pa
             hot = np.arange(cfg.draft_vocab_size, dtype=np.int64) + d2t
             if hot.min() < 0 or hot.max() >= cfg.vocab_size:
                 raise CheckpointError(f"{ckpt.path}: d2t maps draft ids outside the target vocabulary")
-            params["hot_ids"] = jnp.asarray(hot.astype(np.int32))
+            params["hot_ids"] = whole_on(hot.astype(np.int32), mesh)
         elif cfg.draft_vocab_size != cfg.vocab_size:
             raise CheckpointError(
                 f"{ckpt.path}: draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} "

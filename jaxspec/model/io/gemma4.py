@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, Table, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, Table, init_params, stacked
 from jaxspec.model.targets.gemma4 import GROUPS
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 
@@ -57,13 +57,13 @@ def typed_layers(layer_types, shape_of, prefix: str, **dims) -> Table:
 def gemma4_table(cfg: Gemma4Config) -> Table:
     """Every tensor of a Gemma 4 text checkpoint that the decoder uses, in our layout (embedding
     and head vocab-parallel)."""
-    H, V, pre = cfg.hidden_size, cfg.vocab_size, cfg.prefix
-    table: Table = [Param("embed", pre + "embed_tokens.weight", (V, H), tp=0)]
+    H, pre = cfg.hidden_size, cfg.prefix
+    table: Table = [embedding("embed", pre + "embed_tokens.weight", cfg)]
     table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
                           num_heads=cfg.num_heads)
     table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

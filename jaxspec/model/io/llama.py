@@ -10,7 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxspec.model.io.checkpoint import decoder_fields, resolve_dtype, rope_fields, write_json
-from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, Table, export_params, init_params, stacked
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -60,12 +60,12 @@ def llama_layer_entries(cfg, kv_repeat: int = 1) -> list[Param]:
 def llama_table(cfg: LlamaConfig, prefix: str = "model.", kv_repeat: int = 1) -> Table:
     """Every tensor of a Llama-family checkpoint, in our layout (module docstring of
     ``jaxspec.model.targets.llama``); embedding and head vocab-parallel."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    H = cfg.hidden_size
+    table: Table = [embedding("embed", prefix + "embed_tokens.weight", cfg)]
     table += stacked(llama_layer_entries(cfg, kv_repeat), "layers/", prefix + "layers.{i}.", range(cfg.num_layers))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

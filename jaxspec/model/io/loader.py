@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
-from jaxspec.model.io.checkpoint import SafetensorsCheckpoint, fp8_block_size, read_config, read_eos_ids, resolve_dtype
+from jaxspec.model.io.checkpoint import (SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size, read_config,
+                                         read_eos_ids, resolve_dtype)
 from jaxspec.model.io.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.io import deepseek_v4 as v4_io
 from jaxspec.model.io.gemma4 import gemma4_table
@@ -104,7 +105,9 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
         ``model.safetensors.index.json``); ``tokenizer.json`` is attached when present.
       dtype: "bfloat16" | "float32" | "float16": params are cast to it (on the device).
       mesh: a ``jaxspec.make_mesh`` mesh: the weights are streamed straight into their shards
-        (tensor parallel over its ``model`` axis, replicated over ``data``). None: one device.
+        (tensor parallel over its ``model`` axis, replicated over ``data``; the vocabulary padded
+        to split evenly), each process reading only the bytes of its own devices' shards. None:
+        one device.
       progress: show a progress bar over the tensors.
 
     Raises:
@@ -112,7 +115,8 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
       ValueError (ConfigError / CheckpointError): unsupported architecture, a bad config
         field, a missing or misshaped tensor, an unknown dtype, an unsupported quantization
         (block-scaled FP8 weights, as DeepSeek-V3 ships them, are dequantized while loading), a
-        mesh the model cannot be split over (heads, vocabulary or experts not divisible).
+        mesh the model cannot be split over (heads or experts not divisible; any vocabulary is
+        padded), processes of a ``jax.distributed`` job loading different checkpoints.
     """
     path = os.fspath(path)
     np_dtype = resolve_dtype(dtype)
@@ -122,6 +126,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
     fp8_block = fp8_block_size(raw, where)
     cfg = family.for_mesh(family.parse(raw, where), axis_size(mesh, MODEL), where)
     ckpt = SafetensorsCheckpoint(path)
+    check_same_checkpoint(path, raw, ckpt, np_dtype, mesh)
     table = family.table(cfg, ckpt)
     warn_unread(family, cfg, table, ckpt, path)
     params = load_params(table, ckpt, np_dtype, sharding_of=shardings_for(table, mesh, split=True),

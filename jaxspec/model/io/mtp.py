@@ -11,7 +11,7 @@ import numpy as np
 from jaxspec.model.drafts.mtp import MtpConfig
 from jaxspec.model.io.checkpoint import CheckpointError
 from jaxspec.model.io.deepseek import layer_entries
-from jaxspec.model.io.tables import LINEAR, Param, Table, init_params, load_params, shardings_for, under
+from jaxspec.model.io.tables import LINEAR, Param, Table, embedding, output_head, init_params, load_params, shardings_for, under
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 _EH_PROJ = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
@@ -25,7 +25,7 @@ def find_mtp_layers(names) -> list[int]:
 def mtp_table(cfg: MtpConfig, *, embed: bool = True, head: bool = True) -> Table:
     """The MTP layer's tensors: enorm / hnorm / eh_proj, one DeepSeek block, the shared head
     (``embed`` / ``head``: include the layer's own embedding and output head copies)."""
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H = cfg.hidden_size
     p = f"model.layers.{cfg.layer_index}."
     table: Table = [
         Param("enorm", p + "enorm.weight", (H,), init="ones"),
@@ -35,9 +35,9 @@ def mtp_table(cfg: MtpConfig, *, embed: bool = True, head: bool = True) -> Table
         Param("head_norm", p + "shared_head.norm.weight", (H,), init="ones"),
     ]
     if embed:
-        table.insert(0, Param("embed", p + "embed_tokens.weight", (V, H), tp=0))
+        table.insert(0, embedding("embed", p + "embed_tokens.weight", cfg.target))
     if head:
-        table.append(Param("head", p + "shared_head.head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("head", p + "shared_head.head.weight", cfg.target))
     return table
 
 

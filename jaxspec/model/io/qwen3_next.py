@@ -14,19 +14,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.io.tables import LINEAR, Param, SplitParam, Table, init_params, stacked
+from jaxspec.model.io.tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
 from jaxspec.model.targets.qwen3_next_config import FULL, HybridConfig
 
 
 def _grouped_from_flat(cfg: HybridConfig, x: np.ndarray) -> np.ndarray:
-    """[q all | k all | v all] on axis 0 -> per key head [q | k | v] (axis 0)."""
+    """[q all | k all | v all] on axis 0 -> per key head [q | k | v] (axis 0), for all key heads
+    or a shard's (``_flat_rows``)."""
     g = cfg.gdn
-    Hk, Dk, r, Dv = g.num_k_heads, g.head_k_dim, g.group, g.head_v_dim
+    Dk, r, Dv = g.head_k_dim, g.group, g.head_v_dim
+    Hk = x.shape[0] // (2 * Dk + r * Dv)
     rest = x.shape[1:]
     q = x[: Hk * Dk].reshape((Hk, Dk) + rest)
     k = x[Hk * Dk: 2 * Hk * Dk].reshape((Hk, Dk) + rest)
     v = x[2 * Hk * Dk:].reshape((Hk, r * Dv) + rest)
     return np.concatenate([q, k, v], axis=1).reshape((-1,) + rest)
+
+
+def _flat_rows(cfg: HybridConfig):
+    """``SplitParam.shard_rows`` of a flat ``[q all | k all | v all]`` tensor: shard k of n takes its
+    key heads' rows of each of the three."""
+    g = cfg.gdn
+    return row_blocks(g.num_k_heads * g.head_k_dim, g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim)
 
 
 def _flat_from_grouped(cfg: HybridConfig, x: np.ndarray) -> np.ndarray:
@@ -50,7 +59,7 @@ def linear_attention_entries(cfg: HybridConfig) -> list:
         width = 2 * Dk + 2 * r * Dv
 
         def split_qkvz(x):  # [Hk * width, H] -> in_qkv [H, C] (grouped), in_z [H, Hv * Dv]
-            x = x.reshape(Hk, width, H)
+            x = x.reshape(-1, width, H)  # (all key heads, or a shard's)
             return (np.transpose(x[:, : 2 * Dk + r * Dv].reshape(-1, H)),
                     np.transpose(x[:, 2 * Dk + r * Dv:].reshape(-1, H)))
 
@@ -58,27 +67,29 @@ def linear_attention_entries(cfg: HybridConfig) -> list:
             return np.concatenate([qkv.T.reshape(Hk, -1, H), z.T.reshape(Hk, -1, H)], axis=1).reshape(-1, H)
 
         def split_ba(x):  # [Hk * 2r, H] -> b, a [H, Hv]
-            x = x.reshape(Hk, 2 * r, H)
+            x = x.reshape(-1, 2 * r, H)
             return np.transpose(x[:, :r].reshape(-1, H)), np.transpose(x[:, r:].reshape(-1, H))
 
         def join_ba(b, a_):
             return np.concatenate([b.T.reshape(Hk, r, H), a_.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
 
         out += [SplitParam(parts=(("in_qkv", (H, C)), ("in_z", (H, Hv * Dv))), hf=a + "in_proj_qkvz.weight",
-                           hf_shape=(Hk * width, H), split=split_qkvz, join=join_qkvz, tp=1),
+                           hf_shape=(Hk * width, H), split=split_qkvz, join=join_qkvz, tp=1,
+                           shard_rows=row_blocks(Hk * width)),
                 SplitParam(parts=(("in_b", (H, Hv)), ("in_a", (H, Hv))), hf=a + "in_proj_ba.weight",
-                           hf_shape=(Hk * 2 * r, H), split=split_ba, join=join_ba, tp=1)]
+                           hf_shape=(Hk * 2 * r, H), split=split_ba, join=join_ba, tp=1,
+                           shard_rows=row_blocks(Hk * 2 * r))]
     else:
         out += [SplitParam(parts=(("in_qkv", (H, C)),), hf=a + "in_proj_qkv.weight", hf_shape=(C, H),
                            split=lambda x: (np.transpose(_grouped_from_flat(cfg, x)),),
-                           join=lambda w: _flat_from_grouped(cfg, w.T), tp=1),
+                           join=lambda w: _flat_from_grouped(cfg, w.T), tp=1, shard_rows=_flat_rows(cfg)),
                 Param("in_z", a + "in_proj_z.weight", (H, g.value_dim), perm=LINEAR, tp=1),
                 Param("in_b", a + "in_proj_b.weight", (H, Hv), perm=LINEAR, tp=1),
                 Param("in_a", a + "in_proj_a.weight", (H, Hv), perm=LINEAR, tp=1)]
     out += [
         SplitParam(parts=(("conv_w", (C, K)),), hf=a + "conv1d.weight", hf_shape=(C, 1, K),
                    split=lambda x: (_grouped_from_flat(cfg, x[:, 0]),),
-                   join=lambda w: _flat_from_grouped(cfg, w)[:, None], tp=0),
+                   join=lambda w: _flat_from_grouped(cfg, w)[:, None], tp=0, shard_rows=_flat_rows(cfg)),
         Param("dt_bias", a + "dt_bias", (Hv,), tp=0, dtype="float32"),
         Param("A_log", a + "A_log", (Hv,), tp=0, dtype="float32"),
         Param("gdn_norm", a + "norm.weight", (g.head_v_dim,), init="ones"),
@@ -115,7 +126,8 @@ def _experts(cfg: HybridConfig, fused: bool) -> list:
         return np.concatenate([np.transpose(gate, (0, 2, 1)), np.transpose(up, (0, 2, 1))], axis=1)
 
     return [SplitParam(parts=(("experts_gate", (E, H, Im)), ("experts_up", (E, H, Im))),
-                       hf="mlp.experts.gate_up_proj", hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts"),
+                       hf="mlp.experts.gate_up_proj", hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts",
+                       shard_rows=row_blocks(E)),
             Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1), tp="experts")]
 
 
@@ -149,15 +161,15 @@ def layer_entries(cfg: HybridConfig, layer: int, fused_experts: bool = False) ->
 def hybrid_table(cfg: HybridConfig, fused_experts: bool = False) -> Table:
     """Every tensor of the text model. Layers stack per position of the layer pattern's period:
     ``p{j}/...`` holds layers j, j + p, j + 2p, ... (``HybridConfig.period``)."""
-    H, V, p = cfg.hidden_size, cfg.vocab_size, cfg.period
+    H, p = cfg.hidden_size, cfg.period
     prefix = cfg.prefix
-    table: Table = [Param("embed", prefix + "embed_tokens.weight", (V, H), tp=0)]
+    table: Table = [embedding("embed", prefix + "embed_tokens.weight", cfg)]
     for j in range(p):
         table += stacked(layer_entries(cfg, j, fused_experts), f"p{j}/", prefix + "layers.{i}.",
                          range(j, cfg.num_layers, p))
     table.append(Param("norm", prefix + "norm.weight", (H,), init="zeros"))
     if not cfg.tie_word_embeddings:
-        table.append(Param("lm_head", "lm_head.weight", (H, V), perm=LINEAR, tp=1))
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
 
 

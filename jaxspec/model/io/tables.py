@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxspec.mesh import MODEL
-from jaxspec.model.io.checkpoint import CheckpointError
+from jaxspec.model.config import padded_vocab_size
+from jaxspec.model.io.checkpoint import SAFETENSORS_DTYPES, CheckpointError, ShardView
 
 LINEAR = (1, 0)  # nn.Linear [out, in] -> ours [in, out]
 
@@ -56,6 +57,9 @@ class Param:
         replicate.
       repeat: each checkpoint head (``unit`` rows of its first axis) appears ``repeat`` times in
         ours: KV heads replicated when the model axis has more shards than KV heads.
+      pad: ours has ``pad`` more entries than the checkpoint along the checkpoint's first axis,
+        left zero (a vocabulary padded to split evenly over the model axis).
+      first_expert: the checkpoint expert of our first (a shard of the experts).
     """
 
     path: str
@@ -69,6 +73,8 @@ class Param:
     tp: int | str | None = None
     repeat: int = 1
     unit: int = 0
+    pad: int = 0
+    first_expert: int = 0
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -86,7 +92,7 @@ class Param:
         if self.perm is not None:
             for ours, theirs in enumerate(self.perm):
                 out[theirs] = self.shape[ours]
-        out[0] //= self.repeat
+        out[0] = out[0] // self.repeat - self.pad
         return tuple(out)
 
     def from_hf(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -100,7 +106,7 @@ class Param:
         x = x if self.perm is None else np.transpose(x, np.argsort(self.perm))
         if self.repeat > 1:  # keep one copy of each repeated head
             x = x.reshape((-1, self.repeat, self.unit) + x.shape[1:])[:, 0].reshape((-1,) + x.shape[1:])
-        return x
+        return x[: x.shape[0] - self.pad]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +124,9 @@ class SplitParam:
     experts: int | None = None
     dtype: str | None = None
     tp: int | str | None = None  # as ``Param.tp``, for every part
+    # (k, n) -> the checkpoint rows ([start, stop) ranges of its first axis) that model shard k of
+    # n holds, which ``split`` turns into that shard's parts; None: a shard needs the whole tensor.
+    shard_rows: Callable[[int, int], list[tuple[int, int]]] | None = None
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -137,6 +146,33 @@ class SplitParam:
 
 Entry = Param | SplitParam
 Table = list[Entry]
+
+
+def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
+    """``SplitParam.shard_rows`` of a tensor whose first axis is ``segments`` one after another,
+    each split evenly over the shards: shard k of n takes the k-th n-th of each."""
+    def rows(k: int, n: int) -> list[tuple[int, int]]:
+        out, at = [], 0
+        for size in segments:
+            out.append((at + k * size // n, at + (k + 1) * size // n))
+            at += size
+        return out
+
+    return rows
+
+
+def embedding(path: str, hf: str, cfg) -> Param:
+    """A target's token embedding ``[V', H]``, split by vocabulary rows over the model axis;
+    ``V'`` is the vocabulary padded to split evenly (``padded_vocab_size``; zero rows)."""
+    V, Vp = cfg.vocab_size, padded_vocab_size(cfg)
+    return Param(path, hf, (Vp, cfg.hidden_size), tp=0, pad=Vp - V)
+
+
+def output_head(path: str, hf: str, cfg) -> Param:
+    """A target's output head ``[H, V']`` (``nn.Linear [V, H]`` in checkpoints), split by
+    vocabulary over the model axis, padded as ``embedding``."""
+    V, Vp = cfg.vocab_size, padded_vocab_size(cfg)
+    return Param(path, hf, (cfg.hidden_size, Vp), perm=LINEAR, tp=1, pad=Vp - V)
 
 
 def stacked(entries: Sequence[Entry], path_prefix: str, hf_prefix: str, layers: Sequence[int]) -> list[Entry]:
@@ -181,7 +217,7 @@ def _names(e: Entry) -> Iterator[tuple[tuple[int, ...], str]]:
             if li is not None:
                 name = name.replace("{i}", str(li[1]))
             if ex is not None:
-                name = name.replace("{e}", str(ex))
+                name = name.replace("{e}", str(ex + getattr(e, "first_expert", 0)))
             yield idx, name
 
 
@@ -232,18 +268,22 @@ def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple
     pieces of at most ``CHUNK_BYTES`` (rows of its first axis); the cast to ``dtype`` and any
     transpose run on the device, and every array is filled in place (donated), so the host holds
     a few pieces at a time besides what is already placed. ``sharding_of(path)`` gives each
-    array's sharding (None: the default device, where ``LOAD_THREADS`` entries load at once). A
+    array's sharding (None: the default device, where ``LOAD_THREADS`` entries load at once); on
+    a mesh this process reads only the bytes of the shards its own devices hold
+    (``_load_shards``), so a host of a job spanning several reads its part of the checkpoint. A
     float8 tensor with a ``<name>_scale_inv`` block scale (``fp8_block`` rows x cols per scale)
     is dequantized on the device into ``dtype``. Raises ``CheckpointError`` naming a missing or
     misshaped tensor."""
     def load(e: Entry) -> list:
         dt = jnp.dtype(e.dtype) if e.dtype else jnp.dtype(dtype)
-        shards = [None if sharding_of is None else sharding_of(path) for path, _ in _shapes(e)]
-        return _load_entry(e, ckpt, dt, shards, fp8_block)
+        if sharding_of is None:
+            return _load_entry(e, ckpt, dt, [None] * len(_shapes(e)), fp8_block)
+        return _load_shards(e, ckpt, dt, [sharding_of(path) for path, _ in _shapes(e)], fp8_block)
 
     out: dict = {}
     bar = tqdm(total=len(table), desc=desc, disable=not progress, leave=False)
-    # On a mesh one thread: every process must issue the same programs in the same order.
+    # On a mesh one thread: every process must issue the same programs in the same order (an
+    # entry no shard can be read of alone runs one program over the whole mesh: ``_write``).
     with concurrent.futures.ThreadPoolExecutor(1 if sharding_of is not None else LOAD_THREADS) as pool:
         futures = [pool.submit(load, e) for e in table]
         for f in futures:
@@ -319,6 +359,88 @@ def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:  # [...
     return x * _expand_blocks(s, x.shape, (r // s.shape[-2], c // s.shape[-1]), np)
 
 
+def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
+    """The arrays of one table entry on a mesh (``shardings``, one per array), built from this
+    process's devices' shards: model shard k of n of a split entry is read alone (exactly its
+    checkpoint bytes, ``_shard_of``) onto one device holding it and copied to the others (its
+    replicas over data); a replicated entry is read once per process. An entry whose shards
+    cannot be read alone (a fused tensor without ``shard_rows``, FP8 scale blocks straddling a
+    shard bound: decided alike on every process) is read whole, in one program over the mesh."""
+    sharding = shardings[0]
+    mesh = sharding.mesh
+    n = mesh.shape[MODEL]
+    split = n > 1 and any(MODEL in (ax if isinstance(ax, tuple) else (ax,)) for ax in sharding.spec)
+    model_axis = mesh.axis_names.index(MODEL)
+    coord = {d: idx[model_axis] for idx, d in np.ndenumerate(mesh.devices)}
+    groups: dict = {}  # model shard (None: the whole entry) -> this process's devices holding it
+    for d in sharding.addressable_devices:
+        groups.setdefault(coord[d] if split else None, []).append(d)
+    local = {k: _shard_of(e, k, n, ckpt, fp8_block) for k in range(n)} if split else {None: (e, ckpt)}
+    if any(v is None for v in local.values()):  # every shard, not only this process's: all take one path
+        return _load_entry(e, ckpt, dt, shardings, fp8_block)
+    reads: dict = {}  # what is read (model shards holding copies of one KV head read it once) -> devices
+    for k, devices in groups.items():
+        entry, view = local[k]
+        key = (entry, None) if view is ckpt else (entry, view.axis, tuple(view.ranges))
+        reads.setdefault(key, (entry, view, []))[2].extend(devices)
+    arrays: dict = {}  # device -> its shard of each array
+    for entry, view, devices in reads.values():
+        first = jax.sharding.SingleDeviceSharding(devices[0])
+        bufs = _load_entry(entry, view, dt, [first] * len(shardings), fp8_block)
+        for d in devices:
+            arrays[d] = bufs if d == devices[0] else jax.device_put(bufs, d)
+    return [jax.make_array_from_single_device_arrays(shape, sh, [arrays[d][i] for d in sh.addressable_devices])
+            for i, ((_, shape), sh) in enumerate(zip(_shapes(e), shardings))]
+
+
+def _shard_of(e: Entry, k: int, n: int, ckpt, fp8_block):
+    """(the entry cut to model shard k of n, a view of ``ckpt`` holding just that shard's
+    checkpoint bytes), or None when the shard cannot be read alone."""
+    if e.tp == "experts" and e.experts is not None:  # per-expert tensors: shard k holds experts [k*E/n, ...)
+        per = e.experts // n
+        return dataclasses.replace(e, experts=per, first_expert=e.first_expert + k * per), ckpt
+    axis = 0 if e.tp == "experts" else e.tp  # the split axis of one entry's shape(s)
+    if isinstance(e, SplitParam):
+        if e.shard_rows is None or e.experts is not None:
+            return None
+        ranges = e.shard_rows(k, n)
+        parts = tuple((p, tuple(d // n if i == axis else d for i, d in enumerate(shape))) for p, shape in e.parts)
+        local = dataclasses.replace(e, parts=parts, hf_shape=(sum(b - a for a, b in ranges),) + tuple(e.hf_shape[1:]))
+        return _aligned(local, ckpt, 0, ranges, fp8_block)
+    size = e.shape[axis]
+    s, t = k * size // n, (k + 1) * size // n  # ours [s, t) along the split axis
+    hf_axis = axis if e.perm is None else e.perm[axis]
+    shape = tuple(t - s if i == axis else d for i, d in enumerate(e.shape))
+    if hf_axis != 0:
+        return _aligned(dataclasses.replace(e, shape=shape), ckpt, hf_axis, [(s, t)], fp8_block)
+    if e.repeat > 1:  # KV heads repeated over the shards: whole repeat groups, or copies of one head
+        u, r = e.unit, e.repeat
+        heads = (t - s) // u
+        if (t - s) % u or (heads % r and r % heads):
+            return None
+        if heads % r == 0:
+            return _aligned(dataclasses.replace(e, shape=shape), ckpt, 0, [(s // r, t // r)], fp8_block)
+        head = s // u // r
+        return _aligned(dataclasses.replace(e, shape=shape, repeat=heads), ckpt, 0, [(head * u, (head + 1) * u)],
+                        fp8_block)
+    real = size - e.pad  # checkpoint rows; ours beyond them are padding
+    stop = max(s, min(t, real))
+    return _aligned(dataclasses.replace(e, shape=shape, pad=(t - s) - (stop - s)), ckpt, 0, [(s, stop)], fp8_block)
+
+
+def _aligned(local: Entry, ckpt, axis: int, ranges, fp8_block):
+    """``(local, its shard view)``, or None when an FP8 tensor's shard does not start and end on
+    its scale blocks."""
+    names = [name for _, name in _names(local)]
+    if fp8_block and any(_is_fp8(ckpt.entry(name)) for name in names):
+        nd = len(ckpt.entry(names[0]).shape)
+        f = fp8_block[0] if axis == nd - 2 else fp8_block[1] if axis == nd - 1 else 1
+        full = ckpt.entry(names[0]).shape[axis]
+        if any(a % f or (b % f and b != full) for a, b in ranges):
+            return None
+    return local, ShardView(ckpt, axis, ranges, fp8_block)
+
+
 def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, align: int = 1):
     """(rows, tensor piece, its fp8 block scale or None) over the first axis of ``name``, each at
     most ``CHUNK_BYTES`` (whole heads / scale blocks per piece; ``whole``: one piece). FP4 tensors
@@ -331,8 +453,9 @@ def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, 
     if tuple(e.shape) != tuple(hf_shape):
         raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(e.shape)}, expected {tuple(hf_shape)}")
     n = e.shape[0] if e.shape else 1
-    first = ckpt.read(name, rows=(0, min(n, 1))) if e.shape else ckpt.read(name)
-    fp8 = first.dtype in FP8_DTYPES
+    if n == 0:  # a shard of padding only: nothing to read
+        return
+    fp8 = _is_fp8(e)
     step = n
     if not whole and e.shape and e.nbytes > CHUNK_BYTES:
         if fp8 and fp8_block:
@@ -340,7 +463,7 @@ def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, 
         step = max(align, (CHUNK_BYTES * n // e.nbytes) // align * align)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        x = ckpt.read(name, rows=(r0, r1)) if e.shape else first
+        x = ckpt.read(name, rows=(r0, r1)) if e.shape else ckpt.read(name)
         scale = None
         if fp8:
             scale_name = _scale_of(ckpt, name)
@@ -350,8 +473,10 @@ def _pieces(ckpt, name: str, hf_shape: tuple[int, ...], fp8_block, whole: bool, 
                     f"{'quantization_config weight_block_size' if fp8_block is None else repr(scale_names(name)[0])} "
                     f"to dequantize it"
                 )
-            want = (-(-e.shape[-2] // fp8_block[0]), -(-e.shape[-1] // fp8_block[1]))
-            ckpt.read(scale_name, e.shape[:-2] + want)  # (checks its shape)
+            want = tuple(e.shape[:-2]) + (-(-e.shape[-2] // fp8_block[0]), -(-e.shape[-1] // fp8_block[1]))
+            if tuple(ckpt.entry(scale_name).shape) != want:
+                raise CheckpointError(f"{ckpt.path}: tensor {scale_name!r} has shape "
+                                      f"{tuple(ckpt.entry(scale_name).shape)}, expected {want}")
             scale = np.asarray(ckpt.read(scale_name, rows=(r0 // fp8_block[0], -(-r1 // fp8_block[0]))), np.float32)
         yield (r0, r1), x, scale
 
@@ -366,6 +491,15 @@ def _zeros_fn(shape, dtype, sharding):  # one compiled program per (shape, dtype
 
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+
+@functools.cache
+def _default_device():  # where jit puts host arrays
+    return jax.local_devices()[0]
+
+
+def _is_fp8(e) -> bool:  # e: a TensorEntry
+    return np.dtype(SAFETENSORS_DTYPES.get(e.dtype, np.uint8)) in FP8_DTYPES
 
 
 def _expand_blocks(scale, shape, block, xp):
@@ -412,6 +546,10 @@ def _write(buf, x, scale, start, how: _Layout):  # buf [*lead, *shape]; x a piec
         return jax.block_until_ready(_convert_update(buf, x, scale, start, how)), None
     # Two programs on purpose: XLA:CPU runs a transpose fused into the in-place update several
     # times slower than the transpose alone followed by the update.
+    device = next(iter(buf.sharding.device_set))
+    if device != _default_device():  # a mesh's device: jit would put host pieces on the default one (and the
+        # explicit transfer costs the default path about 10% of its load time, so it is left to jit there)
+        x, scale = jax.device_put((x, scale), device)
     piece = _convert(x, scale, how, buf.dtype)
     return _update(buf, piece, start), piece
 
@@ -518,6 +656,12 @@ def check_divisible(table: Table, shards: int, where: str) -> None:
 def replicated(entries: Sequence[Entry]) -> list[Entry]:
     """The same entries, never split (small heads kept whole on every shard)."""
     return [dataclasses.replace(e, tp=None) for e in entries]
+
+
+def whole_on(x: np.ndarray, mesh) -> jax.Array:
+    """A small host array whole on every device of ``mesh`` (every process passes the same
+    value), or on the default device without one."""
+    return jnp.asarray(x) if mesh is None else jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
 
 
 def shardings_for(table, mesh, split: bool):

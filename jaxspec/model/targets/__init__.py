@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
-from jaxspec.model.layers import lm_head
+from jaxspec.model.layers import lm_head, mask_padded_vocab
 from jaxspec.model.targets.base import ForwardOutput, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
@@ -103,8 +103,9 @@ def target_forward(
                                 implementation=implementation)
 
 
-def target_logits(cfg, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
-    return _family(cfg).logits(cfg, params, hidden)
+def target_logits(cfg, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V']
+    """Logits over the padded vocabulary (``padded_vocab_size``), -inf in the padding."""
+    return mask_padded_vocab(_family(cfg).logits(cfg, params, hidden), cfg.vocab_size)
 
 
 def kv_window(cfg) -> int | None:

@@ -289,7 +289,7 @@ def deepseek_for_tensor_parallel(cfg: DeepseekConfig, shards: int, where: str = 
     """The config split over ``shards`` model shards, or a clear error naming what does not divide."""
     if shards == 1:
         return cfg
-    sizes = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
+    sizes = [("num_attention_heads", cfg.num_heads)]
     if cfg.num_dense_layers:
         sizes.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe is not None:

@@ -359,10 +359,10 @@ def deepseek_v4_config_from_hf(raw: dict[str, Any], where: str = "config.json") 
 def deepseek_v4_for_tensor_parallel(cfg: DeepseekV4Config, shards: int, where: str = "config.json"
                                     ) -> DeepseekV4Config:
     """The config split over ``shards`` model shards (query heads by output group, experts, shared
-    expert, vocabulary), or an error naming what does not divide."""
+    expert, vocabulary: padded when it does not divide), or an error naming what does not divide."""
     if shards == 1:
         return cfg
-    sizes = [("o_groups (query heads are split by output group)", cfg.o_groups), ("vocab_size", cfg.vocab_size),
+    sizes = [("o_groups (query heads are split by output group)", cfg.o_groups),
              ("n_routed_experts", cfg.num_experts), ("moe_intermediate_size", cfg.moe_intermediate_size)]
     problems = [f"{name} {n} is not divisible by tensor_parallel {shards}" for name, n in sizes if n % shards]
     if problems:

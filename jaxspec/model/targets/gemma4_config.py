@@ -251,8 +251,8 @@ def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "con
     if shards == 1:
         return cfg
     problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
-                for name, n in (("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size),
-                                ("intermediate_size", cfg.intermediate_size)) if n % shards]
+                for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size))
+                if n % shards]
     split = {}
     for t, name in ((SLIDING, "sliding"), (FULL, "full")):
         shape = cfg.shape_of(t)

@@ -163,8 +163,8 @@ def llama_for_tensor_parallel(cfg: LlamaConfig, shards: int, where: str = "confi
     if shards == 1:
         return cfg
     problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
-                for name, n in (("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size),
-                                ("intermediate_size", cfg.intermediate_size)) if n % shards]
+                for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size))
+                if n % shards]
     kv, repeat = cfg.num_kv_heads, 1
     if kv % shards:
         if shards % kv:

@@ -267,8 +267,7 @@ def hybrid_for_tensor_parallel(cfg: HybridConfig, shards: int, where: str = "con
     if shards == 1:
         return cfg
     sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-             ("linear_num_key_heads", cfg.gdn.num_k_heads), ("linear_num_value_heads", cfg.gdn.num_v_heads),
-             ("vocab_size", cfg.vocab_size)]
+             ("linear_num_key_heads", cfg.gdn.num_k_heads), ("linear_num_value_heads", cfg.gdn.num_v_heads)]
     if "dense" in cfg.mlp_types:
         sizes.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe is not None:
