@@ -43,8 +43,11 @@ def golden(name: str) -> dict:
 
 
 # Float32 against HF's own chunked rule: the two round differently, and the difference grows with the
-# recurrence's length (at most 8e-4 on logits of magnitude ~17 after 150 tokens).
-TOL = dict(atol=2e-3, rtol=1e-3)
+# recurrence's length. Here at most 7.4e-4 on logits of magnitude ~17 after 150 tokens; CI's CPU
+# rounded one logit of qwen3_5_dense 2.4e-3 away after 40 tokens (another CPU), so
+# the bound leaves room for that. Scaling one layer's A_log, dt_bias or conv weights by 1.01 moves
+# these logits by 0.13 to 7.4.
+TOL = dict(atol=5e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", NAMES)
