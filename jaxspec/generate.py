@@ -42,7 +42,10 @@ class RequestStats:
     accepted_per_position[i]: verify steps whose i-th draft token was accepted (one entry per
     draft depth; empty for plain decoding). preemptions: how often the engine took the request off
     the batch to free pages and later resumed it (its output is the same either way).
-    cached_tokens: prompt tokens whose KV came from the prefix cache (not prefilled again)."""
+    cached_tokens: prompt tokens whose KV came from the prefix cache (not prefilled again).
+    verify_lens: tokens each verify step verified for the request, the root included (a confidence
+    head's per-request count under ``SpecConfig.confidence_threshold``; else the whole tree, or the
+    prefix an n-gram lookup's batch needed)."""
 
     num_tokens: int
     accept_lens: list[int]
@@ -54,6 +57,7 @@ class RequestStats:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     cached_tokens: int = 0
+    verify_lens: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -64,6 +68,7 @@ class _Resume:
     tokens: list[int]  # its output when preempted (progress is measured against it)
     accept_lens: list[int]  # its verify steps' accept lengths so far
     steps: int  # PRNG draws so far (the row's fold_in counter)
+    verify_lens: list[int] = dataclasses.field(default_factory=list)  # and their verified lengths
     logprobs: list[float] | None = None  # when it asked for them: one per token so far
     top_ids: list[list[int]] | None = None
     top: list[list[float]] | None = None
@@ -593,7 +598,7 @@ class _Run:
     def _device_rows(self, with_steps: bool = False) -> dict:
         """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
         plan = self.plan
-        return to_host(dict(log=self.state.accept_log, nv=self.state.num_verify,
+        return to_host(dict(log=self.state.accept_log, vlog=self.state.verify_log, nv=self.state.num_verify,
                             steps=self.state.steps if with_steps else None,
                             lp=self.state.logprobs if plan.logprobs is not None else None))
 
@@ -601,8 +606,10 @@ class _Run:
         """Request ``r``'s accept lengths, PRNG position and logprobs so far: what earlier stints in
         the batch left (``r.resume``) followed by what row ``row`` of the device holds."""
         before = r.resume
-        accept = (before.accept_lens if before else []) + out["log"][row, : int(out["nv"][row])].tolist()
-        res = _Resume(tokens=list(r.tokens), accept_lens=accept,
+        nv = int(out["nv"][row])
+        accept = (before.accept_lens if before else []) + out["log"][row, :nv].tolist()
+        verify = (before.verify_lens if before else []) + out["vlog"][row, :nv].tolist()
+        res = _Resume(tokens=list(r.tokens), accept_lens=accept, verify_lens=verify,
                       steps=int(out["steps"][row]) if out["steps"] is not None else 0)
         if r.sampling.logprobs is not None:
             k, n, lp = r.sampling.logprobs, len(r.tokens), out["lp"]
@@ -631,6 +638,7 @@ class _Run:
             if r.text.stop_reason is not None:  # steps past a stop string's cut produced nothing kept
                 log = _steps_behind(log, len(r.tokens))
             r = self.sched.retire(row, r.tokens, log)
+            r.verify_lens = h.verify_lens[: len(log)]
             if r.sampling.logprobs is not None:
                 n = len(r.tokens)
                 r.logprobs = h.logprobs[:n]
@@ -648,7 +656,7 @@ class _Run:
                 mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
                 tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
-                preemptions=r.preemptions, cached_tokens=r.cached_tokens,
+                preemptions=r.preemptions, cached_tokens=r.cached_tokens, verify_lens=r.verify_lens,
             ))
         return GenerateOutput(
             token_ids=[r.tokens for r in done], texts=[r.text.text for r in done] if target.tokenizer else None,

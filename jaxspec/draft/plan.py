@@ -128,10 +128,15 @@ class VerifyPrefix:
     wanted: i32[B] leading nodes each row wants verified (1: the root alone, it drafted nothing).
     sizes: static, ascending, at most n, the largest covering every ``wanted``; each size is its
       own compiled branch.
+    cap: static; True: a row accepts nothing past its ``wanted`` nodes even when the step verifies
+      more for another row (its length is a per-request decision: DSpark's confidence head);
+      False: nodes past it are still proposals and may be accepted (an n-gram branch continues
+      past the length its match earned).
     """
 
     wanted: jax.Array
     sizes: tuple[int, ...]
+    cap: bool = False
 
 
 # Sub-streams of a step's key, one per use, so draws never share randomness.

@@ -51,7 +51,7 @@ class Root:
         return None  # a causal block of one row
 
     @staticmethod
-    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all, limit=None):
         B = logits.shape[0]
         predict = pick_tokens(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.keys, plan.greedy_only,
                               plan.filtering, rows.min_p)[:, None]
@@ -91,16 +91,17 @@ class Chain:
         return None  # chains verify with a causal block
 
     @staticmethod
-    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all, limit=None):
+        """limit: i32[B] nodes each row proposed (None: all); see ``jaxspec.draft.verify``."""
         if plan.greedy_only:
-            return verify_chain_greedy(tree.tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            return verify_chain_greedy(tree.tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32), limit)
         p = _target_p(plan, rows, logits)
         coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))  # [B, n]
         coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))  # [B]
         if plan.draft_samples:
             drafted = tree.tokens.shape[1] - 1  # num_steps, or fewer when a prefix is verified
-            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, :drafted], coin_final)
-        return _target_only(plan, tree, p, coins, coin_final)
+            return verify_chain_rejection(tree.tokens, q_all, p, coins[:, :drafted], coin_final, limit)
+        return _target_only(plan, tree, p, coins, coin_final, limit)
 
     @staticmethod
     def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
@@ -140,12 +141,13 @@ class Tree:
         return tree.mask
 
     @staticmethod
-    def accept(plan: Plan, rows: StepRows, tree, logits, q_all):
+    def accept(plan: Plan, rows: StepRows, tree, logits, q_all, limit=None):
+        """limit: i32[B] nodes each row proposed (None: all); see ``jaxspec.draft.verify``."""
         if plan.greedy_only:
-            return verify_tree_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), plan.spec.depth)
+            return verify_tree_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), plan.spec.depth, limit)
         coins = uniforms(sub_keys(rows.keys, KEY_COINS), (plan.num_verify,))
         coin_final = uniforms(sub_keys(rows.keys, KEY_FINAL))
-        return _target_only(plan, tree, _target_p(plan, rows, logits), coins, coin_final)
+        return _target_only(plan, tree, _target_p(plan, rows, logits), coins, coin_final, limit)
 
     @staticmethod
     def compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict, feature):
@@ -157,10 +159,10 @@ class Tree:
         return tpool, predict, feature
 
 
-def _target_only(plan: Plan, tree, p, coins, coin_final):
+def _target_only(plan: Plan, tree, p, coins, coin_final, limit=None):
     spec = plan.spec
     return verify_tree_target_only(tree, p, coins, coin_final, spec.depth, spec.accept_threshold_single,
-                                   spec.accept_threshold_acc)
+                                   spec.accept_threshold_acc, limit)
 
 
 def draft_ancestor_mask(

@@ -9,9 +9,10 @@
 Which draft loop (``proposers``) and which tree shape (``shape``) is decided once per plan;
 nothing here asks which draft kind is running. The engine commits the returned tokens.
 
-A draft loop whose proposals vary in length (n-gram lookup) says how many leading nodes of its
-tree each row wants verified (``VerifyPrefix``); a ``lax.switch`` verifies the shortest of a few
-precompiled prefixes that covers every active row, padded to the full step's output shapes. When
+A draft loop whose proposals vary in length (n-gram lookup, a DSpark block cut by its confidence
+head) says how many leading nodes of its tree each row wants verified (``VerifyPrefix``); a
+``lax.switch`` verifies the shortest of a few precompiled prefixes that covers every active row,
+padded to the full step's output shapes (with ``cap``, each row accepts nothing past its own count). When
 no active row drafted, that is the root alone: one token, as plain decoding does. Loops that always
 draft the whole tree compile no switch.
 
@@ -44,13 +45,15 @@ from jaxspec.model.targets import target_commit, target_forward, target_logits
 class StepOutput:
     """emitted: i32[B, A] accepted tokens then the bonus (valid up to accept_lens);
     accept_lens: i32[B] tokens emitted (accepted drafts + 1); bonus: i32[B] the root of the
-    next step; seed: the draft's seed for the next step; logprobs: the emitted tokens' raw
-    log-probabilities ([B, A], top [B, A, k]) or None when the plan reports none."""
+    next step; seed: the draft's seed for the next step; verified: i32[B] nodes verified for each
+    row (root included; its own count when a capped prefix limits it); logprobs: the emitted
+    tokens' raw log-probabilities ([B, A], top [B, A, k]) or None when the plan reports none."""
 
     emitted: jax.Array
     accept_lens: jax.Array
     bonus: jax.Array
     seed: DraftSeed
+    verified: jax.Array
     logprobs: TokenLogprobs | None = None
 
 
@@ -70,9 +73,11 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
     return target_logits(plan.target, tparams, out.hidden), out, out.pool
 
 
-def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of):
+def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of,
+                      limit=None):
     """verify -> accept -> compact under ``shape``. Every node is judged by its logits masked by
-    its own structured-output state, then processed with the row's controls over its own path.
+    its own structured-output state, then processed with the row's controls over its own path;
+    ``limit`` (i32[B] or None) caps each row's proposed nodes.
     Returns (accept_lens i32[B], predict i32[B, a] emitted tokens front-compacted, the draft's
     feature [B, a, F] or None, the emitted tokens' raw ``TokenLogprobs`` [B, a] or None, tpool);
     a = 1 for the root alone, else S + 1."""
@@ -80,7 +85,7 @@ def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, t
     # The grammar mask comes first (as vLLM applies its bitmask): every node with its own state.
     logits = rows.grammar.mask(logits, node_states(rows.grammar, tree.tokens, tree.parent, plan.spec_depth))
     processed = apply_controls(logits, rows.controls, tree.tokens, tree.mask)
-    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, processed, q_all)
+    accept_index, accept_lens, predict = shape.accept(plan, rows, tree, processed, q_all, limit)
     # Recurrent state (linear-attention layers): the accepted path's end state, nothing of the rest.
     tpool = target_commit(plan.target, tpool, out.pending, accept_index, accept_lens, rows.active)
     logprobs = None
@@ -105,17 +110,19 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
                                                   DraftContext(page_table, rows.seq_lens, tpool))
     feature_of = functools.partial(proposer.feature, plan)
 
-    def verify_first(m: int, tpool):
+    def verify_first(m: int, limit, tpool):
         """verify -> accept -> compact over the tree's first m nodes (m = 1: the root alone, as
-        plain decoding), outputs padded to the full step's shapes."""
+        plain decoding), each row's acceptance capped at its ``limit`` nodes, outputs padded to
+        the full step's shapes."""
         if m == 1:
             sub_shape, sub_tree, sub_q = Root, Root.build(rows.bonus, None, plan), None
         else:
             sub_shape, sub_tree = shape, tree_lib.truncate(tree, m)
             sub_q = None if q_all is None else q_all[:, : m - 1]
         accept_lens, *outs, tpool = verify_and_accept(plan, sub_shape, tparams, rows, sub_tree, sub_q, tpool,
-                                                      page_table, feature_of)
-        return accept_lens, *(_pad_rows(x, plan.max_accept) for x in outs), tpool
+                                                      page_table, feature_of, limit)
+        verified = jnp.full_like(accept_lens, m) if limit is None else jnp.minimum(limit, m)
+        return accept_lens, verified, *(_pad_rows(x, plan.max_accept) for x in outs), tpool
 
     if prefix is not None and rows.grammar.enabled:  # nodes the grammar rules out are not worth verifying
         allowed = allowed_prefix(rows.grammar, tree.tokens, tree.parent, plan.spec_depth)
@@ -123,11 +130,14 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
     if prefix is None:
         accept_lens, predict, feature, logprobs, tpool = verify_and_accept(plan, shape, tparams, rows, tree, q_all,
                                                                            tpool, page_table, feature_of)
+        verified = jnp.full_like(accept_lens, tree.tokens.shape[1])
     else:
         need = jnp.max(jnp.where(rows.active, prefix.wanted, 1))
         branch = jnp.sum(jnp.asarray(prefix.sizes[:-1], jnp.int32) < need)  # the smallest size >= need
         branches = [functools.partial(verify_first, m) for m in prefix.sizes]
-        accept_lens, predict, feature, logprobs, tpool = jax.lax.switch(branch, branches, tpool)
+        limit = prefix.wanted if prefix.cap else None
+        accept_lens, verified, predict, feature, logprobs, tpool = jax.lax.switch(branch, branches, limit, tpool)
     bonus, seed, dpool = proposer.extend(plan, dparams, rows, predict, feature, accept_lens, dpool,
                                          DraftContext(page_table, rows.seq_lens, tpool))
-    return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed, logprobs=logprobs), tpool, dpool
+    return StepOutput(emitted=predict, accept_lens=accept_lens, bonus=bonus, seed=seed, verified=verified,
+                      logprobs=logprobs), tpool, dpool

@@ -132,6 +132,7 @@ def prefill(
         steps=request["steps"],
         num_verify=jnp.zeros((R,), jnp.int32),
         accept_log=jnp.zeros((R, out_width), jnp.int32),
+        verify_log=jnp.zeros((R, out_width), jnp.int32),
         seed=seed,
         grammar=jnp.where(stop, grammar.state, after_first),
     )

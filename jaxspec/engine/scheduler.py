@@ -51,6 +51,7 @@ class Request:
     t_done: float = 0.0
     tokens: list[int] = dataclasses.field(default_factory=list)
     accept_lens: list[int] = dataclasses.field(default_factory=list)
+    verify_lens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None  # when sampling.logprobs is set: one per token
     top_logprobs: list[dict[int, float]] | None = None
     text: Any = None  # its output text and stop strings (``jaxspec.engine.text.RequestText``), once admitted

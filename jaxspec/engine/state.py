@@ -35,7 +35,9 @@ class DecodeState:
       controls: logit bias, penalties and the output-token counts they read (``Controls``;
         [B, 0] arrays when no request uses them).
       keys: u32[B, 2] per-request PRNG key data; steps: i32[B] draws so far (fold_in counter).
-      num_verify: i32[B] verify steps run; accept_log: i32[B, M] accept length of each.
+      num_verify: i32[B] verify steps run; accept_log: i32[B, M] accept length of each;
+        verify_log: i32[B, M] nodes each verified for the row (root included; a row capped by a
+        confidence head counts its own).
       logprobs: raw log-probabilities of the emitted tokens, ``TokenLogprobs`` with chosen
         f32[B, M] and top ids / values [B, M, k] beside ``out_tokens`` (M = 0 when no request
         asks for them).
@@ -63,6 +65,7 @@ class DecodeState:
     steps: jax.Array
     num_verify: jax.Array
     accept_log: jax.Array
+    verify_log: jax.Array
     logprobs: TokenLogprobs
     seed: DraftSeed
     grammar: jax.Array
@@ -99,6 +102,7 @@ class DecodeState:
             steps=zeros_i(B),
             num_verify=zeros_i(B),
             accept_log=zeros_i(B, out_width),
+            verify_log=zeros_i(B, out_width),
             logprobs=TokenLogprobs(chosen=jnp.zeros((B, M_lp), jnp.float32), top_ids=zeros_i(B, M_lp, k),
                                    top=jnp.zeros((B, M_lp, k), jnp.float32)),
             seed=DraftSeed.empty(B, hidden_size, hidden_dtype) if seed is None else seed,
@@ -172,6 +176,7 @@ def commit(state: DecodeState, out: StepOutput) -> DecodeState:
         steps=state.steps + active,
         num_verify=state.num_verify + active,
         accept_log=state.accept_log.at[jnp.arange(B), log_col].set(accept_lens, mode="drop"),
+        verify_log=state.verify_log.at[jnp.arange(B), log_col].set(out.verified, mode="drop"),
         bonus=if_active(out.bonus, state.bonus),
         seed=jax.tree.map(if_active, out.seed, state.seed),
         grammar=jnp.where(keep > 0, jnp.take_along_axis(path, jnp.maximum(keep - 1, 0)[:, None], axis=1)[:, 0],

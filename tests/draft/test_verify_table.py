@@ -271,6 +271,7 @@ def _commit_state(cases: list[CommitCase], M: int = 8):
         accept_lens=jnp.asarray([c.accept_lens for c in cases], jnp.int32),
         bonus=jnp.asarray([c.emitted[c.accept_lens - 1] for c in cases], jnp.int32),
         seed=DraftSeed(hidden=jnp.ones((B, 2))),
+        verified=jnp.full((B,), 5, jnp.int32),
     )
     return state, step
 
