@@ -63,6 +63,12 @@ class SpecConfig:
         usual depth ``num_steps``; the branch may be deeper). A chain with grafted tokens is
         verified as a tree, so ``topk=1`` then needs ``num_draft_tokens == num_steps + 1 +
         ngram_tokens``.
+      confidence_threshold: block drafts with a confidence head only (DSpark), chains: per
+        request, verify only the leading draft tokens whose predicted acceptance (the running
+        product of the head's per-slot probabilities) is at least this, in [0, 1]. The step
+        verifies the longest of the batch (one of a few precompiled lengths) and caps each
+        row's acceptance at its own; output is unchanged, only the tokens verified. None
+        (default): the whole block, as vLLM does.
     """
 
     num_steps: int = 5
@@ -72,6 +78,7 @@ class SpecConfig:
     accept_threshold_acc: float = 1.0
     adaptive_steps: tuple[int, ...] = ()
     ngram_tokens: int = 0
+    confidence_threshold: float | None = None
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
@@ -112,6 +119,14 @@ class SpecConfig:
                 f"{self.num_candidates} candidates drafted by topk={self.topk}, "
                 f"num_steps={self.num_steps} (topk + (num_steps - 1) * topk**2)"
             )
+        c = self.confidence_threshold
+        if c is not None:
+            if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 <= c <= 1.0:
+                raise ValueError(f"SpecConfig.confidence_threshold must be None or in [0, 1], got {c!r}")
+            if not self.is_chain or self.adaptive_steps:
+                raise ValueError("SpecConfig.confidence_threshold schedules a chain's verify length: it needs "
+                                 "topk=1, no ngram_tokens and no adaptive_steps")
+            object.__setattr__(self, "confidence_threshold", float(c))
         if G and self.num_draft_tokens - 1 - G < 1:
             raise ValueError(
                 f"SpecConfig: num_draft_tokens={self.num_draft_tokens} leaves no node for the model draft "
@@ -119,9 +134,12 @@ class SpecConfig:
             )
 
     @classmethod
-    def chain(cls, num_steps: int, adaptive_steps: tuple[int, ...] = ()) -> "SpecConfig":
-        """A topk=1 chain of ``num_steps`` draft tokens (optionally adaptive)."""
-        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, adaptive_steps=adaptive_steps)
+    def chain(cls, num_steps: int, adaptive_steps: tuple[int, ...] = (),
+              confidence_threshold: float | None = None) -> "SpecConfig":
+        """A topk=1 chain of ``num_steps`` draft tokens (optionally adaptive, or verified as far
+        as a DSpark confidence head predicts acceptance)."""
+        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, adaptive_steps=adaptive_steps,
+                   confidence_threshold=confidence_threshold)
 
     def with_steps(self, num_steps: int) -> "SpecConfig":
         """The fixed-depth chain this adaptive config runs at ``num_steps``."""

@@ -134,6 +134,11 @@ class Draft(abc.ABC):
         return getattr(self.model, "tensor_parallel", 1)
 
     @property
+    def has_confidence_head(self) -> bool:
+        """Predicts each proposal's acceptance (``SpecConfig.confidence_threshold`` may use it)."""
+        return False
+
+    @property
     def target_hidden_size(self) -> int | None:
         """Width of the target hidden state a feature-level draft was built for (None: any)."""
         return None
@@ -245,6 +250,11 @@ class Draft(abc.ABC):
             raise ValueError(
                 f"SpecConfig.ngram_tokens={spec.ngram_tokens} grafts an n-gram branch onto a model draft's tree: "
                 f"pass draft=jaxspec.HybridDraft(draft, jaxspec.NgramDraft(...)), not a {self.kind!r} draft alone"
+            )
+        if spec.confidence_threshold is not None and not self.has_confidence_head:
+            raise ValueError(
+                f"SpecConfig.confidence_threshold={spec.confidence_threshold} needs a draft with a confidence head "
+                f"(DSpark with enable_confidence_head); this {self.kind!r} draft has none"
             )
 
 

@@ -305,6 +305,14 @@ class DFlashDraft(Draft):
     def block_size(self) -> int:
         return self.model.block_size
 
+    def block_length(self, num_steps: int) -> int:
+        """Q: block slots for S = ``num_steps`` proposals (the anchor's slot drafts nothing)."""
+        return num_steps + 1
+
+    def proposal_hidden(self, hidden: jax.Array) -> jax.Array:  # [B, Q, H] -> [B, S, H]
+        """What ``candidates`` / ``sample_path`` read of the block: its S proposal slots."""
+        return hidden[:, 1:]
+
     @property
     def target_hidden_size(self) -> int:
         return self.model.hidden_size

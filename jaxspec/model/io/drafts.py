@@ -25,6 +25,7 @@ from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
 from jaxspec.model.io import dflash as dflash_io
+from jaxspec.model.io import speculators as speculators_io
 from jaxspec.model.io.checkpoint import (CheckpointError, SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size,
                                          read_config, resolve_dtype)
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
@@ -141,6 +142,10 @@ def _load_dflash(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(dflash_io.load_dflash(ckpt, raw, target, dtype, where), mesh=target.mesh)
 
 
+def _load_speculators(ckpt, raw, target: Model, dtype, where, path):
+    return dataclasses.replace(speculators_io.load_speculators(ckpt, raw, target, dtype, where), mesh=target.mesh)
+
+
 def _is_lm(names: set[str]) -> bool:
     return (any(n.startswith(("model.layers.", "layers.")) for n in names) and "fc.weight" not in names
             and not find_mtp_layers(names) and not find_v4_mtp_layers(names))
@@ -171,10 +176,25 @@ DRAFT_FORMATS = (
 )
 
 
+# Told apart by its config (``speculators_model_type``), not by architectures: its DFlash shares
+# z-lab's architecture name and tensor names but nests the layers' config.
+SPECULATORS_FORMAT = DraftFormat("speculators block draft (DFlash / DSpark)", speculators_io.ARCHITECTURES,
+                                 dflash_io.is_dflash, (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig),
+                                 _load_speculators)
+
+
 def detect_draft_format(raw: dict, names: set[str], where: str) -> DraftFormat:
-    """The format of a draft checkpoint (``architectures`` first, tensor names second)."""
+    """The format of a draft checkpoint (``architectures`` first, tensor names second; a
+    ``speculators`` block draft by its config)."""
+    if speculators_io.is_speculators(raw) and raw.get("speculators_model_type") in speculators_io.MODEL_TYPES:
+        if not SPECULATORS_FORMAT.matches(names):
+            raise CheckpointError(f"{where}: a speculators {raw['speculators_model_type']} config, but the tensors "
+                                  f"are not a DFlash backbone's (fc, hidden_norm, layers.*)")
+        return SPECULATORS_FORMAT
     archs = list(raw.get("architectures") or [])
     claimed = [f for f in DRAFT_FORMATS if not archs or set(archs) & set(f.architectures)]
+    if not claimed and speculators_io.is_speculators(raw):
+        speculators_io.model_type(raw, where)  # names the library's kind jaxspec does not load
     if not claimed:
         supported = sorted({a for f in DRAFT_FORMATS for a in f.architectures})
         raise ConfigError(f"{where}: unsupported draft architecture {archs}; supported: {supported}")
