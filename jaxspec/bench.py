@@ -15,7 +15,10 @@ n verified tokens, S = ``--tree-steps`` raised to the smallest valid depth when 
 ``tree<K>x<n>s<S>`` (explicit S). Model-free n-gram drafting (``NgramDraft``, ``--ngram-max``,
 ``--ngram-min``): ``ngram<S>`` (a chain) and ``ngram<K>x<n>[s<S>]`` (a tree of K paths). A hybrid
 grafts G n-gram tokens onto the model draft's chain or tree: ``chain<S>+ng<G>`` (n = S + 1 + G),
-``tree<K>x<n>[s<S>]+ng<G>`` (n counts the G grafted tokens).
+``tree<K>x<n>[s<S>]+ng<G>`` (n counts the G grafted tokens). A draft with a confidence head
+(DSpark) verifies per request only what it predicts will be accepted with ``chain<S>c<threshold>``
+(``SpecConfig.confidence_threshold``); the table's ``verified`` column is the mean number of tokens
+verified per request per step (the root included) and ``ms/step`` the wall time of one step.
 
     jaxspec bench --batches 1 --configs plain,chain3,ngram5,ngram2x11,chain3+ng4,tree4x16+ng5
 A ``<draft>:`` prefix runs a model-draft configuration with a named draft (``--drafts
@@ -50,6 +53,7 @@ class BenchConfig:
     ngram_tokens: int = 0  # hybrid: n-gram tokens grafted onto the model draft's tree
     drafter: str = "model"  # "model" (the loaded draft), "ngram" (model-free) or "hybrid"
     draft_name: str = ""  # the named draft of a model configuration ("": the default ``--draft``)
+    confidence: float | None = None  # a chain verified as far as the draft's confidence head predicts
 
     @property
     def is_plain(self) -> bool:
@@ -60,7 +64,7 @@ class BenchConfig:
 
         return None if self.is_plain else SpecConfig(
             num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
-            ngram_tokens=self.ngram_tokens)
+            ngram_tokens=self.ngram_tokens, confidence_threshold=self.confidence)
 
     def draft(self, model_drafts, ngram):
         """The draft this configuration runs: None (plain), ``ngram``, a model draft (``model_drafts``:
@@ -78,7 +82,7 @@ class BenchConfig:
 
 
 def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
-    """``plain`` | ``[<draft>:]chain<S>`` | ``[<draft>:]tree<K>x<n>[s<S>]`` | ``ngram<S>`` |
+    """``plain`` | ``[<draft>:]chain<S>[c<threshold>]`` | ``[<draft>:]tree<K>x<n>[s<S>]`` | ``ngram<S>`` |
     ``ngram<K>x<n>[s<S>]`` | ``[<draft>:]chain<S>+ng<G>`` | ``[<draft>:]tree<K>x<n>[s<S>]+ng<G>`` -> BenchConfig
     (validated)."""
     from jaxspec.config import SpecConfig
@@ -94,7 +98,12 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
             raise ValueError(f"unknown bench configuration {name!r}: a hybrid is chain<S>+ng<G> or tree<K>x<n>+ng<G>")
         G = int(m.group(1))
     drafter = "hybrid" if G else "model"
-    if m := re.fullmatch(r"(chain|ngram)(\d+)", base):
+    if m := re.fullmatch(r"chain(\d+)c([0-9.]+)", base):
+        s = int(m.group(1))
+        if G:
+            raise ValueError(f"bench configuration {name!r}: a confidence-scheduled chain grafts nothing")
+        cfg = BenchConfig(name, s, 1, s + 1, 0, drafter, draft_name, confidence=float(m.group(2)))
+    elif m := re.fullmatch(r"(chain|ngram)(\d+)", base):
         s = int(m.group(2))
         drafter = "ngram" if m.group(1) == "ngram" else drafter
         cfg = BenchConfig(name, s, 1, s + 1 + G, G, drafter, draft_name)
@@ -111,7 +120,7 @@ def parse_config(name: str, tree_steps: int = 5) -> BenchConfig:
                 s += 1
         cfg = BenchConfig(name, s, k, n, G, drafter, draft_name)
     else:
-        raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>, tree<K>x<n>[s<S>], ngram<S>, "
+        raise ValueError(f"unknown bench configuration {name!r} (plain, chain<S>[c<threshold>], tree<K>x<n>[s<S>], ngram<S>, "
                          f"ngram<K>x<n>[s<S>], chain<S>+ng<G>, tree<K>x<n>[s<S>]+ng<G>)")
     if drafter == "ngram" and draft_name:
         raise ValueError(f"bench configuration {name!r}: n-gram configurations take no named draft")
@@ -196,8 +205,12 @@ def run_sweep(target, draft, prompts, configs, batches, *, max_new_tokens, repea
             med = statistics.median(tps)
             if cfg.is_plain:
                 plain_tps = med
+            steps = max(len(s.accept_lens) for s in res[-1].stats) or 1  # the batch runs its steps together
+            verified = [v for s in res[-1].stats for v in s.verify_lens]
             row.update(tokens_per_s=med, tokens_per_s_runs=tps, wall_s_runs=[o.wall_seconds for o in res],
-                       tokens=sum(s.num_tokens for s in res[-1].stats),
+                       tokens=sum(s.num_tokens for s in res[-1].stats), confidence=cfg.confidence,
+                       mean_verified=sum(verified) / len(verified) if verified else 1.0,
+                       ms_per_step=1e3 * statistics.median(o.wall_seconds for o in res) / steps,
                        mean_accept_len=1.0 if cfg.is_plain else res[-1].mean_accept_len,
                        accept_rate_per_position=accept_rate_per_position(res[-1].stats),
                        speedup=(med / plain_tps) if plain_tps else None)
@@ -220,7 +233,7 @@ def accept_rate_per_position(stats) -> list[float]:
 def format_table(rows: list[dict]) -> str:
     w = max([12] + [len(r["config"]) + 2 for r in rows])
     head = (f"{'config':<{w}}{'S':>3}{'topk':>5}{'n':>4}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accept':>8}"
-            f"  accepted at draft position 1, 2, ...")
+            f"{'verified':>9}{'ms/step':>9}  accepted at draft position 1, 2, ...")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -230,7 +243,8 @@ def format_table(rows: list[dict]) -> str:
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         per_position = " ".join(f"{x:.2f}" for x in r.get("accept_rate_per_position", []))
         lines.append(f"{r['config']:<{w}}{r['num_steps']:>3}{r['topk']:>5}{r['num_draft_tokens']:>4}{r['batch']:>6}"
-                     f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}  {per_position}".rstrip())
+                     f"{r['tokens_per_s']:>11.1f}{sp:>9}{r['mean_accept_len']:>8.2f}{r.get('mean_verified', 1.0):>9.2f}"
+                     f"{r.get('ms_per_step', 0.0):>9.1f}  {per_position}".rstrip())
     return "\n".join(lines)
 
 

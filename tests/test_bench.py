@@ -34,6 +34,12 @@ def test_parse_config():
     c = parse_config("chain3+ng8")  # the grafted tokens count in n
     assert (c.drafter, c.num_steps, c.num_draft_tokens, c.ngram_tokens) == ("hybrid", 3, 12, 8)
     assert c.spec().max_accept == 9
+    c = parse_config("dspark:chain7c0.5")  # verified as far as the draft's confidence head predicts
+    assert (c.draft_name, c.num_steps, c.confidence, c.spec().confidence_threshold) == ("dspark", 7, 0.5, 0.5)
+    with pytest.raises(ValueError, match="grafts nothing"):
+        parse_config("chain3c0.5+ng2")
+    with pytest.raises(ValueError, match=r"confidence_threshold must be None or in \[0, 1\]"):
+        parse_config("chain3c1.5")
     c = parse_config("tree4x16+ng5")
     assert (c.drafter, c.num_steps, c.topk, c.num_draft_tokens, c.ngram_tokens) == ("hybrid", 5, 4, 16, 5)
     with pytest.raises(ValueError, match="n-gram tree is topk paths"):
