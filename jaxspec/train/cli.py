@@ -1,5 +1,6 @@
 """``jaxspec train-draft``: train a draft for a target on a text corpus: an EAGLE-3 head
-(``--method eagle3``, the default) or a DFlash block draft (``--method dflash``).
+(``--method eagle3``, the default), a DFlash block draft (``--method dflash``) or a DSpark block
+draft (``--method dspark``: DFlash plus a Markov head and a confidence head).
 
     jaxspec train-draft --target DIR --corpus PATH [PATH ...] --out DIR [--minutes M | --steps N]
     jaxspec train-draft --method dflash --block-size 8 --draft-layers 3 --target DIR --corpus ... --out DIR
@@ -14,7 +15,10 @@ with the same ``--run-dir`` resumes; the draft is exported to ``--out`` at every
 DFlash training (the paper's recipe; the reference package has none): every window carries
 ``--num-anchors`` random anchors; each anchor's block [anchor, mask x (Q-1)] is predicted in
 parallel from the target's features before it, and block position j's loss weighs
-exp(-(j-1) / gamma) (``--position-decay``).
+exp(-(j-1) / gamma) (``--position-decay``). DSpark training adds, teacher-forced, the Markov
+head's bias from the true token before each slot (``--markov-rank``, ``--markov-head``) and the
+confidence head's binary cross-entropy to each slot's analytic acceptance rate
+(``--confidence-alpha``), as the ``speculators`` library defines them, and exports its layout.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "train-draft", help="train an EAGLE-3 head or a DFlash block draft for a target on a text corpus",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"], help="what to train (default eagle3)")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "dflash", "dspark"],
+                   help="what to train (default eagle3)")
     p.add_argument("--target", required=True, help="HF checkpoint directory of the target (with tokenizer.json)")
     p.add_argument("--corpus", nargs="+", required=True, help="files / directories, or 'stdlib'")
     p.add_argument("--out", required=True, help="directory for the exported head")
@@ -64,6 +69,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="gamma of the exp(-(j-1)/gamma) loss weight per block position (default (Q-2)/2)")
     dflash.add_argument("--mask-token-id", type=int, default=None,
                         help="the block's mask token (default: the corpus's rarest token)")
+    dspark = p.add_argument_group("dspark (with the dflash options)")
+    dspark.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (0: none)")
+    dspark.add_argument("--markov-head", default="vanilla", choices=["vanilla", "gated", "rnn"])
+    dspark.add_argument("--no-confidence-head", action="store_true", help="train no confidence head")
+    dspark.add_argument("--confidence-alpha", type=float, default=1.0, help="weight of the confidence loss")
+    dspark.add_argument("--no-sample-from-anchor", action="store_true",
+                        help="the anchor's slot drafts nothing (block_size - 1 draft tokens, DFlash's layout)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the generate report (0: off)")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -142,18 +154,26 @@ def run(args) -> int:
 
 def _check_args(args) -> None:
     """Argument errors, before the target and the corpus are loaded."""
-    if args.method == "dflash":
+    if args.method in ("dflash", "dspark"):
         if args.block_size < 2 or args.draft_layers < 1 or args.num_anchors < 1:
             raise ValueError("--block-size must be >= 2, --draft-layers and --num-anchors >= 1")
         if args.seq_len < args.block_size:
             raise ValueError(f"--seq-len {args.seq_len} must be >= --block-size {args.block_size}")
         if args.position_decay is not None and not args.position_decay > 0:
             raise ValueError(f"--position-decay must be > 0, got {args.position_decay}")
+    if args.method == "dspark":
+        if args.markov_rank < 0 or not args.confidence_alpha >= 0:
+            raise ValueError("--markov-rank and --confidence-alpha must be >= 0")
+        if args.draft_vocab_size is not None:
+            raise ValueError("--draft-vocab-size: DSpark training keeps the target's vocabulary")
+        if not args.no_sample_from_anchor and args.seq_len < args.block_size + 1:
+            raise ValueError(f"--seq-len {args.seq_len} must be >= --block-size + 1 ({args.block_size + 1}) when "
+                             f"every slot drafts")
 
 
 def _method(args, cfg, target, train_stream):
-    """The DFlash method for ``--method dflash`` (None: the trainer's EAGLE-3 default)."""
-    if args.method != "dflash":
+    """The DFlash / DSpark method for ``--method dflash`` / ``dspark`` (None: the trainer's EAGLE-3 default)."""
+    if args.method not in ("dflash", "dspark"):
         return None
     from jaxspec.model.drafts.dflash import DFlashDraft, dflash_config_for
     from jaxspec.train.dflash import DFlashMethod, least_frequent_token
@@ -166,6 +186,14 @@ def _method(args, cfg, target, train_stream):
                              mask_token_id=mask, intermediate_size=args.intermediate_size, target_layer_ids=ids)
     DFlashDraft(model=dcfg).check_fits(target.config)
     gamma = args.position_decay if args.position_decay is not None else max(1.0, (args.block_size - 2) / 2)
+    if args.method == "dspark":
+        from jaxspec.train.dspark import DSparkMethod, dspark_config_for
+
+        dcfg = dspark_config_for(dcfg, markov_rank=args.markov_rank, markov_head_type=args.markov_head,
+                                 confidence_head=not args.no_confidence_head,
+                                 sample_from_anchor=not args.no_sample_from_anchor)
+        return DSparkMethod(dcfg, num_anchors=args.num_anchors, gamma=gamma, label=args.label,
+                            confidence_alpha=args.confidence_alpha)
     return DFlashMethod(dcfg, num_anchors=args.num_anchors, gamma=gamma, label=args.label)
 
 

@@ -284,6 +284,8 @@ class DraftTrainer:
             m = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
             out.update(eval_acc=[round(float(a), 4) for a in m["acc"]], eval_loss=[round(float(x), 4) for x in m["loss"]],
                        est_accept_len=round(self.method.estimate(m), 3))
+            if "confidence_error" in m:  # DSpark: |predicted - analytic acceptance rate|
+                out["confidence_error"] = round(float(m["confidence_error"]), 4)
         if self.eval_prompts:
             import jaxspec as js
 
@@ -306,6 +308,8 @@ class DraftTrainer:
         msg = f"step {self.step}: train loss {ev['train_loss']:.4f} acc/{unit} {ev['train_acc']}"
         if "eval_acc" in ev:
             msg += f" | held-out acc/{unit} {ev['eval_acc']} (est. accept {ev['est_accept_len']:.2f})"
+        if "confidence_error" in ev:
+            msg += f", confidence error {ev['confidence_error']:.3f}"
         if "accept_len" in ev:
             depth = self.method.eval_spec(self.cfg.eval_spec_steps).num_steps
             msg += f" | generate chain S={depth} mean accept length {ev['accept_len']:.2f}"
