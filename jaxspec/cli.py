@@ -8,28 +8,29 @@ import statistics
 import sys
 import time
 
-from jaxspec.demo import DEMO_DRAFT, DEMO_PROMPT, DEMO_TARGET
+from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET
 
 
 NGRAM = "ngram"  # --draft ngram: model-free n-gram drafting (a directory of that name is given as ./ngram)
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=5, help="draft depth S (default 5)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="draft depth S (default 5; with no --draft on the demo pair, its default method's)")
     p.add_argument("--topk", type=int, default=1, help="branching factor (1 = chain, default)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="n verified per step, grafted n-gram tokens included (default: S+1 for chains, plus "
                         "--ngram-tokens; topk*S+1 for n-gram trees)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix an n-gram draft looks up (default 4)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix an n-gram draft looks up (default 1)")
-    p.add_argument("--ngram-tokens", type=int, default=0,
+    p.add_argument("--ngram-tokens", type=int, default=None,
                    help="graft this many n-gram tokens onto the model draft's tree (a hybrid draft; default 0)")
 
 
-def _spec_from(args, ngram_only: bool = False):
+def _spec_from(args, S: int, G: int, ngram_only: bool = False):
     from jaxspec.config import SpecConfig
 
-    S, K, G = args.steps, args.topk, args.ngram_tokens
+    K = args.topk
     if args.num_draft_tokens is not None:
         n = args.num_draft_tokens
     elif K == 1:
@@ -41,23 +42,24 @@ def _spec_from(args, ngram_only: bool = False):
     return SpecConfig(num_steps=S, topk=K, num_draft_tokens=n, ngram_tokens=G)
 
 
-def _draft_from(args, target, draft_path):
+def _draft_from(args, target, draft_path, ngram_tokens: int | None = None):
     """``--draft``: a checkpoint directory, ``ngram`` (model-free) or ``none``; ``--ngram-tokens``
-    grafts n-gram tokens onto a checkpoint's tree (``HybridDraft``)."""
+    (or ``ngram_tokens``) grafts n-gram tokens onto a checkpoint's tree (``HybridDraft``)."""
     import jaxspec as js
 
+    G = args.ngram_tokens if ngram_tokens is None else ngram_tokens
     ngram = js.NgramDraft(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
     if draft_path == NGRAM:
-        if args.ngram_tokens:
+        if G:
             raise ValueError("--ngram-tokens grafts n-gram tokens onto a model draft's tree; --draft ngram drafts "
                              "with n-grams alone (give a checkpoint as --draft for a hybrid)")
         return ngram
     if not draft_path or draft_path == "none":
-        if args.ngram_tokens:
+        if G:
             raise ValueError("--ngram-tokens needs a model draft (--draft DIR) to graft onto")
         return None
     draft = js.load_draft(draft_path, target)
-    return js.HybridDraft(draft, ngram) if args.ngram_tokens else draft
+    return js.HybridDraft(draft, ngram) if G else draft
 
 
 def _json_schema(value: str | None):
@@ -68,17 +70,41 @@ def _json_schema(value: str | None):
     return value
 
 
+def _methods(args) -> list[tuple[str, str | None, int, int]]:
+    """The runs of one ``jaxspec generate``, the shown one first: (name, draft: a directory, "ngram"
+    or None, S, grafted n-gram tokens). Without --compare: the asked draft (no --target and no
+    --draft: the demo's fastest method, ``DEMO_DEFAULT``) and, unless --no-compare, plain decoding.
+    With --compare: every method (the demo's ``DEMO_METHODS``; else the given draft, n-gram lookup,
+    and their hybrid when the draft is a checkpoint)."""
+    demo = args.target is None
+    if demo and args.draft is None:
+        main = (DEMO_DEFAULT, *DEMO_METHODS[DEMO_DEFAULT])
+        if args.steps is not None or args.ngram_tokens is not None:  # the user's shape for the default draft
+            main = (main[0], main[1], args.steps or main[2], args.ngram_tokens or 0)
+    else:
+        draft = None if args.draft in (None, "none") else args.draft
+        main = ("draft", draft, args.steps or 5, args.ngram_tokens or 0)
+    plain = ("plain", None, 0, 0)
+    if not args.compare:
+        return [main] if main[1] is None or args.no_compare else [main, plain]
+    if demo and args.draft is None:
+        others = [(name, *m) for name, m in DEMO_METHODS.items() if name != main[0]]
+    else:
+        S = args.steps or 5
+        others = [plain, ("n-gram", NGRAM, S, 0)]
+        if main[1] not in (None, NGRAM):
+            others.append(("hybrid", main[1], max(1, S - 2), 8))
+    return [main] + [m for m in others if m[1:] != main[1:]]
+
+
 def cmd_generate(args) -> int:
     import jaxspec as js
 
     target_path = args.target or DEMO_TARGET
-    draft_path = args.draft if args.draft is not None else (DEMO_DRAFT if args.target is None else None)
     if not os.path.isdir(target_path):
         print(f"error: target checkpoint not found: {target_path}", file=sys.stderr)
         return 2
     target = js.load_model(target_path, dtype=args.dtype)
-    draft = _draft_from(args, target, draft_path)
-    spec = _spec_from(args, ngram_only=draft_path == NGRAM) if draft is not None else None
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     sampling = js.SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -98,24 +124,28 @@ def cmd_generate(args) -> int:
     else:
         prompts = [prompt] if target.tokenizer is not None else [[int(t) for t in prompt.split()]]
 
+    runs = []  # (name, draft, spec, draft path)
+    for name, path, S, G in _methods(args):
+        draft = _draft_from(args, target, path, G)
+        spec = None if draft is None else _spec_from(args, S, G, ngram_only=path == NGRAM)
+        runs.append((name, draft, spec, path))
+
     def run(d, s):
         return js.generate(target, prompts, draft=d, spec=s, sampling=sampling, engine=engine, seed=args.seed,
                            progress=False)
 
+    name, draft, spec, draft_path = runs[0]
     shown = draft_path if draft is None or type(draft) is js.DraftModel else repr(draft)
     print(f"target: {target_path}\ndraft:  {shown or 'none'}  {spec or ''}", file=sys.stderr)
-    compare = draft is not None and not args.no_compare
     t = time.perf_counter()
-    out = run(draft, spec)  # warm-up: compiles
-    if compare:
-        run(None, None)  # compile plain decoding outside the timing too
+    outs = [run(d, s) for _, d, s, _ in runs]  # warm-up: compiles every configuration
     print(f"(compiled and warmed up in {time.perf_counter() - t:.1f}s)", file=sys.stderr)
-    spec_tps, plain_tps = [], []
-    for _ in range(max(1, args.repeats)):  # alternate, so both see the same machine load
-        out = run(draft, spec)
-        spec_tps.append(out.tokens_per_s)
-        if compare:
-            plain_tps.append(run(None, None).tokens_per_s)
+    tps = [[] for _ in runs]
+    for _ in range(max(1, args.repeats)):  # rounds over the runs, so all see the same machine load
+        for i, (_, d, s, _) in enumerate(runs):
+            outs[i] = run(d, s)
+            tps[i].append(outs[i].tokens_per_s)
+    out = outs[0]
     text = out.texts[0] if out.texts else " ".join(map(str, out.token_ids[0]))
     print("=" * 72)
     print((prompt if args.chat is not None or isinstance(prompts[0], str) else "") + text)
@@ -132,15 +162,33 @@ def cmd_generate(args) -> int:
     if st.num_tokens == 0:
         print("no tokens: the model's first token was a stop token (pass --ignore-eos to generate past it)")
         return 0
-    tps = statistics.median(spec_tps)
-    print(f"tokens: {st.num_tokens}   tokens/s: {tps:.1f}", end="")
+    median = [statistics.median(x) for x in tps]
+    plain = next((median[i] for i, r in enumerate(runs) if r[1] is None), None)
+    if args.compare:
+        _print_comparison(runs, outs, median, plain)
+    print(f"tokens: {st.num_tokens}   tokens/s: {median[0]:.1f}", end="")
     if draft is not None:
         print(f"   mean accept length: {st.mean_accept_len:.2f}", end="")
-        if compare:
-            plain = statistics.median(plain_tps)
-            print(f"   plain tokens/s: {plain:.1f}   speedup: {tps / max(plain, 1e-9):.2f}x", end="")
-    print(f"   (median of {len(spec_tps)})" if len(spec_tps) > 1 else "")
+        if plain is not None:
+            print(f"   plain tokens/s: {plain:.1f}   speedup: {median[0] / max(plain, 1e-9):.2f}x", end="")
+    print(f"   (median of {len(tps[0])})" if len(tps[0]) > 1 else "")
     return 0
+
+
+def _print_comparison(runs, outs, median, plain) -> None:
+    """One line per method of ``--compare``: its draft and shape, accept length, tokens/s, speedup
+    over plain decoding (all from the same rounds)."""
+    print(f"{'method':<10}{'draft':<18}{'shape':<16}{'accept':>8}{'tokens/s':>10}{'speedup':>9}")
+    for (name, _, spec, path), out, tps in zip(runs, outs, median):
+        where = "-" if path is None else (path if path == NGRAM else os.path.basename(os.path.normpath(path)))
+        if spec is None:
+            shape = "-"
+        elif spec.ngram_tokens:
+            shape = f"chain {spec.num_steps} + {spec.ngram_tokens} ng"
+        else:
+            shape = f"chain {spec.num_steps}" if spec.topk == 1 else f"tree {spec.topk}x{spec.num_draft_tokens}"
+        speedup = f"{tps / plain:.2f}x" if plain else "-"
+        print(f"{name:<10}{where:<18}{shape:<16}{out.mean_accept_len:>8.2f}{tps:>10.1f}{speedup:>9}")
 
 
 def _logit_bias(text: str | None) -> dict | None:
@@ -176,7 +224,7 @@ def main(argv=None) -> int:
     g.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
     g.add_argument("--draft", default=None,
                    help="draft checkpoint directory, 'ngram' (model-free n-gram lookup; a directory named ngram is "
-                        "./ngram) or 'none' (default: the demo EAGLE-3 head)")
+                        "./ngram) or 'none' (default on the demo pair: its fastest method on a CPU, DEMO_DEFAULT)")
     g.add_argument("--prompt", default=None, help="prompt text (token ids separated by spaces if there is no tokenizer)")
     g.add_argument("--chat", default=None,
                    help="a user message, rendered with the checkpoint's chat template (instead of --prompt)")
@@ -203,6 +251,9 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos tokens")
     g.add_argument("--no-compare", action="store_true", help="skip the plain-decoding baseline")
+    g.add_argument("--compare", action="store_true",
+                   help="also run every other method (demo: plain, EAGLE-3, n-gram, hybrid, block drafter; else plain, "
+                        "n-gram and the draft's hybrid) and print one line each, from the same rounds")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median is printed)")
     _add_spec_args(g)
     g.set_defaults(func=cmd_generate)

@@ -3,18 +3,27 @@
 import re
 
 from jaxspec.cli import main
-from jaxspec.demo import DEMO_PROMPT
+from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT
 
 
 def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsys):
-    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1"]) == 0
-    out = capsys.readouterr().out
+    """No arguments: the demo's default method (DEMO_DEFAULT); --compare adds one line per method,
+    from the same rounds, the default's first."""
+    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--compare"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.split("=" * 72)[1].strip("\n").startswith(DEMO_PROMPT)
     summary = out.strip().splitlines()[-1]
     m = re.search(r"tokens: (\d+) .* mean accept length: ([\d.]+) .* speedup: ([\d.]+)x", summary)
     assert m, summary
     tokens, accept, speedup = int(m[1]), float(m[2]), float(m[3])
     assert 1 <= tokens <= 16 and 1.0 <= accept <= 6.0 and speedup > 0
+    table = out[out.index("method"):].splitlines()[1:6]
+    rows = {line.split()[0]: line.split() for line in table}
+    assert list(rows) == [DEMO_DEFAULT] + [m for m in DEMO_METHODS if m != DEMO_DEFAULT], table
+    assert rows["plain"][-1] == "1.00x" and float(rows[DEMO_DEFAULT][-3]) == accept
+    assert all(float(r[-3]) >= 1.0 and r[-1].endswith("x") for r in rows.values())
+    assert rows["hybrid"][1:5] == ["eagle3", "chain", "3", "+"] and rows["block"][1] == "dflash"
 
 
 def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):
