@@ -76,6 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     dspark.add_argument("--confidence-alpha", type=float, default=1.0, help="weight of the confidence loss")
     dspark.add_argument("--no-sample-from-anchor", action="store_true",
                         help="the anchor's slot drafts nothing (block_size - 1 draft tokens, DFlash's layout)")
+    p.add_argument("--init-from", default=None,
+                   help="start from a draft checkpoint's arrays of the same names and shapes (e.g. a DFlash draft's "
+                        "backbone for --method dspark); ignored when --run-dir resumes")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the generate report (0: off)")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -142,7 +145,7 @@ def run(args) -> int:
         f"({0 if heldout is None else len(heldout)} tokens), {len(prompts)} eval prompts "
         f"[{time.perf_counter() - t:.0f}s]")
     trainer = DraftTrainer(target, train, heldout, prompts, cfg, args.out, run_dir, log=log,
-                           method=_method(args, cfg, target, train))
+                           method=_method(args, cfg, target, train), init_from=args.init_from)
     log(trainer.method.describe(num_params(trainer.trainable)))
     summary = trainer.run(export_dtype=args.dtype)
     summary["args"] = {k: v for k, v in vars(args).items() if k != "func"}

@@ -195,10 +195,12 @@ class DraftTrainer:
       run_dir: checkpoints (resumed automatically when present).
       method: what is trained and how (``Eagle3Method`` by default, or a
         ``jaxspec.train.dflash.DFlashMethod``).
+      init_from: a draft checkpoint whose arrays of the same name and shape start the training
+        (e.g. a DFlash draft's backbone for a DSpark draft); ignored when resuming.
     """
 
     def __init__(self, target: Model, train_stream, eval_stream, eval_prompts, cfg: DraftTrainConfig,
-                 out_dir: str, run_dir: str | None = None, log=print, method=None):
+                 out_dir: str, run_dir: str | None = None, log=print, method=None, init_from: str | None = None):
         self.target, self.cfg, self.out_dir, self.run_dir, self.log = target, cfg, out_dir, run_dir, log
         self.train_stream = np.asarray(train_stream, np.int32)
         self.eval_prompts = list(eval_prompts)
@@ -221,6 +223,8 @@ class DraftTrainer:
             self.eval_set = jnp.asarray(fixed_windows(np.asarray(eval_stream), cfg.eval_windows, cfg.seq_len + 1))
         if run_dir and os.path.exists(os.path.join(run_dir, "checkpoint", "meta.json")):
             self._resume()
+        elif init_from is not None:
+            self._warm_start(init_from)
         self.distill = None
         if cfg.self_distill_windows:
             path = os.path.join(run_dir, "self_distill.npy") if run_dir else None
@@ -248,6 +252,26 @@ class DraftTrainer:
         self.frozen.update(tree["vocab"])
         self.step, self.elapsed, self.history = meta["step"], meta["elapsed_s"], meta.get("history", [])
         self.log(f"resumed from {path} at step {self.step}")
+
+    def _warm_start(self, path: str) -> None:
+        """Copies the arrays of the draft at ``path`` that this one has too (same path, same shape)."""
+        import jaxspec as js
+
+        donor = js.load_draft(path, self.target, dtype="float32").params
+        flat, taken = dict(jax.tree_util.tree_leaves_with_path(self.trainable)), []
+
+        def pick(keypath, x):
+            node = donor
+            for k in keypath:
+                node = node.get(k.key) if isinstance(node, dict) else None
+            if node is not None and getattr(node, "shape", None) == x.shape:
+                taken.append(jax.tree_util.keystr(keypath))
+                return jnp.asarray(node, x.dtype)
+            return x
+
+        self.trainable = jax.tree_util.tree_map_with_path(pick, self.trainable)
+        self.opt_state = self.opt.init(self.trainable)
+        self.log(f"initialized {len(taken)} of {len(flat)} arrays from {path} (the rest random)")
 
     def save(self):
         if self.run_dir:

@@ -7,6 +7,7 @@ with and without confidence scheduling."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +95,13 @@ def test_train_resume_export_load_lossless(tmp_path):
         spec = js.generate(target, prompts, draft=draft, spec=js.SpecConfig.chain(4, confidence_threshold=c),
                            sampling=sampling, engine=engine)
         assert spec.token_ids == plain.token_ids and len(plain.token_ids[0]) == 8
+    # --init-from: a fresh run starting from that draft's arrays (all of them: the same shapes)
+    warm = argv[:argv.index("--out")] + ["--out", str(tmp_path / "warm"), "--run-dir", str(tmp_path / "run2"),
+                                         "--init-from", str(out)] + argv[argv.index("--batch"):]
+    assert main(warm + ["--steps", "1"]) == 0
+    log = (tmp_path / "run2" / "log.txt").read_text()
+    m = re.search(r"initialized (\d+) of (\d+) arrays from (\S+)", log)
+    assert m and m[1] == m[2] and int(m[1]) > 10 and m[3] == str(out), log
 
 
 def test_dspark_args_are_checked_before_training(tmp_path, capsys):
