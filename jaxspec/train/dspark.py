@@ -65,7 +65,8 @@ def teacher_forced_logits(params: dict, cfg: DSparkConfig, hidden: jax.Array, pr
         for k in range(Q):  # the rnn state runs over every slot (Q is small)
             b, state, _ = markov_bias(params, cfg, prev[:, k], hidden[:, k], state)
             bias.append(b)
-        logits = logits + jnp.stack(bias, axis=1)
+        bias = jnp.stack(bias, axis=1)
+        logits = logits + jnp.pad(bias, ((0, 0), (0, 0), (0, logits.shape[-1] - bias.shape[-1])))
     s = cfg.first_draft_slot
     conf = confidence_logits(params, cfg, hidden[:, s:], prev[:, s:]) if cfg.confidence_head else None
     return logits[:, s:], conf

@@ -84,19 +84,20 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
 
 
-def dflash_lossless(tp, spec, page):
-    """A DFlash draft (the reference golden's, replicated on every shard) on a TP mesh: speculative
-    greedy == plain greedy on one device, ragged batch of 3."""
+def dflash_lossless(tp, spec, page, draft_dir="dflash/dflash"):
+    """A block draft (a reference golden's: DFlash, or DSpark with its own vocabulary, replicated on
+    every shard) on a TP mesh: speculative greedy == plain greedy on one device, ragged batch of 3."""
     import os
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "golden", "dflash")
+    golden = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "golden")
+    root = os.path.join(golden, "dflash")
     prompts = [[3, 71, 200, 14, 9, 120, 33], [250, 17, 40], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     sampling = js.SamplingParams(max_new_tokens=16, stop_token_ids=())
     single = js.load_model(os.path.join(root, "target"), dtype="float32", progress=False)
     want = js.generate(single, prompts, sampling=sampling, engine=engine(page, 4), progress=False).token_ids
     mesh = js.make_mesh(tensor_parallel=tp)
     target = js.load_model(os.path.join(root, "target"), dtype="float32", progress=False, mesh=mesh)
-    draft = js.load_draft(os.path.join(root, "dflash"), target)
+    draft = js.load_draft(os.path.join(golden, draft_dir), target)
     out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
                       progress=False)
     lens = [a for s in out.stats for a in s.accept_lens]
@@ -228,11 +229,15 @@ def odd_vocab(tp, dp):
     output with raw log-probabilities and sampled output on the mesh equal one device's (the
     padding's logits are -inf: they take no probability), plain and speculative, with an EAGLE-3
     head over a 96-token d2t vocabulary, greedy and sampled (TP=2 x DP=2), or with its own
-    embedding and head and a standalone draft's tree (TP=4)."""
+    embedding and head, a standalone draft's tree and a DSpark chain (its Markov bias added to the
+    padded head's logits; TP=4)."""
     from jaxspec.model.config import padded_vocab_size
     from jaxspec.model.io.eagle import init_eagle_params
+    from jaxspec.model.drafts.dflash import dflash_config_for
     from jaxspec.model.io.llama import export_llama, init_llama_params
+    from jaxspec.model.io.speculators import export_speculators, init_dspark_params
     from jaxspec.model.targets.llama_config import LlamaConfig
+    from jaxspec.train.dspark import dspark_config_for
 
     V = 251
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -255,9 +260,13 @@ def odd_vocab(tp, dp):
             want_spec = js.generate(single, prompts, draft=js.load_draft(f"{d}/eagle3", single),
                                     spec=js.SpecConfig.chain(3), sampling=sampled, engine=engine(1, 2),
                                     progress=False).token_ids
+        dcfg = dspark_config_for(dflash_config_for(cfg, num_layers=1, block_size=4, mask_token_id=V - 1),
+                                 markov_rank=8, markov_head_type="gated")
+        export_speculators(f"{d}/dspark", init_dspark_params(dcfg, 9, params, scale=0.3), dcfg)
         mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
         target = js.load_model(f"{d}/target", dtype="float32", progress=False, mesh=mesh)
         eagle3 = js.load_draft(f"{d}/eagle3", target)
+        dspark = js.load_draft(f"{d}/dspark", target)
     plain = js.generate(target, prompts, sampling=greedy, engine=engine(1, 2), progress=False)
     runs = {"plain": plain.token_ids,
             "sampled": js.generate(target, prompts, sampling=sampled, engine=engine(1, 2), progress=False).token_ids}
@@ -272,6 +281,8 @@ def odd_vocab(tp, dp):
                                           engine=engine(1, 2), progress=False).token_ids
         runs["standalone_tree"] = js.generate(target, prompts, draft=js.standalone_draft(target), spec=tree,
                                               sampling=greedy, engine=engine(1, 2), progress=False).token_ids
+        runs["dspark_chain"] = js.generate(target, prompts, draft=dspark, spec=js.SpecConfig.chain(4),
+                                           sampling=greedy, engine=engine(1, 2), progress=False).token_ids
     logprob_err = max(abs(a - b) for x, y in zip(plain.logprobs, want.logprobs) for a, b in zip(x, y))
     wanted = {"sampled": want_sampled, "eagle3_d2t_sampled": want_spec if d2t else None}
     return dict(equal={k: v == wanted.get(k, want.token_ids) for k, v in runs.items()},
@@ -311,6 +322,8 @@ CASES = {
     "llama_tp2_dp2_ngram": lambda: lossless("llama3", 2, 2, js.SpecConfig.chain(4), 1, "ngram", max_new=32,
                                             pressure=True),
     "qwen3_tp2_chain_dflash": lambda: dflash_lossless(2, js.SpecConfig.chain(7), 16),
+    "qwen3_tp2_chain_dspark": lambda: dflash_lossless(2, js.SpecConfig.chain(3, confidence_threshold=0.3), 1,
+                                                      "dspark/dspark_gated_dv"),
     "gemma4_tp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 1,
                                                            "gemma4_assistant"),
     "gemma4_tp2_tree_assistant_plain": lambda: sliding_lossless(

@@ -51,6 +51,8 @@ def case(results, name) -> dict:
     # with forced preemption and the prefix cache (prompts behind a shared prefix)
     ("llama_tp2_dp2_ngram", "ngram"),
     ("qwen3_tp2_chain_dflash", "dflash"),  # a DFlash block draft (replicated) over a TP=2 Qwen3 target, page 16
+    # DSpark with its own 192-token vocabulary (d2t), confidence-scheduled, page 1
+    ("qwen3_tp2_chain_dspark", "dspark"),
     # Sliding-window targets, both KV pools split by KV head (Gemma 4's full layers: 1 KV head, repeated),
     # every request running past the window (goldens: tests/data/golden/sliding_window):
     ("gemma4_tp2_chain_assistant", "frozen_kv"),  # HF-layout assistant reading the split pools, chain, page 1
@@ -128,7 +130,7 @@ def test_bad_meshes_are_refused_before_device_work(results):
 
 @pytest.mark.parametrize("name,runs", [
     ("odd_vocab_tp2_dp2", {"plain", "sampled", "eagle3_d2t_chain", "eagle3_d2t_sampled"}),
-    ("odd_vocab_tp4", {"plain", "sampled", "eagle3_tree", "standalone_tree"}),
+    ("odd_vocab_tp4", {"plain", "sampled", "eagle3_tree", "standalone_tree", "dspark_chain"}),
 ])
 def test_an_odd_vocabulary_is_padded_on_a_mesh(results, name, runs):
     """Vocabulary 251 split over 2 and 4 model shards: embedding and head padded to 256 rows

@@ -203,7 +203,8 @@ class DSparkDraft(DFlashDraft):
             logits = base[:, slot]
             if cfg.markov_rank:
                 bias, state, _ = markov_bias(params, cfg, prev, hidden[:, slot], state)
-                logits = logits + bias
+                # the target's head may be wider (a vocabulary padded for a mesh; -inf there already)
+                logits = logits + jnp.pad(bias, ((0, 0), (0, logits.shape[-1] - bias.shape[-1])))
             if slot < cfg.first_draft_slot:
                 continue  # the anchor slot without sample_from_anchor: it only advances the rnn state
             logits = self.to_target(params, logits)
