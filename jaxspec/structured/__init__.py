@@ -44,13 +44,25 @@ def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str) -> Auto
 
 def compile_constraints(tokenizer, vocab_size: int, constraints) -> tuple[GrammarSet | None, list[int | None]]:
     """The call's table and, per request, which of its automata it follows (None: none).
-    ``constraints``: per request, None or (kind, text) (``SamplingParams.constraint``)."""
-    distinct = list(dict.fromkeys(c for c in constraints if c is not None))
-    if not distinct:
+    ``constraints``: per request, None or (kind, text) (``SamplingParams.constraint``). A constraint
+    that cannot be compiled raises a ValueError naming the request(s) that carry it (their indices
+    in ``constraints``)."""
+    requests: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(constraints):
+        if c is not None:
+            requests.setdefault(c, []).append(i)
+    if not requests:
         return None, [None] * len(constraints)
     if tokenizer is None:
         raise ValueError("structured output (regex / json_schema) needs the target's tokenizer (tokenizer.json next "
                          "to its weights): the constraint is on the output text")
-    automata = [compile_constraint(tokenizer, vocab_size, kind, text) for kind, text in distinct]
-    which = {c: i for i, c in enumerate(distinct)}
+    _ = tokenizer.token_bytes  # read first: a tokenizer whose texts cannot be read is no request's fault
+    automata = []
+    for (kind, text), where in requests.items():
+        try:
+            automata.append(compile_constraint(tokenizer, vocab_size, kind, text))
+        except ValueError as e:
+            named = f"request {where[0]}" if len(where) == 1 else f"requests {', '.join(map(str, where))}"
+            raise ValueError(f"SamplingParams of {named}: {e}") from None
+    which = {c: i for i, c in enumerate(requests)}
     return join_automata(automata, vocab_size), [None if c is None else which[c] for c in constraints]

@@ -224,6 +224,16 @@ def test_bad_constraints_are_refused_before_device_work():
         run(target, prompts[:2], [SP(), SP(regex="(?=a)a")])
     with pytest.raises(ValueError, match="'uniqueItems'"):
         run(target, prompts[:1], SP(json_schema={"type": "array", "uniqueItems": True}))
+    # The failing request is named whatever the message holds: a schema error does not quote the
+    # schema, a long schema is not quoted at all, and a constraint shared by requests names them all.
+    long_bad = dict(SCHEMA, properties=dict(SCHEMA["properties"], note={"type": "string", "minLength": 9,
+                                                                       "maxLength": 3, "description": "x" * 300}))
+    with pytest.raises(ValueError, match=r"SamplingParams of request 2: json_schema.note: minLength 9 > maxLength 3"):
+        run(target, prompts, [SP(json_schema=SCHEMA), SP(), SP(json_schema=long_bad)])
+    with pytest.raises(ValueError, match=r"SamplingParams of request 1: json_schema \(root\): 'enum' value 1"):
+        run(target, prompts[:2], [SP(regex="a"), SP(json_schema={"type": "string", "enum": ["a", 1]})])
+    with pytest.raises(ValueError, match="SamplingParams of requests 0, 2: .*backreference"):
+        run(target, prompts, [SP(regex=r"(a)\1"), SP(regex="a"), SP(regex=r"(a)\1")])
     with pytest.raises(ValueError, match="not valid JSON"):
         js.SamplingParams(json_schema="{")
     bare = dataclasses.replace(target, tokenizer=None)
