@@ -36,10 +36,11 @@ def constraint_dfa(kind: str, text: str) -> ByteDFA:
 def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str) -> Automaton:
     """The automaton of one constraint over ``tokenizer``'s vocabulary (``vocab_size`` ids: the
     model's, which may exceed the tokenizer's), cached."""
-    token_bytes = tokenizer.token_bytes
-    key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes))
+    token_bytes, first_bytes = tokenizer.token_bytes, tokenizer.first_token_bytes
+    key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes), hash(first_bytes))
     what = f"{kind} {text!r}" if len(text) < 200 else f"{kind} ({len(text)} characters)"
-    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size, what=what))
+    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size,
+                                                     first_bytes=first_bytes, what=what))
 
 
 def compile_constraints(tokenizer, vocab_size: int, constraints) -> tuple[GrammarSet | None, list[int | None]]:
