@@ -20,6 +20,7 @@ import random
 import re
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer, decoders
 
 import jaxspec as js
 from jaxspec.model.io.tokenizer import Tokenizer
@@ -64,10 +65,8 @@ def test_first_token_is_matched_as_the_decoder_writes_it(style):
 
 
 def test_a_strip_that_is_not_after_fuse_is_refused():
-    from tokenizers import decoders
-
-    tok = sentencepiece_tokenizer("strip")._tok.__class__.from_str(sentencepiece_tokenizer("strip")._tok.to_str())
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
+    tok = HFTokenizer.from_str(sentencepiece_tokenizer("strip")._tok.to_str())  # a copy
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])  # strips every token
     with pytest.raises(ValueError, match=r"Strip decoder .* \(after a Fuse decoder\)"):
         Tokenizer(tok, eos_token_ids=(2,)).token_bytes
 
