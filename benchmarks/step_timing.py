@@ -65,7 +65,8 @@ def timing_grammar(tokenizer_path: str | None, vocab_size: int):
     tok = load_tokenizer(tokenizer_path or DEMO_TARGET)
     regex, splices = schema_regex(json.dumps(TIMING_SCHEMA))
     dfa = compile_dfa(f"(?:{regex}\n)+", re.ASCII, splices)
-    return join_automata([compile_automaton(dfa, tok.token_bytes, vocab_size)], vocab_size)
+    return join_automata([compile_automaton(dfa, tok.token_bytes, vocab_size, first_bytes=tok.first_token_bytes)],
+                         vocab_size)
 
 
 # Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else proxy_tokenizer(args.vocab)
     vocab = max(args.vocab, tok.vocab_size)
     print(f"vocabulary: {tok.vocab_size} tokens ({vocab} ids)")
-    print("| constraint | states | classes | padded table | table + class map | dense [states, V] | cold build s | cached s |")
+    print("| constraint | states | classes | padded table | table + class map | dense [states, V] | cold build s | cached |")
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for r in table_sizes(tok, vocab):
         print(f"| {r['name']} | {r['states']} | {r['classes']} | {r['padded'][0]} x {r['padded'][1]} | "

@@ -1,5 +1,6 @@
 """``jaxspec generate``: the README's main command on the shipped demo pair."""
 
+import json
 import re
 
 from jaxspec.cli import main
@@ -51,3 +52,28 @@ def test_generate_ngram_options_are_checked(capsys):
     assert main(base + ["--draft", "ngram", "--ngram-min", "5"]) == 2
     err = capsys.readouterr().err
     assert "--ngram-tokens grafts n-gram tokens onto a model draft" in err and "min_ngram=5 > max_ngram=4" in err
+
+
+def _printed_completion(out: str, prompt: str) -> str:
+    shown = out.split("=" * 72)[1].strip("\n")
+    assert shown.startswith(prompt)
+    return shown[len(prompt):]
+
+
+def test_generate_with_regex_and_json_schema(capsys, tmp_path):
+    """``--regex`` and ``--json-schema`` (a file) on the demo pair: the printed completion follows them."""
+    regex = r"def [a-z_]{1,16}\((self|cls)?(, [a-z_]{1,10}){0,3}\):"
+    assert main(["generate", "--max-new-tokens", "32", "--repeats", "1", "--no-compare", "--regex", regex]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(regex, _printed_completion(out, DEMO_PROMPT)), out
+    assert "finished: stop" in out
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
+                                                                         "maximum": 7}},
+                                  "required": ["n"], "additionalProperties": False}))
+    assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", "--draft", "none",
+                 "--json-schema", str(schema)]) == 0
+    out = capsys.readouterr().out
+    assert "finished: stop" in out
+    doc = json.loads(_printed_completion(out, DEMO_PROMPT))
+    assert list(doc) == ["n"] and 3 <= doc["n"] <= 7

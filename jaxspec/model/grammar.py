@@ -75,7 +75,10 @@ class Grammar:
             return states
         t = self.table
         nxt = t.next_state[states, t.token_class[tokens]]
-        return jnp.where(nxt >= 0, nxt, DEAD)
+        # Materialized: chains of advances (a tree's levels, a path's tokens) would otherwise be fused
+        # into their consumers with each earlier level inlined twice (``nxt`` is read twice), so XLA's
+        # compile time and memory doubled per level (a depth-15 DFlash chain did not compile).
+        return jax.lax.optimization_barrier(jnp.where(nxt >= 0, nxt, DEAD))
 
     def allowed(self, states: jax.Array, ids: jax.Array | None = None) -> jax.Array:
         """bool[B, ..., V'] the tokens allowed after each state (``ids``: i32[V'] the target id of

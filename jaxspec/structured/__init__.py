@@ -36,21 +36,34 @@ def constraint_dfa(kind: str, text: str) -> ByteDFA:
 def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str) -> Automaton:
     """The automaton of one constraint over ``tokenizer``'s vocabulary (``vocab_size`` ids: the
     model's, which may exceed the tokenizer's), cached."""
-    token_bytes = tokenizer.token_bytes
-    key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes))
+    token_bytes, first_bytes = tokenizer.token_bytes, tokenizer.first_token_bytes
+    key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes), hash(first_bytes))
     what = f"{kind} {text!r}" if len(text) < 200 else f"{kind} ({len(text)} characters)"
-    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size, what=what))
+    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size,
+                                                     first_bytes=first_bytes, what=what))
 
 
 def compile_constraints(tokenizer, vocab_size: int, constraints) -> tuple[GrammarSet | None, list[int | None]]:
     """The call's table and, per request, which of its automata it follows (None: none).
-    ``constraints``: per request, None or (kind, text) (``SamplingParams.constraint``)."""
-    distinct = list(dict.fromkeys(c for c in constraints if c is not None))
-    if not distinct:
+    ``constraints``: per request, None or (kind, text) (``SamplingParams.constraint``). A constraint
+    that cannot be compiled raises a ValueError naming the request(s) that carry it (their indices
+    in ``constraints``)."""
+    requests: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(constraints):
+        if c is not None:
+            requests.setdefault(c, []).append(i)
+    if not requests:
         return None, [None] * len(constraints)
     if tokenizer is None:
         raise ValueError("structured output (regex / json_schema) needs the target's tokenizer (tokenizer.json next "
                          "to its weights): the constraint is on the output text")
-    automata = [compile_constraint(tokenizer, vocab_size, kind, text) for kind, text in distinct]
-    which = {c: i for i, c in enumerate(distinct)}
+    _ = tokenizer.token_bytes  # read first: a tokenizer whose texts cannot be read is no request's fault
+    automata = []
+    for (kind, text), where in requests.items():
+        try:
+            automata.append(compile_constraint(tokenizer, vocab_size, kind, text))
+        except ValueError as e:
+            named = f"request {where[0]}" if len(where) == 1 else f"requests {', '.join(map(str, where))}"
+            raise ValueError(f"SamplingParams of {named}: {e}") from None
+    which = {c: i for i, c in enumerate(requests)}
     return join_automata(automata, vocab_size), [None if c is None else which[c] for c in constraints]

@@ -6,6 +6,9 @@ Built once per distinct constraint (cached by its text and the vocabulary), on t
 2. Every token is run through that DFA from every state at once, down a trie of the vocabulary's
    texts (numpy, level by level, keeping only the pairs still alive): ``next[s, t]`` is the state
    after token ``t``'s bytes. A token is allowed in ``s`` when its bytes never leave the language.
+   For a tokenizer whose decoder writes a text's first token otherwise (SentencePiece drops its
+   leading space: ``Tokenizer.first_token_bytes``), the automaton starts in a state of its own whose
+   moves follow those first-token texts, so the matched text is the decoded output.
 3. States from which no final state can be reached with the vocabulary's tokens are dropped (a
    token leading there is not allowed), so a request can always finish; if the initial state is
    such a state, no string of the language can be spelled and the constraint is refused.
@@ -124,14 +127,15 @@ def _trie_for(token_bytes, vocab_size: int) -> VocabTrie:
     return _TRIES[key]
 
 
-def token_transitions(dfa: np.ndarray, trie: VocabTrie) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def token_transitions(dfa: np.ndarray, trie: VocabTrie, starts: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (start state, token, end state) whose token's bytes stay alive from the start state:
-    a walk down the trie from every state at once, level by level, carrying only the (trie node,
-    start state) pairs still alive (most tokens die on their first bytes in most states).
-    dfa: i32[Q + 1, 256] with dead = Q. Returns (q, t, s), each i32[E]."""
+    a walk down the trie from every state at once (or from ``starts`` i32[Q']), level by level,
+    carrying only the (trie node, start state) pairs still alive (most tokens die on their first
+    bytes in most states). dfa: i32[Q + 1, 256] with dead = Q. Returns (q, t, s), each i32[E]."""
+    start = np.arange(dfa.shape[0] - 1, dtype=np.int32) if starts is None else np.asarray(starts, np.int32)
     Q = dfa.shape[0] - 1
-    node = np.zeros(Q, np.int32)
-    start = np.arange(Q, dtype=np.int32)
+    node = np.zeros(len(start), np.int32)
     cur = start.copy()
     out_q, out_t, out_s = [], [], []
     for _ in range(trie.depth):
@@ -162,15 +166,37 @@ def _mix(x: np.ndarray, salt: int) -> np.ndarray:
     return z ^ (z >> np.uint64(29))
 
 
-def compile_automaton(byte_dfa: ByteDFA, token_bytes, vocab_size: int, *, what: str = "constraint") -> Automaton:
+def _first_token_moves(dfa: np.ndarray, initial: int, token_bytes, first_bytes, vocab_size: int,
+                       q: np.ndarray, t: np.ndarray, s: np.ndarray):
+    """The moves of a start state of its own, numbered Q (the byte DFA's dead index, free in
+    ``q``, ``t``, ``s``), for a tokenizer whose decoder writes the first token of a text as
+    ``first_bytes`` (SentencePiece: without its leading space): the initial state's moves for the
+    tokens written alike, the first-token texts' moves from the initial state for the others."""
+    Q = dfa.shape[0] - 1
+    differ = np.zeros(vocab_size, bool)
+    differ[[i for i in range(min(vocab_size, len(first_bytes))) if first_bytes[i] != token_bytes[i]]] = True
+    same = (q == initial) & ~differ[t]
+    own = tuple(b if differ[i] else None for i, b in enumerate(first_bytes[:vocab_size]))
+    _, t1, s1 = token_transitions(dfa, _trie_for(own, vocab_size), np.asarray([initial]))
+    t1, s1 = np.concatenate([t[same], t1]), np.concatenate([s[same], s1])
+    return np.concatenate([q, np.full(len(t1), Q, np.int32)]), np.concatenate([t, t1]), np.concatenate([s, s1])
+
+
+def compile_automaton(byte_dfa: ByteDFA, token_bytes, vocab_size: int, *, first_bytes=None,
+                      what: str = "constraint") -> Automaton:
     """The token-level automaton of a byte-level DFA over a vocabulary of ``vocab_size`` ids whose
-    texts are ``token_bytes`` (None: a token never generated under a constraint). Raises ValueError
-    (naming ``what``) when no string of the language can be spelled with the vocabulary."""
+    texts are ``token_bytes`` (None: a token never generated under a constraint). ``first_bytes``:
+    the texts of a text's first token where the decoder writes them otherwise
+    (``Tokenizer.first_token_bytes``; the automaton then starts in a state of its own). Raises
+    ValueError (naming ``what``) when no string of the language can be spelled with the vocabulary."""
     t0 = time.perf_counter()
     dfa, byte_final, byte_initial = byte_dfa.table, byte_dfa.final, byte_dfa.initial
     Q = dfa.shape[0] - 1
     V = vocab_size
     q, t, s = token_transitions(dfa, _trie_for(token_bytes, V))
+    if first_bytes is not None:  # state Q: the start, before the first token
+        q, t, s = _first_token_moves(dfa, byte_initial, token_bytes, first_bytes, V, q, t, s)
+        byte_final, byte_initial, Q = np.append(byte_final, byte_final[byte_initial]), Q, Q + 1
     # States from which the vocabulary can reach a final state (backwards from the finals).
     edges = np.unique(q.astype(np.int64) * (Q + 1) + s)
     predecessors = collections.defaultdict(list)

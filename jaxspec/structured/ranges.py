@@ -196,30 +196,30 @@ def _nonnegative(lo: tuple[Decimal, bool] | None, hi: tuple[Decimal, bool] | Non
 
 def _decimal(value, name: str) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"json_schema {name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         d = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
     except InvalidOperation:
-        raise ValueError(f"json_schema {name} must be a finite number, got {value!r}") from None
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
     if not d.is_finite():
-        raise ValueError(f"json_schema {name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return d
 
 
 def number_range(*, integer: bool, minimum=None, maximum=None, exclusive_minimum=None,
-                 exclusive_maximum=None, where: str = "") -> str:
+                 exclusive_maximum=None) -> str:
     """A regex for the JSON numbers (integers when ``integer``) within the bounds, each bound a
-    number or None; a ValueError when no number fits."""
+    number or None; a ValueError naming the bounds (as JSON Schema keywords) when no number fits."""
     lo = hi = None
     if minimum is not None:
-        lo = (_decimal(minimum, f"{where}minimum"), False)
+        lo = (_decimal(minimum, "minimum"), False)
     if exclusive_minimum is not None:
-        e = (_decimal(exclusive_minimum, f"{where}exclusiveMinimum"), True)
+        e = (_decimal(exclusive_minimum, "exclusiveMinimum"), True)
         lo = e if lo is None or e[0] >= lo[0] else lo
     if maximum is not None:
-        hi = (_decimal(maximum, f"{where}maximum"), False)
+        hi = (_decimal(maximum, "maximum"), False)
     if exclusive_maximum is not None:
-        e = (_decimal(exclusive_maximum, f"{where}exclusiveMaximum"), True)
+        e = (_decimal(exclusive_maximum, "exclusiveMaximum"), True)
         hi = e if hi is None or e[0] <= hi[0] else hi
     if integer:  # integers: round the bounds inward and make them inclusive
         if lo is not None:
@@ -244,5 +244,8 @@ def number_range(*, integer: bool, minimum=None, maximum=None, exclusive_minimum
         if r is not None:
             alts.append("-" + r)
     if not alts:
-        raise ValueError(f"json_schema {where}bounds admit no {'integer' if integer else 'number'}")
+        given = dict(minimum=minimum, exclusiveMinimum=exclusive_minimum, maximum=maximum,
+                     exclusiveMaximum=exclusive_maximum)
+        named = ", ".join(f"{k} {v!r}" for k, v in given.items() if v is not None)
+        raise ValueError(f"{named} admit no {'integer' if integer else 'number'}")
     return "(?:" + "|".join(alts) + ")"

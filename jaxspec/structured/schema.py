@@ -2,9 +2,14 @@
 
 The schema is checked first, keyword by keyword: every keyword jaxspec cannot honour is refused by
 name (``outlines-core`` would silently ignore some, e.g. ``uniqueItems``, or a ``pattern`` beside a
-``maxLength``), never dropped. Two things are done here rather than by ``outlines-core``, through
-placeholders it writes verbatim (a ``const`` string) that become named groups spliced with their own
-patterns when the DFA is built (``jaxspec.structured.regex.Splice``):
+``maxLength``), never dropped. Values are checked where outlines-core would not: an ``enum`` /
+``const`` beside a ``type`` must hold values of that type (outlines-core writes the values and
+ignores the type), and bounds that admit nothing (``minLength`` > ``maxLength``, ``minItems`` >
+``maxItems``, ``minimum`` > ``maximum``) are refused naming the keywords.
+
+Two things are done here rather than by ``outlines-core``, through placeholders it writes verbatim
+(a ``const`` string) that become named groups spliced with their own patterns when the DFA is built
+(``jaxspec.structured.regex.Splice``):
 
 - numeric bounds (``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``),
   enforced in the language by ``jaxspec.structured.ranges``;
@@ -110,11 +115,39 @@ class _Rewriter:
             if not isinstance(out["anyOf"], list) or not out["anyOf"]:
                 self.refuse(where, "'anyOf' must be a non-empty list")
             return {"anyOf": [self.walk(s, f"{where}.anyOf[{i}]") for i, s in enumerate(out["anyOf"])]}
-        if construct in ("enum", "const", "$ref"):
-            if construct == "$ref":
-                self.resolve(out["$ref"], where)  # refused here when it points outside the schema
+        if construct in ("enum", "const"):
+            self.check_values(out, construct, where)
+            return out
+        if construct == "$ref":
+            self.resolve(out["$ref"], where)  # refused here when it points outside the schema
             return out
         return self.typed(out, where)
+
+    def check_values(self, out: dict, construct: str, where: str):
+        """An ``enum`` / ``const`` beside a ``type``: every value must be of that type (outlines-core
+        writes the values and ignores the ``type``, so a mismatch would be generated)."""
+        values = out[construct] if construct == "enum" else [out["const"]]
+        if construct == "enum" and (not isinstance(values, list) or not values):
+            self.refuse(where, "'enum' must be a non-empty list")
+        if "type" not in out:
+            return
+        types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+        bad = [t for t in types if t not in _BY_TYPE]
+        if bad:
+            self.refuse(where, f"type {bad[0]!r} is not supported (types: {sorted(_BY_TYPE)})")
+        for v in values:
+            if not any(_is_type(v, t) for t in types):
+                self.refuse(where, f"{construct!r} value {v!r} is not of the declared type {out['type']!r}")
+
+    def check_counts(self, out: dict, where: str, low: str, high: str):
+        """``low`` / ``high`` (minLength / maxLength, minItems / maxItems): integers >= 0, low <= high."""
+        for k in (low, high):
+            v = out.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                self.refuse(where, f"{k} must be an integer >= 0, got {v!r}")
+        if out.get(low) is not None and out.get(high) is not None and out[low] > out[high]:
+            self.refuse(where, f"{low} {out[low]} > {high} {out[high]}: no {'string' if 'Length' in low else 'array'} "
+                               f"fits")
 
     def resolve(self, ref, where: str):
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -150,18 +183,18 @@ class _Rewriter:
                 self.refuse(where, "numeric bounds on a list of types are not supported")
             bounds = dict(minimum=out.get("minimum"), maximum=out.get("maximum"),
                           exclusive_minimum=out.get("exclusiveMinimum"), exclusive_maximum=out.get("exclusiveMaximum"))
-            return self.placeholder(Splice(number_range(integer=types[0] == "integer", where=f"{where or ''} ",
-                                                        **bounds)))
+            try:
+                regex = number_range(integer=types[0] == "integer", **bounds)
+            except ValueError as e:
+                self.refuse(where, str(e))
+            return self.placeholder(Splice(regex))
         if "string" in types:
             chosen = [k for k in ("pattern", "format") if k in out]
             lengths = "minLength" in out or "maxLength" in out
             if len(chosen) + lengths > 1:
                 self.refuse(where, "only one of 'pattern', 'format' and 'minLength' / 'maxLength' per string is "
                                    "supported")
-            for k in ("minLength", "maxLength"):
-                v = out.get(k)
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                    self.refuse(where, f"{k} must be an integer >= 0, got {v!r}")
+            self.check_counts(out, where, "minLength", "maxLength")
             if "format" in out and out["format"] not in _FORMATS:
                 self.refuse(where, f"string format {out['format']!r} is not supported (formats: {sorted(_FORMATS)})")
             if "pattern" in out:
@@ -171,10 +204,7 @@ class _Rewriter:
                 parse(pattern)  # a syntax error is reported here, naming the schema's pattern
                 return self.placeholder(Splice(pattern, json_string=True), quoted=True)
         if "array" in types:
-            for k in ("minItems", "maxItems"):
-                v = out.get(k)
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                    self.refuse(where, f"{k} must be an integer >= 0, got {v!r}")
+            self.check_counts(out, where, "minItems", "maxItems")
             if "items" in out:
                 if isinstance(out["items"], list):
                     self.refuse(where, "'items' as a list (a tuple) is not supported")
@@ -186,6 +216,14 @@ class _Rewriter:
             if extra is not True:
                 out = dict(out, additionalProperties=self.walk(extra, f"{where}.additionalProperties"))
         return out
+
+
+def _is_type(value, t: str) -> bool:
+    """``value`` (parsed JSON) is an instance of JSON Schema type ``t`` (1.0 is an integer)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"null": value is None, "boolean": isinstance(value, bool), "string": isinstance(value, str),
+            "array": isinstance(value, list), "object": isinstance(value, dict), "number": number,
+            "integer": number and float(value).is_integer()}[t]
 
 
 def _unanchored(pattern: str) -> str:

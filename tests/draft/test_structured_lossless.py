@@ -7,7 +7,8 @@ changes nothing.
 - constrained speculative greedy output equals constrained plain greedy output for every draft kind
   (EAGLE-3, DFlash, n-gram, hybrid on the demo pair; EAGLE and MTP on tiny golden targets with a
   small character tokenizer), chains and trees, pages 1 and 16, ragged batches, and under forced
-  preemption (a resumed request restarts its automaton where its output left it);
+  preemption (a resumed request restarts its automaton where its output left it); a request ends
+  with finish reason "stop" at a complete match and "length" when max_new_tokens runs out first;
 - JSON-schema outputs parse and validate (bounds included), identically with and without
   speculation; constrained and free requests mix in one batch (the free ones unchanged);
 - a different constraint of the same size compiles nothing new; bad constraints are refused
@@ -150,7 +151,7 @@ def test_json_outputs_validate_and_free_rows_are_unchanged():
             validator.validate(json.loads(text))
             complete += 1
         else:  # ran out of tokens: a prefix of a valid document
-            assert stats.num_tokens == 40
+            assert stats.finish_reason == "length" and stats.num_tokens == 40
     assert complete >= 2
     # In the mixed batch each row is what it is alone: constrained rows as in their own batches,
     # the free row as in a batch with no constraint.
@@ -190,12 +191,9 @@ def with_chars(target):
 TINY_REGEX = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 
 
-@pytest.mark.parametrize("kind,spec,page", [
-    ("eagle1", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1),
-    ("mtp", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16),
-    ("ngram", js.SpecConfig.chain(3), 1),
-], ids=["eagle1-tree-page1", "mtp-tree-page16", "ngram-chain-page1"])
-def test_tiny_golden_drafts_equal_plain_under_constraints(kind, spec, page):
+@functools.cache
+def tiny_setup(kind: str):
+    """(target with the character tokenizer, draft, prompts) of a tiny golden case."""
     if kind in ("eagle1", "ngram"):
         base = test_golden_heads.target("llama3")
         draft = js.load_draft(case_dir(next(c for c in cases("eagle1"))), base) if kind == "eagle1" else \
@@ -204,13 +202,45 @@ def test_tiny_golden_drafts_equal_plain_under_constraints(kind, spec, page):
     else:
         case, base, draft, _ = test_mla_spec.golden("deepseek_v3_dense")
         prompts = [p[:8] for p in case["prompts"]] + [case["prompts"][0][:3]]
-    target = with_chars(base)
-    sampling = [SP(regex=TINY_REGEX), SP(regex=TINY_REGEX, max_new_tokens=12)] + [SP()] * (len(prompts) - 2)
-    plain = run(target, prompts, sampling, page=page, max_len=64)
-    out = run(target, prompts, sampling, draft=draft, spec=spec, page=page, max_len=64)
+    return with_chars(base), draft, prompts
+
+
+def tiny_sampling(n: int) -> list:
+    # Row 1 cannot complete a match in 3 tokens (it needs at least 4): it ends by max_new_tokens.
+    return [SP(regex=TINY_REGEX), SP(regex=TINY_REGEX, max_new_tokens=3)] + [SP()] * (n - 2)
+
+
+@functools.cache
+def tiny_plain(kind: str, page: int):
+    target, _, prompts = tiny_setup(kind)
+    return run(target, prompts, tiny_sampling(len(prompts)), page=page, max_len=64)
+
+
+TINY_CASES = [
+    ("eagle1", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1),
+    ("eagle1", js.SpecConfig.chain(3), 1),
+    ("mtp", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16),
+    ("mtp", js.SpecConfig.chain(2), 16),
+    ("ngram", js.SpecConfig.chain(3), 1),
+]
+
+
+@pytest.mark.parametrize("kind,spec,page", TINY_CASES,
+                         ids=[f"{k}-{'chain' if s.is_chain else 'tree'}-page{p}" for k, s, p in TINY_CASES])
+def test_tiny_golden_drafts_equal_plain_under_constraints(kind, spec, page):
+    target, draft, prompts = tiny_setup(kind)
+    plain = tiny_plain(kind, page)
+    out = run(target, prompts, tiny_sampling(len(prompts)), draft=draft, spec=spec, page=page, max_len=64)
     assert out.token_ids == plain.token_ids
-    for text, s in zip(plain.texts[:2], plain.stats[:2]):
-        assert re.fullmatch(TINY_REGEX, text) or s.finish_reason == "length", text
+    assert [s.finish_reason for s in out.stats] == [s.finish_reason for s in plain.stats]
+    for text, s, sp in zip(plain.texts[:2], plain.stats[:2], tiny_sampling(len(prompts))):
+        if s.finish_reason == "stop":  # a complete match (the regex allows nothing after its ".")
+            assert re.fullmatch(TINY_REGEX, text), text
+        else:  # max_new_tokens ran out before a complete match
+            assert s.finish_reason == "length" and s.num_tokens == sp.max_new_tokens, (s, text)
+            assert not re.fullmatch(TINY_REGEX, text), text
+    assert plain.stats[1].finish_reason == "length" and len(plain.texts[1]) > 0
+    assert out.stats[0].mean_accept_len > 1  # the constrained row accepted drafted tokens
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -224,6 +254,16 @@ def test_bad_constraints_are_refused_before_device_work():
         run(target, prompts[:2], [SP(), SP(regex="(?=a)a")])
     with pytest.raises(ValueError, match="'uniqueItems'"):
         run(target, prompts[:1], SP(json_schema={"type": "array", "uniqueItems": True}))
+    # The failing request is named whatever the message holds: a schema error does not quote the
+    # schema, a long schema is not quoted at all, and a constraint shared by requests names them all.
+    long_bad = dict(SCHEMA, properties=dict(SCHEMA["properties"], note={"type": "string", "minLength": 9,
+                                                                       "maxLength": 3, "description": "x" * 300}))
+    with pytest.raises(ValueError, match=r"SamplingParams of request 2: json_schema.note: minLength 9 > maxLength 3"):
+        run(target, prompts, [SP(json_schema=SCHEMA), SP(), SP(json_schema=long_bad)])
+    with pytest.raises(ValueError, match=r"SamplingParams of request 1: json_schema \(root\): 'enum' value 1"):
+        run(target, prompts[:2], [SP(regex="a"), SP(json_schema={"type": "string", "enum": ["a", 1]})])
+    with pytest.raises(ValueError, match="SamplingParams of requests 0, 2: .*backreference"):
+        run(target, prompts, [SP(regex=r"(a)\1"), SP(regex="a"), SP(regex=r"(a)\1")])
     with pytest.raises(ValueError, match="not valid JSON"):
         js.SamplingParams(json_schema="{")
     bare = dataclasses.replace(target, tokenizer=None)

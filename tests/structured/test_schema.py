@@ -122,7 +122,16 @@ REFUSED = [
     ({"oneOf": [{"type": "integer"}]}, "'oneOf'"),
     ({"allOf": [{"type": "integer"}]}, "'allOf'"),
     ({"type": "string", "format": "email"}, "format 'email'"),
-    ({"type": "integer", "minimum": 5, "maximum": 4}, "admit no integer"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "(root): minimum 5, maximum 4 admit no integer"),
+    ({"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": 2, "exclusiveMaximum": 2}}},
+     ".x: exclusiveMinimum 2, exclusiveMaximum 2 admit no number"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 > maxLength 2"),
+    ({"type": "array", "items": {"type": "array", "minItems": 3, "maxItems": 1}}, ".items: minItems 3 > maxItems 1"),
+    # outlines-core writes an enum's / const's values whatever the type beside them: checked here.
+    ({"type": "string", "enum": ["a", 1]}, "'enum' value 1 is not of the declared type 'string'"),
+    ({"type": ["integer", "null"], "enum": [None, 2.5]}, "'enum' value 2.5 is not of the declared type"),
+    ({"type": "object", "properties": {"k": {"type": "boolean", "const": "true"}}}, ".k: 'const' value 'true'"),
+    ({"type": "string", "enum": []}, "'enum' must be a non-empty list"),
     ({"type": "object", "properties": {"a": {"type": "integer", "not": {}}}}, ".a: keyword 'not'"),
     ({"$ref": "https://example.com/s.json"}, "local '$ref'"),
     ({"type": "strin"}, "type 'strin'"),
@@ -134,6 +143,15 @@ REFUSED = [
 def test_unsupported_keywords_are_refused_by_name(schema, name):
     with pytest.raises(ValueError, match=re.escape(name)):
         constraint_dfa("json_schema", json.dumps(schema))
+
+
+@pytest.mark.parametrize("schema", [{"type": ["string", "null"], "enum": ["a", None, "b\"c"]},
+                                    {"type": "integer", "enum": [1, 2, -3]}, {"type": "number", "const": 0.5}],
+                         ids=["strings-null", "integers", "number-const"])
+def test_enum_and_const_beside_a_matching_type_are_exact(schema):
+    values = [json.dumps(v) for v in schema.get("enum", [schema.get("const")])]
+    for doc in ["a", None, 'b"c', 1, -3, "a ", 1.5, 3, True, "c", 0.5, []]:
+        assert accepted(schema, doc) == valid(schema, doc) == (json.dumps(doc) in values), doc
 
 
 def test_invalid_json_text_is_refused():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 import regex
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from jaxspec.model.io.tokenizer import Tokenizer, _byte_level_alphabet
 
@@ -31,6 +31,35 @@ def char_tokenizer(vocab_size: int, with_words: bool = True) -> Tokenizer:
     return Tokenizer(tok, eos_token_ids=(0,))
 
 
+SP_WORDS = ["the", "ab", "is", "ing", "a\u2581b", "\u2581\u2581"]
+
+
+@functools.cache
+def sentencepiece_tokenizer(style: str = "strip") -> Tokenizer:
+    """A SentencePiece-style tokenizer (ids 0-2: ``<unk> <s> </s>``, eos 2): byte-fallback pieces,
+    the space marker, letters, digits and words with and without a leading marker. ``style``:
+    "strip" decodes as Llama 2's ``tokenizer.json`` does (Replace, ByteFallback, Fuse, Strip one
+    leading space); "metaspace" with a ``Metaspace`` decoder (prepend scheme "first": the first
+    token loses every marker)."""
+    mark = "\u2581"
+    pieces = ["<0x0A>", "<0xC3>", "<0xA9>", mark, ".", ",", mark + "."]
+    pieces += [c for c in "abcdefghijklmnopqrstuvwxyz0123456789"] + [mark + c for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += SP_WORDS + [mark + w for w in SP_WORDS[:4]]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for p in pieces:
+        vocab[p] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    if style == "strip":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(mark), normalizers.Replace(" ", mark)])
+        tok.decoder = decoders.Sequence([decoders.Replace(mark, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return Tokenizer(tok, eos_token_ids=(2,))
+
+
 def oracle_allowed(pattern: str, text: str, token_texts: list[str | None]) -> list[bool]:
     """Per token: the text stays a prefix of some full match of ``pattern`` (Python syntax) once the
     token's text is appended (None: a token with no text, never allowed)."""
@@ -43,10 +72,12 @@ def oracle_final(pattern: str, text: str) -> bool:
     return regex.fullmatch(pattern, text) is not None
 
 
-def token_texts(tokenizer: Tokenizer, vocab_size: int) -> list[str | None]:
-    """Each id's text (None: special, or bytes that are not UTF-8 on their own)."""
+def token_texts(tokenizer: Tokenizer, vocab_size: int, first: bool = False) -> list[str | None]:
+    """Each id's text (None: special, or bytes that are not UTF-8 on their own); ``first``: as the
+    first token of a text (``Tokenizer.first_token_bytes``)."""
+    texts = (first and tokenizer.first_token_bytes) or tokenizer.token_bytes
     out = []
-    for b in tokenizer.token_bytes[:vocab_size] + (None,) * max(0, vocab_size - len(tokenizer.token_bytes)):
+    for b in texts[:vocab_size] + (None,) * max(0, vocab_size - len(texts)):
         try:
             out.append(None if b is None else b.decode("utf-8"))
         except UnicodeDecodeError:

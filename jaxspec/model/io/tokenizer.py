@@ -42,13 +42,24 @@ class Tokenizer:
     def token_bytes(self) -> tuple[bytes | None, ...]:
         """Each token id's text as bytes, as the tokenizer's decoder writes that token inside a
         sequence (a byte-level token's bytes, a SentencePiece piece with its space marker as a space
-        and ``<0xNN>`` byte-fallback pieces as that byte); None for special tokens. What structured
-        output matches the generated text against (``jaxspec.structured``).
+        and ``<0xNN>`` byte-fallback pieces as that byte where a ByteFallback decoder makes them
+        one); None for special tokens. What structured output matches the generated text against
+        (``jaxspec.structured``; a text's first token: ``first_token_bytes``).
 
         Raises:
           ValueError: a decoder whose per-token text is not defined here (WordPiece, CTC, ...).
         """
         return vocabulary_bytes(self._tok)
+
+    @functools.cached_property
+    def first_token_bytes(self) -> tuple[bytes | None, ...] | None:
+        """Each token id's text as the decoder writes it as the FIRST token of a text, where that
+        differs from ``token_bytes`` (None: it never does). SentencePiece decoders drop the space
+        marker that starts a text: a ``Strip`` decoder after ``Fuse`` (Llama 2, Mistral) removes its
+        leading spaces, a ``Metaspace`` decoder with a prepend scheme every marker of the first token.
+        Structured output matches this text for a request's first generated token, so the matched
+        text is the decoded output (``jaxspec.structured``)."""
+        return vocabulary_bytes(self._tok, first=True)
 
     def decode_stream(self) -> "TextStream":
         """An incremental decoder of this tokenizer's ids (special tokens skipped)."""
@@ -93,22 +104,46 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _decoder_kinds(decoder: dict | None) -> list[str]:
+def _decoders(decoder: dict | None) -> list[dict]:
+    """A decoder's steps in order (a ``Sequence`` flattened)."""
     if decoder is None:
         return []
     if decoder.get("type") == "Sequence":
-        return [k for d in decoder.get("decoders", []) for k in _decoder_kinds(d)]
-    return [decoder.get("type")]
+        return [d for sub in decoder.get("decoders", []) for d in _decoders(sub)]
+    return [decoder]
 
 
-def vocabulary_bytes(tok: _HFTokenizer) -> tuple[bytes | None, ...]:
-    """``Tokenizer.token_bytes`` of a ``tokenizers.Tokenizer``."""
+def _first_token_rule(steps: list[dict]):
+    """What the decoder does to the first token of a text beyond what it does to every token:
+    ("strip", n) remove up to n leading spaces, ("markers", marker) remove every space marker, or
+    None. Raises ValueError for a ``Strip`` jaxspec cannot give a per-token meaning."""
+    kinds = [d.get("type") for d in steps]
+    for i, d in enumerate(steps):
+        if d.get("type") == "Strip":
+            if d.get("content") != " " or d.get("stop", 0) != 0 or "Fuse" not in kinds[:i]:
+                raise ValueError(f"the tokenizer's Strip decoder ({d}) is not supported by structured output: only "
+                                 f"leading spaces stripped from the whole text (after a Fuse decoder)")
+            return ("strip", int(d.get("start", 0))) if d.get("start", 0) else None
+        if d.get("type") == "Metaspace":  # older files: add_prefix_space instead of prepend_scheme
+            scheme = d.get("prepend_scheme", "always" if d.get("add_prefix_space", True) else "never")
+            if scheme != "never":
+                return ("markers", d.get("replacement", "\u2581"))
+    return None
+
+
+def vocabulary_bytes(tok: _HFTokenizer, first: bool = False) -> tuple[bytes | None, ...] | None:
+    """``Tokenizer.token_bytes`` of a ``tokenizers.Tokenizer``; ``first``: its ``first_token_bytes``
+    (None where the decoder writes a first token as any other)."""
     spec = json.loads(tok.to_str())
-    kinds = set(_decoder_kinds(spec.get("decoder")))
+    steps = _decoders(spec.get("decoder"))
+    kinds = {d.get("type") for d in steps}
     unsupported = kinds - {"ByteLevel", "Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
     if unsupported:
         raise ValueError(f"the tokenizer's decoder ({sorted(unsupported)[0]}) does not give each token a text of "
                          f"its own; structured output supports byte-level BPE and SentencePiece tokenizers")
+    rule = _first_token_rule(steps)
+    if first and rule is None:
+        return None
     byte_level = "ByteLevel" in kinds
     alphabet = _byte_level_alphabet() if byte_level else None
     special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
@@ -125,8 +160,16 @@ def vocabulary_bytes(tok: _HFTokenizer) -> tuple[bytes | None, ...]:
             except KeyError:
                 out[i] = None  # not a byte-level token: never generated under a constraint
         else:
-            m = _BYTE_FALLBACK.fullmatch(text)
-            out[i] = bytes([int(m.group(1), 16)]) if m else text.replace("\u2581", " ").encode()
+            m = _BYTE_FALLBACK.fullmatch(text) if "ByteFallback" in kinds else None
+            if m:
+                out[i] = bytes([int(m.group(1), 16)])
+            elif first and rule[0] == "markers":  # the first token loses every marker, not just a leading one
+                out[i] = text.replace(rule[1], "").encode()
+            else:
+                out[i] = text.replace("\u2581", " ").encode()
+        if first and rule[0] == "strip" and out[i] is not None:
+            b = out[i]
+            out[i] = b[min(rule[1], len(b) - len(b.lstrip(b" "))):]
     return tuple(out)
 
 
