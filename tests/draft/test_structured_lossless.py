@@ -34,7 +34,7 @@ from jaxspec.model.targets import forward_sequence
 from jaxspec.train.corpus import file_prompts, spread_by_package, stdlib_files
 from tests.conftest import engine
 from tests.draft import test_mla_spec
-from tests.model import test_golden_heads
+from tests.model import test_golden_dspark, test_golden_heads
 from tests.model.golden import case_dir, cases
 from tests.structured.vocab import char_tokenizer, oracle_allowed, oracle_final, token_texts
 
@@ -199,6 +199,10 @@ def tiny_setup(kind: str):
         draft = js.load_draft(case_dir(next(c for c in cases("eagle1"))), base) if kind == "eagle1" else \
             js.NgramDraft(max_ngram=3)
         prompts = [[40, 41, 42, 43, 44], [50, 60], [70, 71, 72, 73, 74, 75, 76, 77]]
+    elif kind == "dspark":  # the speculators goldens' DSpark (every slot drafting) on the DFlash goldens' target
+        base = test_golden_dspark.target()
+        draft = test_golden_dspark.draft("dspark_vanilla")
+        prompts = [p[:8] for p in test_golden_dspark.case("dspark_vanilla")["prompts"]]
     else:
         case, base, draft, _ = test_mla_spec.golden("deepseek_v3_dense")
         prompts = [p[:8] for p in case["prompts"]] + [case["prompts"][0][:3]]
@@ -222,6 +226,7 @@ TINY_CASES = [
     ("mtp", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16),
     ("mtp", js.SpecConfig.chain(2), 16),
     ("ngram", js.SpecConfig.chain(3), 1),
+    ("dspark", js.SpecConfig.chain(5, confidence_threshold=0.3), 16),  # Markov scan masked slot by slot
 ]
 
 
