@@ -5,9 +5,10 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   standalone draft, pages 1 and 16, a ragged batch of 3, equal HF's greedy tokens (the golden, itself
   equal to plain greedy); the paged verify's log-probabilities equal HF's no-cache logits; forced
   preemption (resume by prefill) changes nothing; every page of every pool comes back;
-* rollback: a rejected tree node that closes a CSA and an HCA window leaves no trace: after commit and
+* rollback: a rejected tree node that closes a CSA and an HCA window leaves no trace, whether an accepted
+  sibling closes them, no accepted node does, or a chain is cut before its closer: after commit and
   compaction every entry pool and the ring (K = V rows and compressor inputs) equal a fresh forward over
-  the accepted tokens, and the verify itself wrote no entry;
+  the accepted tokens, and so do they after the next step; the verify itself wrote no entry;
 * seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
   helper, and the jitted and eager paths agree on them;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
@@ -123,56 +124,95 @@ def _tables(B: int, pages: int):
                       compressed=(table, table))
 
 
-def test_a_rejected_node_closing_windows_leaves_no_trace():
-    """Prompt of 29 tokens; a verify tree root(29) -> {a, b}(30) -> {c under a, d under b}(31): position 31
-    closes a CSA entry (rate 2) and an HCA entry (rate 4). The path root -> b -> d is accepted, so c's
-    closing entries (and a's inputs) are rejected. After commit + compaction every entry pool and the
-    committed ring equal a fresh forward over prompt + [root, b, d]; the verify alone wrote no entry."""
-    target, _, ref = golden()
-    cfg, params = target.config, target.params
-    P, pages = 4, 12  # 48 positions / entries per row
-    tables = _tables(1, pages)
-    prompt = ref["prompt_1"].tolist()  # 29 tokens
-    s = len(prompt)
-    root, a, b, c, d = 5, 17, 23, 41, 50
-    tokens = jnp.asarray([[root, a, b, c, d]], jnp.int32)
-    depth = jnp.asarray([[0, 1, 1, 2, 2]], jnp.int32)
-    parent = [-1, 0, 0, 1, 2]
-    mask = np.eye(5, dtype=bool)
-    for i in range(5):
-        j = parent[i]
+P_ROLL, PAGES_ROLL = 4, 12  # 48 positions / entries per row
+TREE_PARENTS = [-1, 0, 0, 1, 2]  # root(29) -> {a, b}(30) -> {c under a, d under b}(31)
+CHAIN_PARENTS = [-1, 0, 1, 2, 3]  # root(29) -> x(30) -> y(31) -> ...(32, 33)
+
+
+def _ancestor_mask(parents: list[int]) -> np.ndarray:  # bool[T, T]: node i sees itself and its ancestors
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(len(parents)):
+        j = parents[i]
         while j >= 0:
             mask[i, j] = True
-            j = parent[j]
-    accept_index = jnp.asarray([[0, 2, 4]], jnp.int32)
+            j = parents[j]
+    return mask
 
-    def fresh(seq):  # a committing forward over seq (padded to 32: one compiled program), from an empty pool
-        T = 32
-        toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
-        write = jnp.where(pos < len(seq), pos, -1)
-        pool = create_target_pool(cfg, num_pages=pages + 1, page_size=P, dtype=jnp.float32)
-        attn = AttentionInputs.build(tables, jnp.zeros(1, jnp.int32), write, P)
-        return _forward(params, toks, pos, pool, attn)
 
-    before = fresh(prompt)
-    seq_lens = jnp.asarray([s], jnp.int32)
-    attn = AttentionInputs.build(tables, seq_lens, s + jnp.arange(5, dtype=jnp.int32)[None], P,
-                                 block_mask=jnp.asarray(mask)[None], pending=True)
-    verified, after = _verify_commit_compact(params, tokens, s + depth, before, attn, tables, seq_lens, accept_index)
-    want = fresh(prompt + [root, b, d])
+def _fresh(seq: list[int]):
+    """A committing forward over ``seq`` (padded to 40: one compiled program) from an empty pool."""
+    cfg, params = _cfg(), golden()[0].params
+    T = 40
+    toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    write = jnp.where(pos < len(seq), pos, -1)
+    pool = create_target_pool(cfg, num_pages=PAGES_ROLL + 1, page_size=P_ROLL, dtype=jnp.float32)
+    attn = AttentionInputs.build(_tables(1, PAGES_ROLL), jnp.zeros(1, jnp.int32), write, P_ROLL)
+    return _forward(params, toks, pos, pool, attn)
+
+
+def _step(pool, tokens: list[int], parents: list[int], seq_len: int, accept: list[int]):
+    """One verify of the 5 nodes ``tokens`` (tree ``parents``) behind ``seq_len`` committed positions,
+    the commit of the path ``accept`` (node indices, -1 past its end) and compaction: (the pool the
+    verify left, the committed pool)."""
+    tables = _tables(1, PAGES_ROLL)
+    depth = np.zeros(len(parents), np.int32)
+    for i, j in enumerate(parents):
+        depth[i] = 0 if j < 0 else depth[j] + 1
+    seq_lens = jnp.asarray([seq_len], jnp.int32)
+    attn = AttentionInputs.build(tables, seq_lens, seq_len + jnp.arange(5, dtype=jnp.int32)[None], P_ROLL,
+                                 block_mask=jnp.asarray(_ancestor_mask(parents))[None], pending=True)
+    return _verify_commit_compact(golden()[0].params, jnp.asarray([tokens], jnp.int32),
+                                  jnp.asarray(seq_len + depth)[None], pool, attn, tables, seq_lens,
+                                  jnp.asarray([accept], jnp.int32))
+
+
+def _assert_state_equal(got, want, positions: int):
+    """Every entry pool equal; the ring (K = V rows and compressor inputs) at positions < ``positions``."""
+    for part_g, part_w in zip(got.entries, want.entries):
+        for x, y in zip(part_g.buffers, part_w.buffers):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
+    slots = np.asarray(_tables(1, PAGES_ROLL).window.slots(jnp.arange(positions, dtype=jnp.int32)[None], P_ROLL))[0]
+    for x, y in zip(got.window.buffers, want.window.buffers):
+        np.testing.assert_allclose(np.asarray(x)[:, slots], np.asarray(y)[:, slots], atol=2e-5)
+
+
+def _entry_written(pool, part: int, entry: int) -> bool:
+    slot = (1 + entry // P_ROLL) * P_ROLL + entry % P_ROLL  # the plain table: entry e in page 1 + e // P
+    return bool(np.abs(np.asarray(pool.entries[part].kv[:, slot])).max() > 0)
+
+
+@pytest.mark.parametrize("parents,accept", [
+    (TREE_PARENTS, [0, 2, 4]),
+    (TREE_PARENTS, [0, 2, -1]),
+    (CHAIN_PARENTS, [0, 1, -1]),
+], ids=["sibling-closes", "closers-rejected", "chain-cut-before-closer"])
+def test_a_rejected_node_closing_windows_leaves_no_trace(parents, accept):
+    """Prompt of 29 tokens, a verify of 5 nodes in which position 31 closes a CSA entry (15, rate 2) and
+    an HCA entry (7, rate 4): in the tree, c (under a) and d (under b) both close them; in the chain, y.
+    Accepted: root -> b -> d (a sibling closes the same windows), root -> b (neither closer: nothing
+    closes them), root -> x (the chain cut before its closer). The verify alone writes no entry; after
+    commit + compaction every entry pool and the committed ring equal a fresh forward over the accepted
+    tokens only, and so does the next step (one more token at the committed length, which reads the
+    ring positions the rejected nodes had used and closes 15 and 7 where they stayed open)."""
+    _, _, ref = golden()
+    prompt = ref["prompt_1"].tolist()  # 29 tokens
+    s = len(prompt)
+    tokens = [5, 17, 23, 41, 50]
+    path = [tokens[i] for i in accept if i >= 0]
+    n = s + len(path)
+    before = _fresh(prompt)
+    verified, after = _step(before, tokens, parents, s, accept)
     for part_v, part_b in zip(verified.entries, before.entries):  # the verify wrote no entry
         for x, y in zip(part_v.buffers, part_b.buffers):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    for part_a, part_w in zip(after.entries, want.entries):  # committed: exactly the accepted path's entries
-        for x, y in zip(part_a.buffers, part_w.buffers):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
-    for part, entry in zip(after.entries, (15, 7)):  # the entries closed at 31 (CSA 15, HCA 7) are there
-        slot = (1 + entry // P) * P + entry % P
-        assert np.abs(np.asarray(part.kv[:, slot])).max() > 0
-    slots = np.asarray(tables.window.slots(jnp.arange(s + 3, dtype=jnp.int32)[None], P))[0]
-    for x, y in zip(after.window.buffers, want.window.buffers):  # K = V rows and compressor inputs, positions < 32
-        np.testing.assert_allclose(np.asarray(x)[:, slots], np.asarray(y)[:, slots], atol=2e-5)
+    _assert_state_equal(after, _fresh(prompt + path), n)
+    closed = n > s + 2  # the accepted path reaches position 31
+    assert all(_entry_written(after, part, entry) == closed for part, entry in ((0, 15), (1, 7)))
+    # The next step: token 60 at position n accepted, four more nodes rejected.
+    _, later = _step(after, [60, 61, 62, 63, 64], CHAIN_PARENTS, n, [0, -1, -1])
+    _assert_state_equal(later, _fresh(prompt + path + [60]), n + 1)
+    assert all(_entry_written(later, part, entry) for part, entry in ((0, 15), (1, 7)))
 
 
 @jax.jit
@@ -184,7 +224,7 @@ def _forward(params, tokens, positions, pool, attn):
 def _verify_commit_compact(params, tokens, positions, pool, attn, tables, seq_lens, accept_index):
     cfg = _cfg()
     out = target_forward(cfg, params, tokens, positions, pool, attn)
-    lens = jnp.asarray([accept_index.shape[1]], jnp.int32)
+    lens = jnp.sum(accept_index >= 0, axis=1).astype(jnp.int32)
     active = jnp.ones((1,), bool)
     committed = target_commit(cfg, out.pool, out.pending, accept_index, lens, active)
     return out.pool, compact_pool(committed, tables, seq_lens, accept_index, lens, active)
