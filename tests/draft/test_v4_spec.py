@@ -12,7 +12,8 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
 * seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
   helper, and the jitted and eager paths agree on them;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
-* speculative sampling on a tiny V4 target (vocabulary 5) has the target's exact distribution.
+* speculative sampling (MTP chain and tree) on a tiny V4 target (vocabulary 5) has the target's exact
+  distribution.
 """
 
 from __future__ import annotations
@@ -290,18 +291,18 @@ def small_pair():
     return target, v4_mtp_draft(cfg, init_v4_mtp_params(cfg, params, seed=4, scale=0.3))
 
 
-def test_mtp_sampling_matches_the_target_distribution():
-    """Chain rejection sampling with the MTP layer's q on a tiny V4 target whose 8 positions pass its window
-    (3) and its CSA top-1 selection: the joint of the first 4 tokens is the target's (chi-square over 32 x 256
-    samples), and drafts are partly accepted."""
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(2), TREE], ids=["chain", "tree"])
+def test_mtp_sampling_matches_the_target_distribution(spec):
+    """Rejection sampling with the MTP layer's q (a chain; a tree of 2 x 2 steps, 4 nodes) on a tiny V4
+    target whose 8 positions pass its window (3) and its CSA top-1 selection: the joint of the first 4
+    tokens is the target's (chi-square over 32 x 256 samples), and drafts are partly accepted."""
     from tests.draft.test_spec_sampling import HOT, P_VALUE_MIN, chi_square_p, exact_joint, sample_counts
 
     target, draft = small_pair()
     probs = exact_joint(HOT, model=target)
-    spec = js.SpecConfig.chain(2)
     counts = sample_counts(draft, spec, HOT, calls=32, model=target)
     assert chi_square_p(counts, probs) > P_VALUE_MIN
     out = js.generate(target, [[1, 2, 3, 4]] * 256, draft=draft, spec=spec, sampling=HOT, progress=False,
                       engine=js.EngineConfig(page_size=4, max_batch=256, max_seq_len=32, steps_per_call=4), seed=99)
     lens = np.concatenate([s.accept_lens for s in out.stats])
-    assert 1.05 < lens.mean() < 3.0, lens.mean()
+    assert 1.05 < lens.mean() < 3.0 and (lens == 1).any() and (lens > 1).any(), lens.mean()
