@@ -10,7 +10,8 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   compaction every entry pool and the ring (K = V rows and compressor inputs) equal a fresh forward over
   the accepted tokens, and so do they after the next step; the verify itself wrote no entry;
 * seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
-  helper, and the jitted and eager paths agree on them;
+  helper, and the jitted and eager paths agree on them; V4's own draft loop (a perturbed V4 draft, a
+  tree of 2 x 3 steps) writes its ring rows at exactly those targets, jitted and eager alike;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
 * speculative sampling (MTP chain and tree) on a tiny V4 target (vocabulary 5) has the target's exact
   distribution.
@@ -18,6 +19,7 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -28,10 +30,14 @@ import pytest
 
 import jaxspec as js
 from jaxspec.draft.compact import compact_pool
+from jaxspec.draft.plan import Plan
+from jaxspec.draft.proposers import proposer_for
+from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.compressed import compressed_write_targets
 from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, v4_mtp_draft, v4_mtp_forward, v4_mtp_logits
 from jaxspec.model.io.deepseek_v4 import init_deepseek_v4_params
 from jaxspec.model.io.deepseek_v4_mtp import init_v4_mtp_params
@@ -51,9 +57,11 @@ def golden():
 
 @functools.cache
 def perturbed():
+    """The target with N(0, 0.02^2) noise on every f32 parameter (numpy's: JAX's per-leaf draws took
+    ~25 s to compile) as a standalone draft."""
     target, _, _ = golden()
-    keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
-    noisy = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)
+    rng = np.random.default_rng(2)
+    noisy = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(np.float32)
                          if x.dtype == jnp.float32 else x, target.params)
     return standalone_draft(Model(config=target.config, params=noisy, dtype=target.dtype))
 
@@ -140,9 +148,10 @@ def _ancestor_mask(parents: list[int]) -> np.ndarray:  # bool[T, T]: node i sees
     return mask
 
 
-def _fresh(seq: list[int]):
-    """A committing forward over ``seq`` (padded to 40: one compiled program) from an empty pool."""
-    cfg, params = _cfg(), golden()[0].params
+def _fresh(seq: list[int], params=None):
+    """A committing forward over ``seq`` (padded to 40: one compiled program) from an empty pool, with
+    the target's params or ``params`` of the same config."""
+    cfg, params = _cfg(), golden()[0].params if params is None else params
     T = 40
     toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
     pos = jnp.arange(T, dtype=jnp.int32)[None]
@@ -272,6 +281,61 @@ def test_per_step_compressed_write_targets_jit_equals_eager(B, K, S):
         for m, c in zip(rates, closes):
             want = np.where((logical + 1) % m == 0, (logical + 1) // m - 1, -1)
             np.testing.assert_array_equal(np.asarray(c), np.broadcast_to(want, (B, K)))
+
+
+STEP_TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _propose_jit(plan, dparams, state, dpool, tables):
+    return _propose(plan, dparams, state, dpool, tables)
+
+
+def _propose(plan, dparams, state, dpool, tables):
+    """The draft loop of one step (``Recurrent.propose``): (tree, draft pool)."""
+    rows = state.step_rows()
+    ctx = DraftContext(tables, rows.seq_lens, None)  # a standalone draft reads no target pool
+    tree, _, _, dpool = proposer_for(plan).propose(plan, dparams, rows, dpool, ctx)
+    return tree, dpool
+
+
+def test_multi_step_v4_draft_loop_jit_equals_eager():
+    """Seed 004 through V4's own draft loop: a perturbed V4 draft (its pool holding a 29-token prompt and
+    the bonus token at 29) drafts a tree of 2 branches x 3 steps; each draft forward writes its K = V rows
+    and compressor inputs and computes the CSA / HCA entries its path closes (step 1, at 31, closes CSA
+    entry 15 and HCA entry 7 on each branch). Jitted and under ``jax.disable_jit()`` the tree and every
+    pool buffer agree, and in both the ring changed at exactly the slots of the layout helper's
+    positions (branch j, step i < S - 1 at 30 + j*S + i) while no entry was written."""
+    _, _, ref = golden()
+    draft = perturbed()
+    cfg = draft.config.model
+    prompt, bonus = ref["prompt_1"].tolist(), int(ref["greedy_1"][0])  # 29 tokens, then the bonus at 29
+    K, S = STEP_TREE.topk, STEP_TREE.num_steps
+    before = _fresh(prompt + [bonus], draft.params)
+    tables = _tables(1, PAGES_ROLL)
+    plan = Plan(target=cfg, draft=draft.config, spec=STEP_TREE, page_size=P_ROLL)
+    seed = jax.random.normal(jax.random.PRNGKey(5), (1, cfg.hidden_size), jnp.float32)  # the root's draft output
+    state = dataclasses.replace(
+        DecodeState.empty(batch=1, out_width=8, num_stop=1, hidden_size=cfg.hidden_size),
+        seq_lens=jnp.asarray([len(prompt)], jnp.int32), bonus=jnp.asarray([bonus], jnp.int32),
+        active=jnp.ones(1, bool), seed=DraftSeed(hidden=seed))
+    jitted = _propose_jit(plan, draft.params, state, before, tables)
+    with jax.disable_jit():
+        eager = _propose(plan, draft.params, state, before, tables)
+    np.testing.assert_array_equal(np.asarray(jitted[0].tokens), np.asarray(eager[0].tokens))
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    base = len(prompt) + draft.config.pos_offset  # 30: a standalone draft's scratch follows the bonus
+    assert base == 30
+    written = base + np.asarray([j * S + i for j in range(K) for i in range(S - 1)])
+    want = np.sort(np.asarray(tables.window.slots(jnp.asarray(written)[None], P_ROLL))[0])
+    for _, dpool in (jitted, eager):
+        for x, y in zip(dpool.window.buffers, before.window.buffers):
+            changed = np.flatnonzero(np.any(np.asarray(x) != np.asarray(y), axis=(0, 2)))
+            np.testing.assert_array_equal(changed, want)
+        for part_a, part_b in zip(dpool.entries, before.entries):
+            for x, y in zip(part_a.buffers, part_b.buffers):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 # ------------------------------------------------------------------------------------ sampling
