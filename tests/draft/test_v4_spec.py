@@ -11,7 +11,9 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   the accepted tokens, and so do they after the next step; the verify itself wrote no entry;
 * seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
   helper, and the jitted and eager paths agree on them; V4's own draft loop (a perturbed V4 draft, a
-  tree of 2 x 3 steps) writes its ring rows at exactly those targets, jitted and eager alike;
+  tree of 2 x 3 steps) writes its ring rows at exactly those targets, jitted and eager alike, and its
+  attention reads each scratch column back where the helper wrote it, at that step's logical position;
+  a different layout in the helper moves the writes and the reads together;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
 * speculative sampling (MTP chain and tree) on a tiny V4 target (vocabulary 5) has the target's exact
   distribution.
@@ -34,6 +36,7 @@ from jaxspec.draft.plan import Plan
 from jaxspec.draft.proposers import proposer_for
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.compressed import compressed_write_targets
+from jaxspec.kvcache import layout
 from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.drafts import standalone_draft
@@ -42,6 +45,7 @@ from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, v4_mtp_draft, v4_m
 from jaxspec.model.io.deepseek_v4 import init_deepseek_v4_params
 from jaxspec.model.io.deepseek_v4_mtp import init_v4_mtp_params
 from jaxspec.model.targets import Model, create_target_pool, target_commit, target_forward
+from jaxspec.model.targets.deepseek_v4_attention import block_columns
 from jaxspec.model.targets.deepseek_v4_config import DeepseekV4Config
 from tests.model.golden import GOLDEN, arrays, cases
 
@@ -283,6 +287,50 @@ def test_per_step_compressed_write_targets_jit_equals_eager(B, K, S):
             np.testing.assert_array_equal(np.asarray(c), np.broadcast_to(want, (B, K)))
 
 
+def _reads_follow_writes(base: jax.Array, K: int, S: int, tables, page: int) -> np.ndarray:
+    """The draft loop's AttentionInputs for each step i (prefix ``base``, its K rows written at row i of
+    the layout helper, a [B, K, K*S] block mask): V4's ``block_columns`` (the read side: where and at
+    which logical position each scratch column was written) gives every row's own column back at the
+    row's write position and at its logical position base + i. Returns the writes, i32[S, B, K]."""
+    B = base.shape[0]
+    per_step = per_step_draft_locs(draft_scratch_positions(base, K, S), B, K, S).reshape(S, B, K)
+    for i in range(S):
+        positions = jnp.broadcast_to((base + i)[:, None], (B, K))
+        attn = AttentionInputs.build(tables, base, per_step[i], page, block_mask=jnp.ones((B, K, K * S), bool))
+        logical, write = block_columns(attn, positions, K)  # [B, K*S]
+        own = np.asarray(per_step[i] - base[:, None])  # each row's column
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(write), own, 1), np.asarray(per_step[i]))
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(logical), own, 1), np.asarray(positions))
+    return np.asarray(per_step)
+
+
+def test_draft_reads_and_writes_share_one_layout(monkeypatch):
+    """Seed 004's drift, both ways round: V4's read side (``block_columns``) takes the scratch layout
+    from the same helper as the draft loop's writes, so swapping the helper's layout (here step-major,
+    ``i * K + j``, for the real ``j * S + i``) moves the write positions and the read positions, and they
+    still agree column for column."""
+    B, K, S = 2, 3, 4
+    base = jnp.asarray([5, 17], jnp.int32)
+    tables = _tables(B, 8)
+    writes = _reads_follow_writes(base, K, S, tables, 4)
+    np.testing.assert_array_equal(writes, np.asarray(base)[None, :, None] + (np.arange(K)[None, None, :] * S
+                                                                             + np.arange(S)[:, None, None]))
+    probe = AttentionInputs.build(tables, base, jnp.zeros((B, K), jnp.int32), 4,
+                                  block_mask=jnp.ones((B, K, K * S), bool))
+    logical = np.asarray(block_columns(probe, jnp.zeros((B, K), jnp.int32), K)[0])  # every column's position
+    np.testing.assert_array_equal(logical - np.asarray(base)[:, None],
+                                  np.broadcast_to(np.arange(K * S) % S, (B, K * S)))
+
+    monkeypatch.setattr(layout, "_scratch_offsets",
+                        lambda topk, num_steps: np.arange(topk * num_steps, dtype=np.int32).reshape(num_steps, topk).T)
+    moved = _reads_follow_writes(base, K, S, tables, 4)
+    np.testing.assert_array_equal(moved, np.asarray(base)[None, :, None] + (np.arange(S)[:, None, None] * K
+                                                                            + np.arange(K)[None, None, :]))
+    moved_logical = np.asarray(block_columns(probe, jnp.zeros((B, K), jnp.int32), K)[0])
+    np.testing.assert_array_equal(moved_logical - np.asarray(base)[:, None],
+                                  np.broadcast_to(np.arange(K * S) // K, (B, K * S)))
+
+
 STEP_TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
 
 
@@ -328,6 +376,9 @@ def test_multi_step_v4_draft_loop_jit_equals_eager():
     base = len(prompt) + draft.config.pos_offset  # 30: a standalone draft's scratch follows the bonus
     assert base == 30
     written = base + np.asarray([j * S + i for j in range(K) for i in range(S - 1)])
+    # The loop's attention reads each scratch column where the helper wrote it, at its step's position.
+    helper = _reads_follow_writes(jnp.asarray([base], jnp.int32), K, S, tables, P_ROLL)  # [S, 1, K]
+    np.testing.assert_array_equal(np.sort(helper[:S - 1].reshape(-1)), np.sort(written))
     want = np.sort(np.asarray(tables.window.slots(jnp.asarray(written)[None], P_ROLL))[0])
     for _, dpool in (jitted, eager):
         for x, y in zip(dpool.window.buffers, before.window.buffers):

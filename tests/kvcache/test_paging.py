@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
+from jaxspec.kvcache.layout import draft_scratch_positions, draft_scratch_steps, per_step_draft_locs
 from jaxspec.kvcache.paging import positions_to_slots
 
 
@@ -37,6 +37,17 @@ def test_draft_layout_jit_equals_eager(B, K, S):
     for i in range(S):
         want = (np.arange(B)[:, None] * 100 + 7 + np.arange(K)[None, :] * S + i).reshape(-1)
         np.testing.assert_array_equal(jitted[i], want)
+
+
+@pytest.mark.parametrize("K,S", [(1, 1), (1, 5), (4, 5), (8, 3)])
+def test_draft_scratch_steps_inverts_the_layout(K, S):
+    """The read side: scratch column c (position base + c) holds step c % S, exactly the step whose
+    row of ``per_step_draft_locs`` wrote it."""
+    steps = np.asarray(draft_scratch_steps(K, S))
+    np.testing.assert_array_equal(steps, np.arange(K * S) % S)
+    per_step = np.asarray(per_step_draft_locs(draft_scratch_positions(jnp.asarray([7], jnp.int32), K, S), 1, K, S))
+    for i in range(S):
+        np.testing.assert_array_equal(steps[per_step[i] - 7], i)
 
 
 def test_draft_layout_rejects_wrong_size():
