@@ -10,8 +10,9 @@ is a bug where two copies of this reshape did).
 
 The layout itself (branch j, step i -> scratch offset ``j * S + i``) is defined once, in
 ``_scratch_offsets``: the write side (``draft_scratch_positions``) maps (j, i) through it, and the
-read side (``draft_scratch_steps``: which step a scratch column holds, hence its logical position
-``base + i``) inverts it, so writes and reads cannot drift apart.
+read side (``draft_scratch_cells``: which branch and step a scratch column holds, hence which
+ancestor it is and its logical position ``base + i``; ``draft_scratch_steps`` its steps) inverts it,
+so writes and reads cannot drift apart.
 """
 
 from __future__ import annotations
@@ -53,15 +54,24 @@ def per_step_draft_locs(
     return jnp.transpose(flat.reshape(batch_size, topk, num_steps), (2, 0, 1)).reshape(num_steps, -1)
 
 
-def draft_scratch_steps(topk: int, num_steps: int) -> jax.Array:  # i32[topk * S]
-    """The read side of the layout: entry ``c`` is the step ``i`` of the scratch column at offset ``c``
-    (position ``base + c``), so the token there sits at logical (RoPE) position ``base + i``. The
-    inverse of ``_scratch_offsets`` (``c % S`` for the layout ``j * S + i``), so it moves with it."""
+def draft_scratch_cells(topk: int, num_steps: int) -> tuple[np.ndarray, np.ndarray]:  # (i32[topk * S], i32[topk * S])
+    """The read side of the layout: (branch, step) of every scratch column. Entry ``c`` says which
+    branch ``j`` and step ``i`` wrote the column at offset ``c`` (position ``base + c``): the inverse of
+    ``_scratch_offsets`` (``c // S``, ``c % S`` for the layout ``j * S + i``), so it moves with it. Static
+    numpy (topk and S are): masks over the scratch columns (which ancestor each column is) and logical
+    positions (``base + i``) are built from it, never from the arithmetic of one layout."""
     offsets = _scratch_offsets(topk, num_steps)
     n = topk * num_steps
-    if not np.array_equal(np.sort(offsets.reshape(-1)), np.arange(n)):
+    if offsets.shape != (topk, num_steps) or not np.array_equal(np.sort(offsets.reshape(-1)), np.arange(n)):
         raise ValueError(f"draft-scratch offsets of {topk} branches x {num_steps} steps are not a "
                          f"permutation of 0..{n - 1}")
-    steps = np.empty(n, np.int32)
-    steps[offsets.reshape(-1)] = np.broadcast_to(np.arange(num_steps, dtype=np.int32), offsets.shape).reshape(-1)
-    return jnp.asarray(steps)
+    branch, step = np.empty(n, np.int32), np.empty(n, np.int32)
+    branch[offsets.reshape(-1)] = np.repeat(np.arange(topk, dtype=np.int32), num_steps)
+    step[offsets.reshape(-1)] = np.tile(np.arange(num_steps, dtype=np.int32), topk)
+    return branch, step
+
+
+def draft_scratch_steps(topk: int, num_steps: int) -> jax.Array:  # i32[topk * S]
+    """Entry ``c`` is the step ``i`` of the scratch column at offset ``c`` (position ``base + c``), so
+    the token there sits at logical (RoPE) position ``base + i`` (``draft_scratch_cells``' steps)."""
+    return jnp.asarray(draft_scratch_cells(topk, num_steps)[1])
