@@ -21,6 +21,7 @@ from jaxspec.draft import tree as tree_lib
 from jaxspec.draft.compact import compact_pool, gather_to_front
 from jaxspec.draft.plan import KEY_COINS, KEY_FINAL, Plan, StepRows, sub_keys
 from jaxspec.draft.verify import verify_chain_greedy, verify_chain_rejection, verify_tree_greedy, verify_tree_target_only
+from jaxspec.kvcache.layout import draft_scratch_cells
 from jaxspec.model.sampling import pick_tokens, target_probs, uniforms
 
 
@@ -69,7 +70,8 @@ class Chain:
     @staticmethod
     def draft_mask(ancestors, parent_row, step: int, num_steps: int):
         B = ancestors.shape[0]
-        mask = jnp.asarray(np.broadcast_to(np.arange(num_steps) <= step, (B, 1, num_steps)))
+        _, level = draft_scratch_cells(1, num_steps)  # the step each scratch column holds (the layout helper's)
+        mask = jnp.asarray(np.broadcast_to(level <= step, (B, 1, num_steps)))
         return mask, ancestors
 
     @staticmethod
@@ -169,14 +171,14 @@ def draft_ancestor_mask(
     ancestors: jax.Array,  # i32[B, K, S] branch of each row's ancestor at every step
     step: int,
     num_steps: int,
-) -> jax.Array:  # bool[B, K, K*S]: scratch offset j*S + i visible to each row
-    """Row k at ``step`` sees scratch offset ``j*S + i`` iff i <= step and its step-i
-    ancestor is branch j (exact tree attention for the draft)."""
+) -> jax.Array:  # bool[B, K, K*S]: each scratch column visible to each row
+    """Row k at ``step`` sees the scratch column of branch j, step i iff i <= step and its step-i
+    ancestor is branch j (exact tree attention for the draft). Which (j, i) each column holds comes
+    from the layout helper (``draft_scratch_cells``; column ``j*S + i``), as the writes' positions do."""
     B, K, S = ancestors.shape
-    branch = jnp.arange(K, dtype=jnp.int32)[:, None]  # j
-    level = jnp.arange(S, dtype=jnp.int32)[None, :]  # i
-    hit = (ancestors[:, :, None, :] == branch[None, None]) & (level[None, None] <= step)  # [B, K, K, S]
-    return hit.reshape(B, K, K * num_steps)
+    branch, level = draft_scratch_cells(K, num_steps)  # i32[K*S] each: the (j, i) of every column
+    on_path = ancestors[:, :, level] == jnp.asarray(branch)[None, None, :]  # [B, K, K*S]
+    return on_path & jnp.asarray(level <= step)[None, None, :]
 
 
 def shape_for(plan: Plan):

@@ -56,8 +56,8 @@ class RecurrentPool:
 @dataclasses.dataclass(frozen=True)
 class DraftScratch:
     """While a hybrid model drafts a tree (a standalone draft): per linear layer, what each scratch
-    node left (``jaxspec.model.gated_delta``), in the draft-scratch layout (column ``j * S + i`` for
-    branch j, step i; W = K * S columns): k f32[L, B, W, Hk, Dk], u f32[L, B, W, Hv, Dv],
+    node left (``jaxspec.model.gated_delta``), in the draft-scratch layout (``jaxspec.kvcache.layout``:
+    column ``j * S + i`` for branch j, step i; W = K * S columns): k f32[L, B, W, Hk, Dk], u f32[L, B, W, Hv, Dv],
     G f32[L, B, W, Hv], conv_in [L, B, W, C]. It exists only inside one propose."""
 
     k: jax.Array

@@ -19,8 +19,9 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   at batch 1 and tree verify n=8 at batch 32.
 * DeepSeek-V4-Flash (43 layers: 21 CSA, 20 HCA; one K = V head of 512): the lightning indexer
   (64 heads x 128) over the CSA entries of a 128k context (32k entries, rate 4; page 64), decode at
-  batch 1 and verify n=8 at batch 32; compaction of its ring pool (the K = V rows of every layer, the
-  CSA layers' compressor inputs of each token; each buffer moves on its own, their layer counts
+  batch 1 and verify n=8 at batch 32, and in a 2048-token prefill (its 513 entries closing in the
+  chunk under a block mask); compaction of its ring pool (the K = V rows of every layer, the CSA and
+  the HCA layers' compressor inputs of each token; each buffer moves on its own, their layer counts
   differ); the MTP seed gather of the flattened streams (4 x 4096).
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
@@ -262,17 +263,22 @@ CASES: list[CompileCase] = [
     CompileCase("deepseek-v3.2 indexer decode B=1 64k", "dsa_indexer", functools.partial(dsa_indexer_case, 1, 1)),
     CompileCase("deepseek-v3.2 indexer verify n=8 B=32 64k", "dsa_indexer",
                 functools.partial(dsa_indexer_case, 32, 8)),
-    # DeepSeek-V4-Flash: the indexer over 32k CSA entries (a 128k context at rate 4), the ring pool's compaction
-    # (K = V rows of 43 layers, 21 CSA layers' compressor inputs 4*512 + 4*128 wide, 20 HCA layers' 2*512; a ring
-    # of 4 pages of 64 per request) and the MTP seed gather of the streams
+    # DeepSeek-V4-Flash: the indexer over 32k CSA entries (a 128k context at rate 4) and in a 2048-token prefill
+    # (the 2048 / 4 + 1 entries closing in the chunk under a block mask, a table of 9 pages of 64 entries), the ring
+    # pool's compaction (K = V rows of 43 layers, 21 CSA layers' compressor inputs 4*512 + 4*128 wide, 20 HCA
+    # layers' 2*512; a ring of 4 pages of 64 per request) and the MTP seed gather of the streams
     CompileCase("deepseek-v4-flash indexer decode B=1 32k entries", "dsa_indexer",
                 functools.partial(dsa_indexer_case, 1, 1, 32768, layers=21, mask_width=1)),
     CompileCase("deepseek-v4-flash indexer verify n=8 B=32 32k entries", "dsa_indexer",
                 functools.partial(dsa_indexer_case, 32, 8, 32768, layers=21, mask_width=1)),
+    CompileCase("deepseek-v4-flash indexer prefill T=2048 B=1 576 entries", "dsa_indexer",
+                functools.partial(dsa_indexer_case, 1, 2048, 576, layers=21, mask_width=2048 // 4 + 1)),
     CompileCase("kv_move deepseek-v4-flash ring kv B=32 S=6", "kv_move",
                 functools.partial(kv_move_case, 43, (32 * 4 + 1) * 64, ((512,),), 32, 6)),
     CompileCase("kv_move deepseek-v4-flash ring csa inputs B=32 S=6", "kv_move",
                 functools.partial(kv_move_case, 21, (32 * 4 + 1) * 64, ((2560,),), 32, 6)),
+    CompileCase("kv_move deepseek-v4-flash ring hca inputs B=32 S=6", "kv_move",
+                functools.partial(kv_move_case, 20, (32 * 4 + 1) * 64, ((1024,),), 32, 6)),
     CompileCase("gather deepseek-v4-flash mtp streams B=32 n=8", "gather_spec_extras",
                 functools.partial(gather_case, 32, 8, 4 * 4096), reads_kv=False),
     # KV move (tree compaction, S = 5 accepted at most) and the fused gather

@@ -8,6 +8,7 @@ grows with the tree by the nodes' vectors, far below a state per node."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -18,15 +19,19 @@ import pytest
 
 import jaxspec as js
 from jaxspec.draft.plan import Plan
+from jaxspec.draft.proposers import proposer_for
 from jaxspec.engine.programs import decode_program
 from jaxspec.engine.state import DecodeState
+from jaxspec.kvcache import layout
+from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.drafts.dflash import dflash_config_for
 from jaxspec.model.drafts.eagle import eagle3_config_for
 from jaxspec.model.io.dflash import export_dflash, init_dflash_params
 from jaxspec.model.io.eagle import export_eagle3, init_eagle_params
 from jaxspec.model.io.qwen3_next import init_hybrid_params
-from jaxspec.model.targets import Model, create_target_pool, forward_sequence
+from jaxspec.model.targets import Model, create_target_pool, forward_sequence, target_forward
 from jaxspec.model.targets.qwen3_next_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
 from jaxspec.model.config import RopeConfig
 from jaxspec.train.forward import frozen_target_forward
@@ -188,3 +193,67 @@ def test_adaptive_depth_and_continuous_batching_over_recurrent_state():
     assert out.token_ids == plain(name, 16)
     assert out.kv_pages_free == out.kv_pages_total
     assert len(set(out.steps_per_call)) > 1, out.steps_per_call
+
+
+# ----------------------------------------------------------------------------- the draft-scratch layout
+
+def _propose_tree(model: Model, spec: js.SpecConfig, prompt: list[int], bonus: int, page: int):
+    """One propose of ``model`` as a standalone draft (its pool holding ``prompt + [bonus]``), traced
+    afresh (a new ``jax.jit``, so a patched layout helper reaches the trace): (tree, draft pool)."""
+    draft = standalone_draft(model)
+    cfg = model.config
+    plan = Plan(target=cfg, draft=draft.config, spec=spec, page_size=page)
+    pages = 8
+    table = jnp.asarray(1 + np.arange(pages, dtype=np.int32))[None]
+    seq = jnp.asarray([prompt + [bonus]], jnp.int32)
+    positions = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+    seed = jax.random.normal(jax.random.PRNGKey(5), (1, cfg.hidden_size), jnp.float32)  # the root's draft output
+    state = dataclasses.replace(
+        DecodeState.empty(batch=1, out_width=8, num_stop=1, hidden_size=cfg.hidden_size),
+        seq_lens=jnp.asarray([len(prompt)], jnp.int32), bonus=jnp.asarray([bonus], jnp.int32),
+        active=jnp.ones(1, bool), seed=DraftSeed(hidden=seed))
+
+    def run(params, state):
+        pool = draft.config.create_pool(num_pages=pages + 1, page_size=page, dtype=jnp.float32, rows=1)
+        attn = AttentionInputs.build(table, jnp.zeros(1, jnp.int32), positions, page)
+        pool = target_forward(cfg, params, seq, positions, pool, attn).pool  # the draft's prefill
+        rows = state.step_rows()
+        ctx = DraftContext(table, rows.seq_lens, None)  # a standalone draft reads no target pool
+        tree, _, _, pool = proposer_for(plan).propose(plan, params, rows, pool, ctx)
+        return tree, pool
+
+    return jax.jit(run)(model.params, state)
+
+
+def test_hybrid_draft_tree_is_the_same_under_any_scratch_layout(monkeypatch):
+    """Seed 004, every path at once: a hybrid standalone draft drafting a tree (3 branches x 4 steps)
+    writes its scratch KV where the layout helper says (``draft_scratch_positions``) and reads it back
+    through the same helper, in its attention masks (``draft_ancestor_mask``) and its Gated DeltaNet
+    layers' ancestors and conv inputs (``draft_scratch_steps``). Swapping the helper's layout (step-major,
+    ``base + i * K + j``, for ``base + j * S + i``) moves every write (the KV of branch j, step i lands at the
+    new position) and every read with it: the drafted tree is the same to the bit. A path keeping its own
+    copy of the layout would read other nodes' columns and draft another tree."""
+    cfg = wide_config(16)
+    model = Model(config=cfg, params=init_hybrid_params(cfg, seed=1, scale=0.3), dtype=np.dtype(np.float32))
+    spec = js.SpecConfig(num_steps=4, topk=3, num_draft_tokens=10)
+    K, S, page = spec.topk, spec.num_steps, 4
+    prompt, bonus = [5, 9, 2, 31, 7, 12], 40
+    base = len(prompt) + 1  # a standalone draft's scratch follows the bonus
+    tree, pool = _propose_tree(model, spec, prompt, bonus, page)
+
+    monkeypatch.setattr(layout, "_scratch_offsets",
+                        lambda topk, num_steps: np.arange(topk * num_steps, dtype=np.int32).reshape(num_steps, topk).T)
+    moved_tree, moved_pool = _propose_tree(model, spec, prompt, bonus, page)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(moved_tree)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # The writes moved: branch j, step i (i < S - 1: the last level runs no forward) from base + j*S + i
+    # to base + i*K + j; slot = 4 + position (page p of the table is pool page p + 1).
+    old = np.asarray([base + j * S + i for j in range(K) for i in range(S - 1)])
+    new = np.asarray([base + i * K + j for j in range(K) for i in range(S - 1)])
+    assert not np.array_equal(old, new)
+    for x, y in ((pool.kv.k, moved_pool.kv.k), (pool.kv.v, moved_pool.kv.v)):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_array_equal(x[:, page + old], y[:, page + new])
+        assert np.abs(x[:, page + old]).sum() > 0
+        np.testing.assert_array_equal(x[:, :page + base], y[:, :page + base])  # the prefill: untouched

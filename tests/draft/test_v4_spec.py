@@ -5,17 +5,23 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   standalone draft, pages 1 and 16, a ragged batch of 3, equal HF's greedy tokens (the golden, itself
   equal to plain greedy); the paged verify's log-probabilities equal HF's no-cache logits; forced
   preemption (resume by prefill) changes nothing; every page of every pool comes back;
-* rollback: a rejected tree node that closes a CSA and an HCA window leaves no trace: after commit and
+* rollback: a rejected tree node that closes a CSA and an HCA window leaves no trace, whether an accepted
+  sibling closes them, no accepted node does, or a chain is cut before its closer: after commit and
   compaction every entry pool and the ring (K = V rows and compressor inputs) equal a fresh forward over
-  the accepted tokens, and the verify itself wrote no entry;
+  the accepted tokens, and so do they after the next step; the verify itself wrote no entry;
 * seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
-  helper, and the jitted and eager paths agree on them;
+  helper, and the jitted and eager paths agree on them; V4's own draft loop (a perturbed V4 draft, a
+  tree of 2 x 3 steps) writes its ring rows at exactly those targets, jitted and eager alike, and its
+  attention reads each scratch column back where the helper wrote it, at that step's logical position;
+  a different layout in the helper moves the writes and the reads together;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
-* speculative sampling on a tiny V4 target (vocabulary 5) has the target's exact distribution.
+* speculative sampling (MTP chain and tree) on a tiny V4 target (vocabulary 5) has the target's exact
+  distribution.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -26,14 +32,20 @@ import pytest
 
 import jaxspec as js
 from jaxspec.draft.compact import compact_pool
+from jaxspec.draft.plan import Plan
+from jaxspec.draft.proposers import proposer_for
+from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.compressed import compressed_write_targets
+from jaxspec.kvcache import layout
 from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.drafts import standalone_draft
+from jaxspec.model.drafts.base import DraftContext, DraftSeed
 from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, v4_mtp_draft, v4_mtp_forward, v4_mtp_logits
 from jaxspec.model.io.deepseek_v4 import init_deepseek_v4_params
 from jaxspec.model.io.deepseek_v4_mtp import init_v4_mtp_params
 from jaxspec.model.targets import Model, create_target_pool, target_commit, target_forward
+from jaxspec.model.targets.deepseek_v4_attention import block_columns
 from jaxspec.model.targets.deepseek_v4_config import DeepseekV4Config
 from tests.model.golden import GOLDEN, arrays, cases
 
@@ -49,9 +61,11 @@ def golden():
 
 @functools.cache
 def perturbed():
+    """The target with N(0, 0.02^2) noise on every f32 parameter (numpy's: JAX's per-leaf draws took
+    ~25 s to compile) as a standalone draft."""
     target, _, _ = golden()
-    keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
-    noisy = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)
+    rng = np.random.default_rng(2)
+    noisy = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(np.float32)
                          if x.dtype == jnp.float32 else x, target.params)
     return standalone_draft(Model(config=target.config, params=noisy, dtype=target.dtype))
 
@@ -123,56 +137,96 @@ def _tables(B: int, pages: int):
                       compressed=(table, table))
 
 
-def test_a_rejected_node_closing_windows_leaves_no_trace():
-    """Prompt of 29 tokens; a verify tree root(29) -> {a, b}(30) -> {c under a, d under b}(31): position 31
-    closes a CSA entry (rate 2) and an HCA entry (rate 4). The path root -> b -> d is accepted, so c's
-    closing entries (and a's inputs) are rejected. After commit + compaction every entry pool and the
-    committed ring equal a fresh forward over prompt + [root, b, d]; the verify alone wrote no entry."""
-    target, _, ref = golden()
-    cfg, params = target.config, target.params
-    P, pages = 4, 12  # 48 positions / entries per row
-    tables = _tables(1, pages)
-    prompt = ref["prompt_1"].tolist()  # 29 tokens
-    s = len(prompt)
-    root, a, b, c, d = 5, 17, 23, 41, 50
-    tokens = jnp.asarray([[root, a, b, c, d]], jnp.int32)
-    depth = jnp.asarray([[0, 1, 1, 2, 2]], jnp.int32)
-    parent = [-1, 0, 0, 1, 2]
-    mask = np.eye(5, dtype=bool)
-    for i in range(5):
-        j = parent[i]
+P_ROLL, PAGES_ROLL = 4, 12  # 48 positions / entries per row
+TREE_PARENTS = [-1, 0, 0, 1, 2]  # root(29) -> {a, b}(30) -> {c under a, d under b}(31)
+CHAIN_PARENTS = [-1, 0, 1, 2, 3]  # root(29) -> x(30) -> y(31) -> ...(32, 33)
+
+
+def _ancestor_mask(parents: list[int]) -> np.ndarray:  # bool[T, T]: node i sees itself and its ancestors
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(len(parents)):
+        j = parents[i]
         while j >= 0:
             mask[i, j] = True
-            j = parent[j]
-    accept_index = jnp.asarray([[0, 2, 4]], jnp.int32)
+            j = parents[j]
+    return mask
 
-    def fresh(seq):  # a committing forward over seq (padded to 32: one compiled program), from an empty pool
-        T = 32
-        toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
-        write = jnp.where(pos < len(seq), pos, -1)
-        pool = create_target_pool(cfg, num_pages=pages + 1, page_size=P, dtype=jnp.float32)
-        attn = AttentionInputs.build(tables, jnp.zeros(1, jnp.int32), write, P)
-        return _forward(params, toks, pos, pool, attn)
 
-    before = fresh(prompt)
-    seq_lens = jnp.asarray([s], jnp.int32)
-    attn = AttentionInputs.build(tables, seq_lens, s + jnp.arange(5, dtype=jnp.int32)[None], P,
-                                 block_mask=jnp.asarray(mask)[None], pending=True)
-    verified, after = _verify_commit_compact(params, tokens, s + depth, before, attn, tables, seq_lens, accept_index)
-    want = fresh(prompt + [root, b, d])
+def _fresh(seq: list[int], params=None):
+    """A committing forward over ``seq`` (padded to 40: one compiled program) from an empty pool, with
+    the target's params or ``params`` of the same config."""
+    cfg, params = _cfg(), golden()[0].params if params is None else params
+    T = 40
+    toks = jnp.zeros((1, T), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    write = jnp.where(pos < len(seq), pos, -1)
+    pool = create_target_pool(cfg, num_pages=PAGES_ROLL + 1, page_size=P_ROLL, dtype=jnp.float32)
+    attn = AttentionInputs.build(_tables(1, PAGES_ROLL), jnp.zeros(1, jnp.int32), write, P_ROLL)
+    return _forward(params, toks, pos, pool, attn)
+
+
+def _step(pool, tokens: list[int], parents: list[int], seq_len: int, accept: list[int]):
+    """One verify of the 5 nodes ``tokens`` (tree ``parents``) behind ``seq_len`` committed positions,
+    the commit of the path ``accept`` (node indices, -1 past its end) and compaction: (the pool the
+    verify left, the committed pool)."""
+    tables = _tables(1, PAGES_ROLL)
+    depth = np.zeros(len(parents), np.int32)
+    for i, j in enumerate(parents):
+        depth[i] = 0 if j < 0 else depth[j] + 1
+    seq_lens = jnp.asarray([seq_len], jnp.int32)
+    attn = AttentionInputs.build(tables, seq_lens, seq_len + jnp.arange(5, dtype=jnp.int32)[None], P_ROLL,
+                                 block_mask=jnp.asarray(_ancestor_mask(parents))[None], pending=True)
+    return _verify_commit_compact(golden()[0].params, jnp.asarray([tokens], jnp.int32),
+                                  jnp.asarray(seq_len + depth)[None], pool, attn, tables, seq_lens,
+                                  jnp.asarray([accept], jnp.int32))
+
+
+def _assert_state_equal(got, want, positions: int):
+    """Every entry pool equal; the ring (K = V rows and compressor inputs) at positions < ``positions``."""
+    for part_g, part_w in zip(got.entries, want.entries):
+        for x, y in zip(part_g.buffers, part_w.buffers):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
+    slots = np.asarray(_tables(1, PAGES_ROLL).window.slots(jnp.arange(positions, dtype=jnp.int32)[None], P_ROLL))[0]
+    for x, y in zip(got.window.buffers, want.window.buffers):
+        np.testing.assert_allclose(np.asarray(x)[:, slots], np.asarray(y)[:, slots], atol=2e-5)
+
+
+def _entry_written(pool, part: int, entry: int) -> bool:
+    slot = (1 + entry // P_ROLL) * P_ROLL + entry % P_ROLL  # the plain table: entry e in page 1 + e // P
+    return bool(np.abs(np.asarray(pool.entries[part].kv[:, slot])).max() > 0)
+
+
+@pytest.mark.parametrize("parents,accept", [
+    (TREE_PARENTS, [0, 2, 4]),
+    (TREE_PARENTS, [0, 2, -1]),
+    (CHAIN_PARENTS, [0, 1, -1]),
+], ids=["sibling-closes", "closers-rejected", "chain-cut-before-closer"])
+def test_a_rejected_node_closing_windows_leaves_no_trace(parents, accept):
+    """Prompt of 29 tokens, a verify of 5 nodes in which position 31 closes a CSA entry (15, rate 2) and
+    an HCA entry (7, rate 4): in the tree, c (under a) and d (under b) both close them; in the chain, y.
+    Accepted: root -> b -> d (a sibling closes the same windows), root -> b (neither closer: nothing
+    closes them), root -> x (the chain cut before its closer). The verify alone writes no entry; after
+    commit + compaction every entry pool and the committed ring equal a fresh forward over the accepted
+    tokens only, and so does the next step (one more token at the committed length, which reads the
+    ring positions the rejected nodes had used and closes 15 and 7 where they stayed open)."""
+    _, _, ref = golden()
+    prompt = ref["prompt_1"].tolist()  # 29 tokens
+    s = len(prompt)
+    tokens = [5, 17, 23, 41, 50]
+    path = [tokens[i] for i in accept if i >= 0]
+    n = s + len(path)
+    before = _fresh(prompt)
+    verified, after = _step(before, tokens, parents, s, accept)
     for part_v, part_b in zip(verified.entries, before.entries):  # the verify wrote no entry
         for x, y in zip(part_v.buffers, part_b.buffers):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    for part_a, part_w in zip(after.entries, want.entries):  # committed: exactly the accepted path's entries
-        for x, y in zip(part_a.buffers, part_w.buffers):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
-    for part, entry in zip(after.entries, (15, 7)):  # the entries closed at 31 (CSA 15, HCA 7) are there
-        slot = (1 + entry // P) * P + entry % P
-        assert np.abs(np.asarray(part.kv[:, slot])).max() > 0
-    slots = np.asarray(tables.window.slots(jnp.arange(s + 3, dtype=jnp.int32)[None], P))[0]
-    for x, y in zip(after.window.buffers, want.window.buffers):  # K = V rows and compressor inputs, positions < 32
-        np.testing.assert_allclose(np.asarray(x)[:, slots], np.asarray(y)[:, slots], atol=2e-5)
+    _assert_state_equal(after, _fresh(prompt + path), n)
+    closed = n > s + 2  # the accepted path reaches position 31
+    assert all(_entry_written(after, part, entry) == closed for part, entry in ((0, 15), (1, 7)))
+    # The next step: token 60 at position n accepted, four more nodes rejected.
+    _, later = _step(after, [60, 61, 62, 63, 64], CHAIN_PARENTS, n, [0, -1, -1])
+    _assert_state_equal(later, _fresh(prompt + path + [60]), n + 1)
+    assert all(_entry_written(later, part, entry) for part, entry in ((0, 15), (1, 7)))
 
 
 @jax.jit
@@ -184,7 +238,7 @@ def _forward(params, tokens, positions, pool, attn):
 def _verify_commit_compact(params, tokens, positions, pool, attn, tables, seq_lens, accept_index):
     cfg = _cfg()
     out = target_forward(cfg, params, tokens, positions, pool, attn)
-    lens = jnp.asarray([accept_index.shape[1]], jnp.int32)
+    lens = jnp.sum(accept_index >= 0, axis=1).astype(jnp.int32)
     active = jnp.ones((1,), bool)
     committed = target_commit(cfg, out.pool, out.pending, accept_index, lens, active)
     return out.pool, compact_pool(committed, tables, seq_lens, accept_index, lens, active)
@@ -233,6 +287,108 @@ def test_per_step_compressed_write_targets_jit_equals_eager(B, K, S):
             np.testing.assert_array_equal(np.asarray(c), np.broadcast_to(want, (B, K)))
 
 
+def _reads_follow_writes(base: jax.Array, K: int, S: int, tables, page: int) -> np.ndarray:
+    """The draft loop's AttentionInputs for each step i (prefix ``base``, its K rows written at row i of
+    the layout helper, a [B, K, K*S] block mask): V4's ``block_columns`` (the read side: where and at
+    which logical position each scratch column was written) gives every row's own column back at the
+    row's write position and at its logical position base + i. Returns the writes, i32[S, B, K]."""
+    B = base.shape[0]
+    per_step = per_step_draft_locs(draft_scratch_positions(base, K, S), B, K, S).reshape(S, B, K)
+    for i in range(S):
+        positions = jnp.broadcast_to((base + i)[:, None], (B, K))
+        attn = AttentionInputs.build(tables, base, per_step[i], page, block_mask=jnp.ones((B, K, K * S), bool))
+        logical, write = block_columns(attn, positions, K)  # [B, K*S]
+        own = np.asarray(per_step[i] - base[:, None])  # each row's column
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(write), own, 1), np.asarray(per_step[i]))
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(logical), own, 1), np.asarray(positions))
+    return np.asarray(per_step)
+
+
+def test_draft_reads_and_writes_share_one_layout(monkeypatch):
+    """Seed 004's drift, both ways round: V4's read side (``block_columns``) takes the scratch layout
+    from the same helper as the draft loop's writes, so swapping the helper's layout (here step-major,
+    ``i * K + j``, for the real ``j * S + i``) moves the write positions and the read positions, and they
+    still agree column for column."""
+    B, K, S = 2, 3, 4
+    base = jnp.asarray([5, 17], jnp.int32)
+    tables = _tables(B, 8)
+    writes = _reads_follow_writes(base, K, S, tables, 4)
+    np.testing.assert_array_equal(writes, np.asarray(base)[None, :, None] + (np.arange(K)[None, None, :] * S
+                                                                             + np.arange(S)[:, None, None]))
+    probe = AttentionInputs.build(tables, base, jnp.zeros((B, K), jnp.int32), 4,
+                                  block_mask=jnp.ones((B, K, K * S), bool))
+    logical = np.asarray(block_columns(probe, jnp.zeros((B, K), jnp.int32), K)[0])  # every column's position
+    np.testing.assert_array_equal(logical - np.asarray(base)[:, None],
+                                  np.broadcast_to(np.arange(K * S) % S, (B, K * S)))
+
+    monkeypatch.setattr(layout, "_scratch_offsets",
+                        lambda topk, num_steps: np.arange(topk * num_steps, dtype=np.int32).reshape(num_steps, topk).T)
+    moved = _reads_follow_writes(base, K, S, tables, 4)
+    np.testing.assert_array_equal(moved, np.asarray(base)[None, :, None] + (np.arange(S)[:, None, None] * K
+                                                                            + np.arange(K)[None, None, :]))
+    moved_logical = np.asarray(block_columns(probe, jnp.zeros((B, K), jnp.int32), K)[0])
+    np.testing.assert_array_equal(moved_logical - np.asarray(base)[:, None],
+                                  np.broadcast_to(np.arange(K * S) // K, (B, K * S)))
+
+
+STEP_TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _propose_jit(plan, dparams, state, dpool, tables):
+    return _propose(plan, dparams, state, dpool, tables)
+
+
+def _propose(plan, dparams, state, dpool, tables):
+    """The draft loop of one step (``Recurrent.propose``): (tree, draft pool)."""
+    rows = state.step_rows()
+    ctx = DraftContext(tables, rows.seq_lens, None)  # a standalone draft reads no target pool
+    tree, _, _, dpool = proposer_for(plan).propose(plan, dparams, rows, dpool, ctx)
+    return tree, dpool
+
+
+def test_multi_step_v4_draft_loop_jit_equals_eager():
+    """Seed 004 through V4's own draft loop: a perturbed V4 draft (its pool holding a 29-token prompt and
+    the bonus token at 29) drafts a tree of 2 branches x 3 steps; each draft forward writes its K = V rows
+    and compressor inputs and computes the CSA / HCA entries its path closes (step 1, at 31, closes CSA
+    entry 15 and HCA entry 7 on each branch). Jitted and under ``jax.disable_jit()`` the tree and every
+    pool buffer agree, and in both the ring changed at exactly the slots of the layout helper's
+    positions (branch j, step i < S - 1 at 30 + j*S + i) while no entry was written."""
+    _, _, ref = golden()
+    draft = perturbed()
+    cfg = draft.config.model
+    prompt, bonus = ref["prompt_1"].tolist(), int(ref["greedy_1"][0])  # 29 tokens, then the bonus at 29
+    K, S = STEP_TREE.topk, STEP_TREE.num_steps
+    before = _fresh(prompt + [bonus], draft.params)
+    tables = _tables(1, PAGES_ROLL)
+    plan = Plan(target=cfg, draft=draft.config, spec=STEP_TREE, page_size=P_ROLL)
+    seed = jax.random.normal(jax.random.PRNGKey(5), (1, cfg.hidden_size), jnp.float32)  # the root's draft output
+    state = dataclasses.replace(
+        DecodeState.empty(batch=1, out_width=8, num_stop=1, hidden_size=cfg.hidden_size),
+        seq_lens=jnp.asarray([len(prompt)], jnp.int32), bonus=jnp.asarray([bonus], jnp.int32),
+        active=jnp.ones(1, bool), seed=DraftSeed(hidden=seed))
+    jitted = _propose_jit(plan, draft.params, state, before, tables)
+    with jax.disable_jit():
+        eager = _propose(plan, draft.params, state, before, tables)
+    np.testing.assert_array_equal(np.asarray(jitted[0].tokens), np.asarray(eager[0].tokens))
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    base = len(prompt) + draft.config.pos_offset  # 30: a standalone draft's scratch follows the bonus
+    assert base == 30
+    written = base + np.asarray([j * S + i for j in range(K) for i in range(S - 1)])
+    # The loop's attention reads each scratch column where the helper wrote it, at its step's position.
+    helper = _reads_follow_writes(jnp.asarray([base], jnp.int32), K, S, tables, P_ROLL)  # [S, 1, K]
+    np.testing.assert_array_equal(np.sort(helper[:S - 1].reshape(-1)), np.sort(written))
+    want = np.sort(np.asarray(tables.window.slots(jnp.asarray(written)[None], P_ROLL))[0])
+    for _, dpool in (jitted, eager):
+        for x, y in zip(dpool.window.buffers, before.window.buffers):
+            changed = np.flatnonzero(np.any(np.asarray(x) != np.asarray(y), axis=(0, 2)))
+            np.testing.assert_array_equal(changed, want)
+        for part_a, part_b in zip(dpool.entries, before.entries):
+            for x, y in zip(part_a.buffers, part_b.buffers):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 # ------------------------------------------------------------------------------------ sampling
 
 SMALL = DeepseekV4Config(
@@ -250,18 +406,18 @@ def small_pair():
     return target, v4_mtp_draft(cfg, init_v4_mtp_params(cfg, params, seed=4, scale=0.3))
 
 
-def test_mtp_sampling_matches_the_target_distribution():
-    """Chain rejection sampling with the MTP layer's q on a tiny V4 target whose 8 positions pass its window
-    (3) and its CSA top-1 selection: the joint of the first 4 tokens is the target's (chi-square over 32 x 256
-    samples), and drafts are partly accepted."""
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(2), TREE], ids=["chain", "tree"])
+def test_mtp_sampling_matches_the_target_distribution(spec):
+    """Rejection sampling with the MTP layer's q (a chain; a tree of 2 x 2 steps, 4 nodes) on a tiny V4
+    target whose 8 positions pass its window (3) and its CSA top-1 selection: the joint of the first 4
+    tokens is the target's (chi-square over 32 x 256 samples), and drafts are partly accepted."""
     from tests.draft.test_spec_sampling import HOT, P_VALUE_MIN, chi_square_p, exact_joint, sample_counts
 
     target, draft = small_pair()
     probs = exact_joint(HOT, model=target)
-    spec = js.SpecConfig.chain(2)
     counts = sample_counts(draft, spec, HOT, calls=32, model=target)
     assert chi_square_p(counts, probs) > P_VALUE_MIN
     out = js.generate(target, [[1, 2, 3, 4]] * 256, draft=draft, spec=spec, sampling=HOT, progress=False,
                       engine=js.EngineConfig(page_size=4, max_batch=256, max_seq_len=32, steps_per_call=4), seed=99)
     lens = np.concatenate([s.accept_lens for s in out.stats])
-    assert 1.05 < lens.mean() < 3.0, lens.mean()
+    assert 1.05 < lens.mean() < 3.0 and (lens == 1).any() and (lens > 1).any(), lens.mean()

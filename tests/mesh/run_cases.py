@@ -42,7 +42,8 @@ def engine(page, batch, **kw):
 def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False, pressure=False):
     """Speculative greedy on the mesh == plain greedy on one device, ragged batch of 3. ``pressure``: the
     prompts behind a shared prefix, the mesh run in a small pool per data shard with forced preemption
-    and the prefix cache (each data shard preempts and caches on its own)."""
+    and, where the target allows it, the prefix cache (each data shard preempts and caches on its own; a
+    DeepSeek-V4 target refuses prefix caching, so its run has preemption only)."""
     path, prompts = golden(target_name)
     sampling = js.SamplingParams(max_new_tokens=max_new)
     single = js.load_model(path, dtype="float32", progress=False)

@@ -155,23 +155,56 @@ def _write(directory, tensors: dict, config: dict):
         json.dump(config, f)
 
 
+def _published_tensor(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.int32) if x.dtype == np.int64 else x  # the release stores tid2eid as int32
+
+
 @functools.cache
 def published_dir(root: str) -> str:
     ckpt = SafetensorsCheckpoint(MIXED)
     out = os.path.join(root, "published")
-    _write(out, {published_from_mixed(k): ckpt.get(k) for k in ckpt.keys()}, legacy_form(raw_config()))
+    _write(out, {published_from_mixed(k): _published_tensor(ckpt.get(k)) for k in ckpt.keys()},
+           legacy_form(raw_config()))
     return out
 
 
+def modules_dir(root: str) -> str:
+    """The module-names golden with the MTP layer's ``mtp.0.*`` tensors added (DeepSeek's names, which
+    every layout keeps for it; HF writes no MTP layer)."""
+    out = os.path.join(root, "modules")
+    shutil.copytree(MODULES, out)
+    mixed, modules = SafetensorsCheckpoint(MIXED), SafetensorsCheckpoint(MODULES)
+    tensors = {k: modules.get(k) for k in modules.keys()}
+    tensors.update({k: mixed.get(k) for k in mixed.keys() if k.startswith("mtp.")})
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _assert_same_leaves(want, got, where: str):
+    ref = jax.tree_util.tree_leaves_with_path(want)
+    got = jax.tree.leaves(got)
+    assert len(got) == len(ref), where
+    for (p, a), b in zip(ref, got):
+        assert a.dtype == b.dtype, f"{where}: {jax.tree_util.keystr(p)}"
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}: {jax.tree_util.keystr(p)}")
+
+
 def test_three_layouts_load_the_same_params(tmp_path_factory):
-    pub = published_dir(str(tmp_path_factory.mktemp("v4")))
-    assert "embed.weight" in SafetensorsCheckpoint(pub) and "model.embed_tokens.weight" not in SafetensorsCheckpoint(pub)
-    ref = jax.tree_util.tree_leaves_with_path(golden_model().params)
-    for path in (pub, MODULES):
-        got = jax.tree.leaves(js.load_model(path, dtype="float32", progress=False).params)
-        assert len(got) == len(ref)
-        for (p, a), b in zip(ref, got):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{path}: {jax.tree_util.keystr(p)}")
+    """The published layout (no ``model.`` prefix, int32 ``tid2eid``) and HF's module names load the
+    mixed layout's params, and ``load_draft`` the same MTP layer from each."""
+    root = str(tmp_path_factory.mktemp("v4"))
+    pub = published_dir(root)
+    ckpt = SafetensorsCheckpoint(pub)
+    assert "embed.weight" in ckpt and "model.embed_tokens.weight" not in ckpt
+    assert ckpt.get("layers.0.ffn.gate.tid2eid").dtype == np.int32
+    mixed = golden_model()
+    mtp = js.load_draft(MIXED, mixed)
+    for path in (pub, modules_dir(root)):
+        target = js.load_model(path, dtype="float32", progress=False)
+        _assert_same_leaves(mixed.params, target.params, path)
+        draft = js.load_draft(path, target)
+        assert draft.kind == mtp.kind and draft.config == mtp.config
+        _assert_same_leaves(mtp.params, draft.params, f"{path} (MTP layer)")
 
 
 # ------------------------------------------------------------------------------------ FP8 / FP4

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kvcache.compressed import CompressedPool, EntryPart, RingPart, compressed_write_targets
+from jaxspec.kvcache.layout import draft_scratch_steps
 from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.targets.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -133,14 +134,15 @@ class Closing:
 def block_columns(attn: AttentionInputs, positions: jax.Array, T: int):
     """(logical position i32[B, Wb], write position i32[B, Wb]) of the block columns of a masked
     forward: a verify's nodes (its rows, at prefix + node), or the draft-scratch columns of a draft
-    step (column ``j * S + i``: branch j, step i, at logical position prefix + i)."""
+    step (column c written at prefix + c holds step i at logical position prefix + i, i from the one
+    layout helper ``jaxspec.kvcache.layout.draft_scratch_steps``: ``c = j * S + i`` for branch j)."""
     Wb = attn.block_mask.shape[-1]
     col = jnp.arange(Wb, dtype=jnp.int32)[None, :]
     write = attn.prefix_lens[:, None] + col
     if attn.pending:  # verify: the columns are the rows
         return positions, write
-    S = Wb // T  # draft steps: column j * S + i holds branch j, step i
-    return attn.prefix_lens[:, None] + col % S, write
+    S = Wb // T  # draft steps: T branches x S steps; which step each column holds is the layout helper's
+    return attn.prefix_lens[:, None] + draft_scratch_steps(T, S)[None, :], write
 
 
 def path_write_positions(attn: AttentionInputs, positions: jax.Array, want: jax.Array) -> jax.Array:

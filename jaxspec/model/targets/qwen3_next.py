@@ -32,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kvcache.layout import draft_scratch_steps
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.kvcache.recurrent import HybridPool, RecurrentPool
@@ -134,11 +135,12 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
     if drafting:
         W = attn.block_mask.shape[-1]
         col = attn.write_positions - attn.prefix_lens[:, None]  # [B, T] each row's own scratch column (< 0: none)
-        S = W // T  # steps: column j * S + i holds branch j, step i
-        step = jnp.maximum(col, 0) % S
+        S = W // T  # steps: T branches x S steps
+        level = draft_scratch_steps(T, S)  # [W] the step each scratch column holds (the layout helper's)
+        step = level[jnp.clip(col, 0, W - 1)]  # [B, T] each row's own step
         cols = jnp.arange(W, dtype=jnp.int32)
         ancestors = attn.block_mask & (cols[None, None, :] != col[..., None])  # [B, T, W]
-        at_step = lambda d: ancestors & ((cols % S)[None, None, :] == (step - d)[..., None])  # noqa: E731
+        at_step = lambda d: ancestors & (level[None, None, :] == (step - d)[..., None])  # noqa: E731
         conv = conv_from_scratch(mixed, conv0, lp["conv_w"], scratch.conv_in[layer], at_step, step)
     elif path is None:
         conv = conv_chain(mixed, conv0, lp["conv_w"])
