@@ -204,7 +204,7 @@ def _copy_with(tmp_path, name: str, **changes):
 
 @pytest.mark.parametrize("changes,match", [
     ({"markov_head_type": "lstm"}, r"markov_head_type 'lstm' is not supported; supported: \['vanilla', 'gated', 'rnn'\]"),
-    ({"speculators_model_type": "xpress"}, "speculators_model_type 'xpress' is not a block draft"),
+    ({"speculators_model_type": "xpress"}, "speculators_model_type 'xpress' is not a draft jaxspec loads"),
     ({"transformer_layer_config.hidden_size": 96}, "hidden_size 96 .* must equal the target's hidden size 64"),
     ({"transformer_layer_config.vocab_size": 300}, "vocab_size 300 .* does not match the target's 256"),
     ({"aux_hidden_state_layer_ids": [2, 7]}, r"aux_hidden_state_layer_ids \[2, 7\] must be distinct HF hidden_states "

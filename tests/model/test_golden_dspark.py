@@ -110,7 +110,7 @@ def test_greedy_path_markov_bias_and_confidence(name):
     d, g = draft(name), golden()
     hidden, anchor = block_hidden(name)
     path = g[f"{name}/block/path"]
-    tokens, _ = d.config.candidates(d.params, d.config.proposal_hidden(hidden), anchor, 1)
+    tokens, _ = d.config.candidates(d.params, d.config.proposal_hidden(hidden, None), anchor, 1)
     np.testing.assert_array_equal(np.asarray(tokens[0, :, 0]), path)
     if name not in DSPARK:
         return

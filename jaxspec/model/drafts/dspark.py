@@ -140,8 +140,9 @@ class DSparkDraft(DFlashDraft):
         """Q: block slots for S = ``num_steps`` proposals."""
         return num_steps + self.model.first_draft_slot
 
-    def proposal_hidden(self, hidden: jax.Array) -> jax.Array:
+    def proposal_hidden(self, hidden: jax.Array, seed) -> jax.Array:
         """The whole block [B, Q, H]: the rnn head runs from the block's first slot."""
+        del seed
         return hidden
 
     def check_spec(self, spec) -> None:

@@ -25,6 +25,7 @@ from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
 from jaxspec.model.io import dflash as dflash_io
+from jaxspec.model.io import peagle as peagle_io
 from jaxspec.model.io import speculators as speculators_io
 from jaxspec.model.io.checkpoint import (CheckpointError, SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size,
                                          read_config, resolve_dtype)
@@ -146,6 +147,10 @@ def _load_speculators(ckpt, raw, target: Model, dtype, where, path):
     return dataclasses.replace(speculators_io.load_speculators(ckpt, raw, target, dtype, where), mesh=target.mesh)
 
 
+def _load_peagle(ckpt, raw, target: Model, dtype, where, path):
+    return dataclasses.replace(peagle_io.load_peagle(ckpt, raw, target, dtype, where), mesh=target.mesh)
+
+
 def _is_lm(names: set[str]) -> bool:
     return (any(n.startswith(("model.layers.", "layers.")) for n in names) and "fc.weight" not in names
             and not find_mtp_layers(names) and not find_v4_mtp_layers(names))
@@ -183,9 +188,19 @@ SPECULATORS_FORMAT = DraftFormat("speculators block draft (DFlash / DSpark)", sp
                                  _load_speculators)
 
 
+# A P-EAGLE head: the speculators EAGLE-3 layout plus mask_hidden, told apart by its config.
+PEAGLE_FORMAT = DraftFormat("speculators P-EAGLE head", peagle_io.ARCHITECTURES, peagle_io.matches,
+                            (LlamaConfig, HybridConfig), _load_peagle)
+
+
 def detect_draft_format(raw: dict, names: set[str], where: str) -> DraftFormat:
     """The format of a draft checkpoint (``architectures`` first, tensor names second; a
-    ``speculators`` block draft by its config)."""
+    ``speculators`` block draft or P-EAGLE head by its config)."""
+    if peagle_io.is_peagle(raw):
+        if not PEAGLE_FORMAT.matches(names):
+            raise CheckpointError(f"{where}: a speculators peagle config, but the tensors are not a P-EAGLE head's "
+                                  f"(mask_hidden, fc, layers.0.hidden_norm)")
+        return PEAGLE_FORMAT
     if speculators_io.is_speculators(raw) and raw.get("speculators_model_type") in speculators_io.MODEL_TYPES:
         if not SPECULATORS_FORMAT.matches(names):
             raise CheckpointError(f"{where}: a speculators {raw['speculators_model_type']} config, but the tensors "
@@ -214,7 +229,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
 
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
     ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), DFlash and DFlash 2 block drafts
-    (z-lab layout; ``block_size`` on the result), a standalone LM of a supported
+    (z-lab layout; ``block_size`` on the result), DFlash, DSpark and P-EAGLE drafts in the
+    ``speculators`` layout (``speculators_model_type``), a standalone LM of a supported
     family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
     Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3,
     DeepSeek-V4, Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's

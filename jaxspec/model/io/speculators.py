@@ -50,8 +50,8 @@ def is_speculators(raw: dict) -> bool:
 def model_type(raw: dict, where: str) -> str:
     kind = raw.get("speculators_model_type")
     if kind not in MODEL_TYPES:
-        raise ConfigError(f"{where}: speculators_model_type {kind!r} is not a block draft jaxspec loads from this "
-                          f"layout; supported: {list(MODEL_TYPES)}")
+        raise ConfigError(f"{where}: speculators_model_type {kind!r} is not a draft jaxspec loads from this "
+                          f"layout; supported: {[*MODEL_TYPES, 'peagle']}")
     return kind
 
 
