@@ -332,6 +332,18 @@ def make_draft(name: str, target, target_cfg) -> torch.nn.Module:
     return draft.float()
 
 
+def save(draft, name: str) -> None:
+    """``save_pretrained``; then the verifier's path made relative to the draft's directory (no
+    machine path committed) and the library's own config module, which it copies beside the
+    weights, removed (only our data is committed)."""
+    draft.save_pretrained(OUT / name, safe_serialization=True)
+    (OUT / name / "config.py").unlink(missing_ok=True)
+    path = OUT / name / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "../../dflash/target"
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 class target_data:  # noqa: N801  (filled once in main)
     ids: torch.Tensor
     hs: tuple
@@ -371,7 +383,7 @@ def main() -> None:
                 "sample_from_anchor": draft.config.sample_from_anchor, "block_prompt": block_prompt,
                 "num_speculative_tokens": draft.config.speculators_config.proposal_methods[0].speculative_tokens}
         record_generate(name, draft, target, prompt_gen, golden, case, log)
-        draft.save_pretrained(OUT / name, safe_serialization=True)
+        save(draft, name)
         cases.append(case)
     np.savez(OUT / "golden.npz", **golden)
     manifest = {

@@ -323,8 +323,10 @@ def make_draft(name: str, target_cfg) -> torch.nn.Module:
 
 
 def save(draft, name: str) -> None:
-    """``save_pretrained``, then the verifier's path made relative to the draft's directory."""
+    """``save_pretrained``, then the verifier's path made relative to the draft's directory and the
+    library's own config module, which it copies beside the weights, removed (only data is committed)."""
     draft.save_pretrained(OUT / name, safe_serialization=True)
+    (OUT / name / "config.py").unlink(missing_ok=True)
     path = OUT / name / "config.json"
     cfg = json.loads(path.read_text())
     cfg["speculators_config"]["verifier"]["name_or_path"] = "../../dflash/target"
