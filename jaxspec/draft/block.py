@@ -1,22 +1,25 @@
-"""The block draft loop: one draft forward proposes a whole block (DFlash, DFlash 2).
+"""The block draft loop: one draft forward proposes a whole block (DFlash, DFlash 2, DSpark, PARD).
 
-    prefill   the target's prompt features -> the draft's context KV at positions [0, len)
+    prefill   the prompt's tokens and the target's features -> the draft's context KV at
+              positions [0, len)
     propose   one block forward over [bonus, mask x (Q - 1)] at positions seq_len .. seq_len + Q - 1
               -> the S proposals of a chain, or a tree (the chain plus alternatives per position,
               ``shape.build_block``); chain sampling draws every proposal from its q. Q is the
               draft's ``block_length(S)``: S + 1 when the anchor slot drafts nothing (DFlash), S
-              when it drafts too (DSpark's ``sample_from_anchor``). With
+              when it drafts too (DSpark's ``sample_from_anchor``, PARD). With
               ``SpecConfig.confidence_threshold`` the draft's confidence head also says how many
               of its proposals each row wants verified (a capped ``VerifyPrefix``)
-    extend    the accepted tokens' features -> context KV at [seq_len, seq_len + accept_len)
+    extend    the committed tokens (the root, then the accepted drafts) and their target features
+              -> context KV at [seq_len, seq_len + accept_len)
 
-The draft's pool holds the context K/V of every committed position. The block's own K/V are
-written at the positions the block occupies (``seq_len + j``, the same slots the verify tree
-uses) and overwritten by the next extend, so nothing carries between steps but the pool.
-Any draft with ``proposer = "block"`` runs here: it implements ``block_length``,
-``block_forward`` (tokens -> hidden), ``proposal_hidden`` (what its proposals read of the
-block), ``candidates`` (greedy proposals and alternatives), ``sample_path`` and, with a
-confidence head, ``confidence``.
+The draft's pool holds the context K/V of every committed position (from the target's features
+for DFlash / DSpark, from the tokens themselves for a PARD LM). The block's own K/V are written
+at the positions the block occupies (``seq_len + j``, the same slots the verify tree uses) and
+overwritten by the next extend, so nothing carries between steps but the pool.
+Any draft with ``proposer = "block"`` runs here: it implements ``mask_token_id``,
+``block_length``, ``block_forward`` (tokens -> hidden), ``proposal_hidden`` (what its proposals
+read of the block), ``candidates`` (greedy proposals and alternatives), ``sample_path`` and, with
+a confidence head, ``confidence``.
 
 Glossary: B rows, S = num_steps proposals, Q block tokens, k = topk, A = S + 1,
 R prefilled rows, T prompt bucket, F target feature width, V vocabulary.
@@ -45,7 +48,7 @@ class Block:
         S = plan.spec.num_steps
         Q = draft.block_length(S)
         B = rows.bonus.shape[0]
-        mask = jnp.full((B, Q - 1), draft.model.mask_token_id, jnp.int32)
+        mask = jnp.full((B, Q - 1), draft.mask_token_id, jnp.int32)
         tokens = jnp.concatenate([rows.bonus[:, None], mask], axis=1)  # [B, Q]
         positions = rows.seq_lens[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
         write = jnp.where(rows.active[:, None], positions, -1)
@@ -75,16 +78,19 @@ class Block:
 
     @staticmethod
     def extend(plan: Plan, dparams: dict, rows: StepRows, predict, feature, accept_lens, dpool, ctx: DraftContext):
-        """Context K/V for the A front rows (the accepted ones are the first ``accept_lens``; the
-        rest sit past the new committed length and are overwritten before anything reads them).
+        """Context K/V for the A front rows at positions seq_len + i: the root and the accepted
+        drafts are the first ``accept_lens``; the rest sit past the new committed length and are
+        overwritten before anything reads them.
 
-        predict: i32[B, A] accepted tokens then the bonus; feature: [B, A, F].
-        Returns (bonus i32[B], seed, dpool)."""
+        predict: i32[B, A] accepted tokens then the bonus; feature: [B, A, F] the target's features at
+        those positions. The draft's extend gets both: the token at each position (the root,
+        then ``predict``'s) and its feature. Returns (bonus i32[B], seed, dpool)."""
         B, A = predict.shape
         positions = rows.seq_lens[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]
+        tokens = jnp.concatenate([rows.bonus[:, None], predict[:, :-1]], axis=1)  # [B, A] the token at each position
         write = jnp.where(rows.active[:, None], positions, -1)
         attn = AttentionInputs.build(ctx.page_table, rows.seq_lens, write, plan.page_size)
-        _, dpool = plan.draft.extend(dparams, predict, feature, positions, dpool, attn, ctx,
+        _, dpool = plan.draft.extend(dparams, tokens, feature, positions, dpool, attn, ctx,
                                      implementation=plan.implementation)
         bonus = jnp.take_along_axis(predict, (accept_lens - 1)[:, None], axis=1)[:, 0]
         return bonus, rows.seed, dpool

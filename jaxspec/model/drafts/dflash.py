@@ -305,6 +305,11 @@ class DFlashDraft(Draft):
     def block_size(self) -> int:
         return self.model.block_size
 
+    @property
+    def mask_token_id(self) -> int:
+        """The token filling the block after the anchor."""
+        return self.model.mask_token_id
+
     def block_length(self, num_steps: int) -> int:
         """Q: block slots for S = ``num_steps`` proposals (the anchor's slot drafts nothing)."""
         return num_steps + 1
@@ -415,43 +420,19 @@ class DFlashDraft(Draft):
     # --------------------------------------------------------------------------- proposals
 
     def candidates(self, params, hidden, anchor, width: int, grammar: Grammar | None = None):
-        """Greedy proposals and alternatives from one block forward.
+        """Greedy proposals and alternatives from one block forward (``position_candidates``).
 
         hidden: [B, S, H] the block's outputs at the S proposal positions; anchor: i32[B].
-        Returns (tokens i32[B, S, k], probs f32[B, S, k]) with k = ``width``: at each position
-        the ``width`` best tokens by the draft's softmax, best first, so ``tokens[:, :, 0]`` is
-        the greedy path. ``width == 1`` uses argmax (no top_k). With a ``grammar`` each position
-        proposes only what its structured-output state allows after the greedy path before it."""
-        logits = self.logits(params, hidden)  # [B, S, V]
-        if grammar is not None and grammar.enabled:
-            logits = greedy_path_masked(logits, grammar)
-        probs = jax.nn.softmax(logits, axis=-1)
-        if width == 1:
-            return jnp.argmax(logits, axis=-1)[..., None].astype(jnp.int32), jnp.max(probs, axis=-1, keepdims=True)
-        p, idx = jax.lax.top_k(probs, width)
-        return idx.astype(jnp.int32), p
+        Returns (tokens i32[B, S, k], probs f32[B, S, k])."""
+        return position_candidates(self.logits(params, hidden), width, grammar)
 
     def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
-        """Draws the proposals of every position from the draft's sampling distribution q
-        (each row's temperature / top_k / top_p; one-hot argmax for greedy rows), over the tokens a
-        ``grammar`` allows after the tokens drawn before (then position by position).
-
-        hidden: [B, S, H]; temperature, top_p: f32[B]; top_k: i32[B]; uniform: f32[B, S].
-        Returns (tokens i32[B, S], q f32[B, S, V]: the distribution each token was drawn from)."""
-        S = hidden.shape[1]
-        logits = self.logits(params, hidden)
-        if grammar is not None and grammar.enabled:
-            states, toks, qs = grammar.state, [], []
-            for t in range(S):
-                q_t = target_probs(grammar.mask(logits[:, t], states), temperature, top_k, top_p, filtering)
-                toks.append(sample_with_uniform(q_t, uniform[:, t]))
-                qs.append(q_t)
-                states = grammar.advance(states, toks[-1])
-            return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)
-        rows = lambda x: jnp.broadcast_to(x[:, None], x.shape[:1] + (S,))  # noqa: E731
-        q = target_probs(logits, rows(temperature), rows(top_k), rows(top_p), filtering)
-        return sample_with_uniform(q, uniform), q
+        """Draws every position's proposal from the draft's sampling distribution q
+        (``position_samples``). hidden: [B, S, H]; uniform: f32[B, S].
+        Returns (tokens i32[B, S], q f32[B, S, V])."""
+        return position_samples(self.logits(params, hidden), temperature, top_k, top_p, uniform, filtering=filtering,
+                                grammar=grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +514,45 @@ class DFlash2Draft(DFlashDraft):
         if spec.topk > self.model.selector_top_k:
             raise ValueError(f"a DFlash 2 tree branches over the selector's candidates: topk={spec.topk} > "
                              f"selector_top_k={self.model.selector_top_k}")
+
+
+def position_candidates(logits: jax.Array, width: int, grammar: Grammar | None = None):
+    """Proposals of a block whose positions are drafted independently (DFlash, PARD).
+
+    logits: f32[B, S, V] the draft's logits at the S proposal positions. Returns (tokens
+    i32[B, S, k], probs f32[B, S, k]) with k = ``width``: at each position the ``width`` best tokens
+    by the draft's softmax, best first, so ``tokens[:, :, 0]`` is the greedy path. ``width == 1``
+    uses argmax (no top_k). With a ``grammar`` each position proposes only what its
+    structured-output state allows after the greedy path before it."""
+    if grammar is not None and grammar.enabled:
+        logits = greedy_path_masked(logits, grammar)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if width == 1:
+        return jnp.argmax(logits, axis=-1)[..., None].astype(jnp.int32), jnp.max(probs, axis=-1, keepdims=True)
+    p, idx = jax.lax.top_k(probs, width)
+    return idx.astype(jnp.int32), p
+
+
+def position_samples(logits: jax.Array, temperature, top_k, top_p, uniform, *, filtering: bool,
+                     grammar: Grammar | None = None):
+    """Draws every position's proposal from the draft's sampling distribution q (each row's
+    temperature / top_k / top_p; one-hot argmax for greedy rows), over the tokens a ``grammar``
+    allows after the tokens drawn before (then position by position).
+
+    logits: f32[B, S, V]; temperature, top_p: f32[B]; top_k: i32[B]; uniform: f32[B, S].
+    Returns (tokens i32[B, S], q f32[B, S, V]: the distribution each token was drawn from)."""
+    S = logits.shape[1]
+    if grammar is not None and grammar.enabled:
+        states, toks, qs = grammar.state, [], []
+        for t in range(S):
+            q_t = target_probs(grammar.mask(logits[:, t], states), temperature, top_k, top_p, filtering)
+            toks.append(sample_with_uniform(q_t, uniform[:, t]))
+            qs.append(q_t)
+            states = grammar.advance(states, toks[-1])
+        return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)
+    rows = lambda x: jnp.broadcast_to(x[:, None], x.shape[:1] + (S,))  # noqa: E731
+    q = target_probs(logits, rows(temperature), rows(top_k), rows(top_p), filtering)
+    return sample_with_uniform(q, uniform), q
 
 
 def greedy_path_masked(logits: jax.Array, grammar: Grammar) -> jax.Array:  # f32[B, S, V] -> f32[B, S, V]
