@@ -14,6 +14,7 @@ from jaxspec.mesh import make_mesh as make_mesh
 from jaxspec.model.drafts import DraftModel as DraftModel
 from jaxspec.model.drafts import HybridDraft as HybridDraft
 from jaxspec.model.drafts import NgramDraft as NgramDraft
+from jaxspec.model.drafts import pard_draft as pard_draft
 from jaxspec.model.drafts import standalone_draft as standalone_draft
 from jaxspec.model.io.drafts import load_draft as load_draft
 from jaxspec.model.io.loader import load_model as load_model

@@ -1,7 +1,7 @@
 """Draft kinds behind one interface (``base.Draft``): EAGLE-1/2, EAGLE-3, DeepSeek MTP, the
-frozen-KV assistant, DFlash / DFlash 2 / DSpark block drafts, P-EAGLE heads, standalone LMs,
-model-free n-gram lookup and the hybrid of a model draft with n-gram lookup. Loading and
-detection: ``jaxspec.model.io.drafts``."""
+frozen-KV assistant, DFlash / DFlash 2 / DSpark block drafts, P-EAGLE heads, PARD parallel drafts,
+standalone LMs, model-free n-gram lookup and the hybrid of a model draft with n-gram lookup. Loading
+and detection: ``jaxspec.model.io.drafts``."""
 
 from jaxspec.model.drafts.assistant import FrozenKVAssistant as FrozenKVAssistant
 from jaxspec.model.drafts.assistant import assistant_draft as assistant_draft
@@ -21,5 +21,7 @@ from jaxspec.model.drafts.ngram import HybridDraft as HybridDraft
 from jaxspec.model.drafts.peagle import PEagleDraft as PEagleDraft
 from jaxspec.model.drafts.peagle import peagle_draft as peagle_draft
 from jaxspec.model.drafts.ngram import NgramDraft as NgramDraft
+from jaxspec.model.drafts.pard import PardDraft as PardDraft
+from jaxspec.model.drafts.pard import pard_draft as pard_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft as StandaloneDraft
 from jaxspec.model.drafts.standalone import standalone_draft as standalone_draft

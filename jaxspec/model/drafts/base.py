@@ -17,7 +17,7 @@ same methods, so it never asks which kind it has:
     proposer         which draft loop drives it: "recurrent" (token by token, chains and trees),
                      "lookup" (n-gram matches in the request's own history, no model),
                      "hybrid" (a model draft's tree with an n-gram branch grafted on) or
-                     "block" (a whole block of proposals from one forward: DFlash, DSpark, P-EAGLE)
+                     "block" (a whole block of proposals from one forward: DFlash, DSpark, P-EAGLE, PARD)
 
 Detection and loading from checkpoints live in ``jaxspec.model.io.drafts``.
 

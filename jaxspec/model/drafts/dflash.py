@@ -305,6 +305,11 @@ class DFlashDraft(Draft):
     def block_size(self) -> int:
         return self.model.block_size
 
+    @property
+    def mask_token_id(self) -> int:
+        """The token filling the block after the anchor."""
+        return self.model.mask_token_id
+
     def block_length(self, num_steps: int) -> int:
         """Q: block slots for S = ``num_steps`` proposals (the anchor's slot drafts nothing)."""
         return num_steps + 1
@@ -418,7 +423,7 @@ class DFlashDraft(Draft):
     # --------------------------------------------------------------------------- proposals
 
     def candidates(self, params, hidden, anchor, width: int, grammar: Grammar | None = None):
-        """Greedy proposals and alternatives from one block forward.
+        """Greedy proposals and alternatives from one block forward (``position_candidates``).
 
         hidden: [B, S, H] the block's outputs at the S proposal positions; anchor: i32[B].
         Returns (tokens i32[B, S, k], probs f32[B, S, k]) with k = ``width``: at each position
@@ -521,7 +526,7 @@ class DFlash2Draft(DFlashDraft):
 
 
 def position_candidates(logits: jax.Array, width: int, grammar: Grammar | None = None):
-    """Proposals of a block whose positions are drafted independently (DFlash, P-EAGLE): at each
+    """Proposals of a block whose positions are drafted independently (DFlash, P-EAGLE, PARD): at each
     position the ``width`` best tokens of ``softmax(logits)`` (f32[B, S, V]), best first, so
     column 0 is the greedy path; ``width == 1`` uses argmax (no top_k). With a ``grammar`` each
     position proposes only what its structured-output state allows after the greedy path before

@@ -165,6 +165,10 @@ class PEagleDraft(Draft):
         return self.model.target_hidden_size
 
     @property
+    def mask_token_id(self) -> int:
+        return self.model.mask_token_id
+
+    @property
     def block_size(self) -> int:
         """The anchor and its K drafts: ``SpecConfig.chain(block_size - 1)`` is the chain it was
         trained for."""

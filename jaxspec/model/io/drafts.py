@@ -4,8 +4,10 @@ Detection reads ``config.json``'s ``architectures`` first and the tensor names s
 draft-specific architecture (``LlamaForCausalLMEagle3``, ``JaxspecFrozenKVAssistant``, ...)
 names its format, and the tensors must agree; a generic LM architecture (``LlamaForCausalLM``,
 which SafeAILab's EAGLE checkpoints also carry) is told apart by its tensors (``fc.weight``
-marks an EAGLE head). Anything else is refused with an error naming what was found and what
-is supported, so no checkpoint is loaded as a kind it is not.
+marks an EAGLE head). Two kinds are told apart by their config instead: a ``speculators`` block
+draft (``speculators_model_type``) and a PARD draft (an LM whose config carries its mask token
+``pard_token``; an LM without it is a standalone draft). Anything else is refused with an error
+naming what was found and what is supported, so no checkpoint is loaded as a kind it is not.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import os
 from collections.abc import Callable
 
 from jaxspec.mesh import MODEL, axis_size
-from jaxspec.model.config import ConfigError
+from jaxspec.model.config import ConfigError, padded_vocab_size
 from jaxspec.model.drafts.assistant import assistant_draft
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.deepseek_v4_mtp import v4_mtp_draft
 from jaxspec.model.drafts.eagle import eagle_draft
 from jaxspec.model.drafts.mtp import mtp_draft
+from jaxspec.model.drafts.pard import PardDraft
 from jaxspec.model.drafts.qwen_mtp import qwen_mtp_draft
 from jaxspec.model.drafts.standalone import StandaloneDraft
 from jaxspec.model.io import assistant as assistant_io
@@ -112,7 +115,9 @@ def _same_checkpoint(path: str, target: Model) -> bool:
     return target.path is not None and os.path.exists(target.path) and os.path.samefile(path, target.path)
 
 
-def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
+def _load_lm(ckpt, raw, target: Model, dtype, where, path, kind: str = "standalone", check=None):
+    """A supported LM's config and params, split over the target's mesh like the target when its
+    heads divide (replicated otherwise); ``check(config)`` runs before any weight is read."""
     if _same_checkpoint(path, target):
         # A model drafting for itself costs a full target forward per draft token; what the user
         # meant is the MTP layer that DeepSeek checkpoints store after the main layers.
@@ -124,9 +129,11 @@ def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
     cfg = family.parse(raw, where)
     if cfg.vocab_size != target.config.vocab_size:
         raise ConfigError(
-            f"{where}: standalone draft vocab_size {cfg.vocab_size} does not match the target's "
+            f"{where}: {kind} draft vocab_size {cfg.vocab_size} does not match the target's "
             f"{target.config.vocab_size}"
         )
+    if check is not None:
+        check(cfg)
     split = True
     try:  # split like the target when its heads divide; a draft that does not divide is replicated
         cfg = family.for_mesh(cfg, axis_size(target.mesh, MODEL), where)
@@ -136,7 +143,45 @@ def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
     warn_unread(family, cfg, table, ckpt, path)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=split),
                          fp8_block=fp8_block_size(raw, where))
+    return cfg, params
+
+
+def _load_standalone(ckpt, raw, target: Model, dtype, where, path):
+    cfg, params = _load_lm(ckpt, raw, target, dtype, where, path)
     return DraftModel(config=StandaloneDraft(model=cfg), params=params, path=path, mesh=target.mesh)
+
+
+def is_pard(raw: dict) -> bool:
+    """A PARD checkpoint: an LM whose config carries the mask token ``pard_token`` (what vLLM and
+    TensorRT-LLM read), or at least PARD's ``spd_type: "pard"`` (its training script writes both)."""
+    return "pard_token" in raw or raw.get("spd_type") == "pard"
+
+
+def pard_mask_token(raw: dict, target: Model, where: str) -> int:
+    """The checkpoint's ``pard_token``: an integer id inside the target's vocabulary."""
+    if "pard_token" not in raw:
+        raise ConfigError(f"{where}: spd_type 'pard' but no pard_token: a PARD draft needs the id of its mask token "
+                          f"(the token filling the block after the bonus)")
+    token = raw["pard_token"]
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise ConfigError(f"{where}: PARD pard_token must be an integer token id, got {token!r}")
+    if not 0 <= token < target.config.vocab_size:
+        raise ConfigError(f"{where}: PARD pard_token {token} is outside the target's vocabulary of "
+                          f"{target.config.vocab_size} tokens")
+    return token
+
+
+def _load_pard(ckpt, raw, target: Model, dtype, where, path):
+    mask = pard_mask_token(raw, target, where)
+
+    def draft_config(cfg):
+        try:
+            return PardDraft(model=cfg, mask_token_id=mask, logits_width=padded_vocab_size(target.config))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    cfg, params = _load_lm(ckpt, raw, target, dtype, where, path, kind="PARD", check=draft_config)
+    return DraftModel(config=draft_config(cfg), params=params, path=path, mesh=target.mesh)
 
 
 def _load_dflash(ckpt, raw, target: Model, dtype, where, path):
@@ -181,6 +226,10 @@ DRAFT_FORMATS = (
 )
 
 
+# Told apart by its config (``pard_token``): a PARD draft is an LM of a supported family.
+PARD_FORMAT = DraftFormat("PARD parallel draft LM", LM_ARCHITECTURES, lambda names: _is_lm(names),
+                          (LlamaConfig, DeepseekConfig, Gemma4Config, HybridConfig), _load_pard)
+
 # Told apart by its config (``speculators_model_type``), not by architectures: its DFlash shares
 # z-lab's architecture name and tensor names but nests the layers' config.
 SPECULATORS_FORMAT = DraftFormat("speculators block draft (DFlash / DSpark)", speculators_io.ARCHITECTURES,
@@ -207,6 +256,14 @@ def detect_draft_format(raw: dict, names: set[str], where: str) -> DraftFormat:
                                   f"are not a DFlash backbone's (fc, hidden_norm, layers.*)")
         return SPECULATORS_FORMAT
     archs = list(raw.get("architectures") or [])
+    if is_pard(raw):
+        if archs and not set(archs) & set(PARD_FORMAT.architectures):
+            raise ConfigError(f"{where}: a PARD config (pard_token / spd_type), but architectures {archs} is not an "
+                              f"LM jaxspec runs; supported: {sorted(PARD_FORMAT.architectures)}")
+        if not PARD_FORMAT.matches(names):
+            raise CheckpointError(f"{where}: a PARD config (pard_token / spd_type), but the tensors are not an LM's "
+                                  f"(model.layers.*)")
+        return PARD_FORMAT
     claimed = [f for f in DRAFT_FORMATS if not archs or set(archs) & set(f.architectures)]
     if not claimed and speculators_io.is_speculators(raw):
         speculators_io.model_type(raw, where)  # names the library's kind jaxspec does not load
@@ -230,8 +287,9 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
     ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), DFlash and DFlash 2 block drafts
     (z-lab layout; ``block_size`` on the result), DFlash, DSpark and P-EAGLE drafts in the
-    ``speculators`` layout (``speculators_model_type``), a standalone LM of a supported
-    family sharing the target's vocabulary, a frozen-KV assistant (the project's format for
+    ``speculators`` layout (``speculators_model_type``), a PARD parallel draft (a Llama-family LM
+    whose config carries its mask token ``pard_token``), a standalone LM of a supported family
+    sharing the target's vocabulary, a frozen-KV assistant (the project's format for
     Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3,
     DeepSeek-V4, Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's
     directory).

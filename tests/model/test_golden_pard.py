@@ -1,0 +1,113 @@
+"""PARD drafts against an independent torch reference (goldens by ``scripts/make_pard_golden.py``;
+see tests/data/golden/pard/README.md): detection by the config's ``pard_token``, one block's logits
+and greedy tokens over [context..., bonus, pard_token...], and the reference drafting loop's greedy
+tokens and per-step acceptance lengths (HF Qwen3 and Llama drafts trained briefly with PARD's
+objective for the DFlash goldens' target, so acceptance varies)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.kvcache.paging import AttentionInputs
+from tests.conftest import DATA
+
+ROOT = os.path.join(DATA, "golden", "pard")
+
+
+@functools.cache
+def manifest() -> dict:
+    with open(os.path.join(ROOT, "manifest.json")) as f:
+        return json.load(f)
+
+
+@functools.cache
+def golden() -> dict:
+    return dict(np.load(os.path.join(ROOT, "golden.npz")))
+
+
+@functools.cache
+def target():
+    return js.load_model(os.path.join(DATA, "golden", "dflash", "target"), dtype="float32", progress=False)
+
+
+@functools.cache
+def draft(name: str):
+    return js.load_draft(os.path.join(ROOT, name), target())
+
+
+def case(name: str) -> dict:
+    return next(c for c in manifest()["cases"] if c["name"] == name)
+
+
+NAMES = [c["name"] for c in manifest()["cases"]]
+TOL = dict(atol=manifest()["atol"], rtol=manifest()["rtol"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_detected_by_pard_token(name):
+    """An LM whose config carries ``pard_token`` loads as a PARD draft with that mask token, its
+    own family and width; the same LM without it is a standalone draft."""
+    d, c = draft(name), case(name)
+    assert d.kind == "pard" and d.config.proposer == "block"
+    assert d.config.mask_token_id == c["pard_token"] == manifest()["pard_token"]
+    with open(os.path.join(ROOT, name, "config.json")) as f:
+        raw = json.load(f)
+    assert raw["architectures"] == [c["architecture"]] and raw["spd_type"] == "pard"
+    assert d.config.model.hidden_size == raw["hidden_size"] and d.config.model.vocab_size == 256
+
+
+def block_logits(name: str, context: list[int], bonus: int, num: int):
+    """The draft's context K/V for ``context`` at 0..C-1 (its extend), then one block forward over
+    [bonus, mask x (num - 1)] at C..C+num-1 -> f32[num, V]."""
+    d = draft(name)
+    cfg, page = d.config, 4
+    C = len(context)
+    pool = cfg.create_pool(num_pages=1 + -(-(C + num) // page), page_size=page, dtype=jnp.float32)
+    table = jnp.arange(1, pool.num_slots // page, dtype=jnp.int32)[None]
+    pos = jnp.arange(C, dtype=jnp.int32)[None]
+    _, pool = cfg.extend(d.params, jnp.asarray([context], jnp.int32), None, pos, pool,
+                         AttentionInputs.build(table, jnp.zeros(1, jnp.int32), pos, page), None)
+    tokens = jnp.asarray([[bonus] + [cfg.mask_token_id] * (num - 1)], jnp.int32)
+    bpos = C + jnp.arange(num, dtype=jnp.int32)[None]
+    hidden, _ = cfg.block_forward(d.params, tokens, bpos, pool,
+                                  AttentionInputs.build(table, jnp.full((1,), C, jnp.int32), bpos, page))
+    return cfg.logits(d.params, cfg.proposal_hidden(hidden, None))[0], hidden
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_block_logits_and_greedy_tokens(name):
+    """[context..., bonus, pard_token x (K - 1)]: the bonus row's logits predict draft 1, each mask
+    row's the next; the greedy block (the chain's proposals) equals the reference's."""
+    c, g = case(name), golden()
+    prompt, K = c["block_prompt"], c["num_speculative_tokens"]
+    logits, hidden = block_logits(name, prompt[:-1], prompt[-1], K)
+    np.testing.assert_allclose(np.asarray(logits), g[f"{name}/block/logits"], **TOL)
+    d = draft(name)
+    tokens, _ = d.config.candidates(d.params, d.config.proposal_hidden(hidden, None), jnp.asarray([prompt[-1]]), 1)
+    np.testing.assert_array_equal(np.asarray(tokens[0, :, 0]), g[f"{name}/block/tokens"])
+
+
+@pytest.mark.parametrize("name,page", [(n, 16 if i % 2 else 1) for i, n in enumerate(NAMES)])
+def test_generate_tokens_and_acceptance_lengths(name, page):
+    """The reference loop's greedy tokens and the accept length of every step before the last (it
+    runs whole blocks, as jaxspec does, and cuts the output); a ragged batch of three prompts, the
+    chain of K drafts, pages 1 and 16."""
+    c = case(name)
+    K = c["num_speculative_tokens"]
+    out = js.generate(target(), c["prompts"], draft=draft(name), spec=js.SpecConfig.chain(K),
+                      sampling=js.SamplingParams(max_new_tokens=c["max_new_tokens"], stop_token_ids=()),
+                      engine=js.EngineConfig(page_size=page, max_batch=4, max_seq_len=96), progress=False)
+    g = golden()
+    for j in range(len(c["prompts"])):
+        assert out.token_ids[j] == g[f"{name}/generate/p{j}/tokens"].tolist()
+        ref = g[f"{name}/generate/p{j}/accept"].tolist()
+        assert out.stats[j].accept_lens[:-1] == ref[: len(out.stats[j].accept_lens) - 1]
+    accepted = [a for j in range(len(c["prompts"])) for a in g[f"{name}/generate/p{j}/accept"]]
+    assert min(accepted) == 1 and max(accepted) >= 3  # acceptance varies
