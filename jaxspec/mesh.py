@@ -81,7 +81,15 @@ def same_on_every_process(what: str, digest: str, timeout_s: float = 600.0) -> N
     _checks += 1
     key = f"jaxspec/same/{_checks}"
     client.key_value_set(f"{key}/{jax.process_index()}", digest)
-    seen = [client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)) for p in range(jax.process_count())]
+    seen = []
+    for p in range(jax.process_count()):
+        try:
+            seen.append(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)))
+        except Exception as e:  # the coordinator's timeout (its exception type is not public)
+            raise ValueError(
+                f"process {p} did not report its {what} within {timeout_s:g} s: it failed before this check or "
+                f"runs different code ({type(e).__name__}); every process must run the same script"
+            ) from None
     differ = [p for p, d in enumerate(seen) if d != seen[0]]
     if differ:
         raise ValueError(

@@ -89,9 +89,13 @@ def worker(i: int, port: int) -> dict:
     wide, result["bytes_tp4"], result["rchar_tp4"] = counted_load(js.load_model, target_dir, dtype="float32",
                                                                   mesh=tp4, progress=False)
     result["plain_tp4"] = js.generate(wide, prompts, sampling=sampling).token_ids
+    from jaxspec.mesh import same_on_every_process
+
     for name, fn in {
         "left_out": lambda: js.make_mesh(tensor_parallel=2),  # process 0's two devices only
         "different": lambda: js.load_model(target_dir if i == 0 else OTHER, dtype="float32", mesh=mesh),
+        # process 1 never reports (as if it had failed earlier): process 0 names it instead of hanging
+        "silent": lambda: same_on_every_process("test value", "x", timeout_s=3) if i == 0 else None,
     }.items():
         try:
             fn()

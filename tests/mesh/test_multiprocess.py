@@ -73,6 +73,7 @@ def test_bad_multi_process_setups_are_refused(processes):
     for r in processes:
         assert "leaves out every device of process(es) [1]" in r["left_out"]
         assert "differs between the processes of this jax.distributed job" in r["different"]
+    assert "process 1 did not report its test value within 3 s" in processes[0]["silent"]
 
 
 def test_readme_shows_what_the_test_runs():
