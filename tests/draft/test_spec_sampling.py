@@ -139,9 +139,10 @@ def test_drafts_are_partially_accepted_at_temperature_one():
     assert 1.3 < lens.mean() < 3.7 and (lens == 1).any() and (lens == 4).any()
 
 
-def _biased_chain_rejection(tokens, draft_probs, probs, coins, coin_final):
+def _biased_chain_rejection(tokens, draft_probs, probs, coins, coin_final, limit=None):
     """Wrong on purpose: after a rejection, draws from p instead of norm(max(0, p - q))."""
-    accept_index, accept_lens, predict = verify_mod.verify_chain_rejection(tokens, draft_probs, probs, coins, coin_final)
+    accept_index, accept_lens, predict = verify_mod.verify_chain_rejection(tokens, draft_probs, probs, coins,
+                                                                           coin_final, limit)
     num_ok = accept_lens - 1
     p_last = jnp.take_along_axis(probs, num_ok[:, None, None], axis=1)[:, 0]
     wrong = sample_with_uniform(p_last, coin_final)
