@@ -9,7 +9,8 @@ DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 DEMO_TARGET = os.path.join(DEMO_DIR, "target")
 DEMO_DRAFT = os.path.join(DEMO_DIR, "eagle3")
 DEMO_DFLASH = os.path.join(DEMO_DIR, "dflash")  # a DFlash block draft for the same target
-DEMO_BLOCK = DEMO_DFLASH  # the block drafter ``jaxspec generate --compare`` runs
+DEMO_DSPARK = os.path.join(DEMO_DIR, "dspark")  # a DSpark block draft (speculators layout)
+DEMO_BLOCK = DEMO_DSPARK  # the block drafter ``jaxspec generate --compare`` runs
 # Ends mid-line on purpose: the byte-level BPE merges a newline with the next line's indent into one
 # token, so a prompt ending in a bare "\n" tells the model the next line starts at column 0.
 DEMO_PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n    with open(path) as f:'
@@ -21,7 +22,7 @@ DEMO_METHODS = {
     "EAGLE-3": (DEMO_DRAFT, 5, 0),
     "n-gram": ("ngram", 5, 0),
     "hybrid": (DEMO_DRAFT, 3, 8),
-    "block": (DEMO_BLOCK, 7, 0),
+    "block": (DEMO_BLOCK, 8, 0),
 }
 # What ``jaxspec generate`` runs with no arguments: the method that measured fastest on the demo
 # prompt on a 2-core CPU (``jaxspec generate --compare``; benchmarks/RESULTS.md has the run).

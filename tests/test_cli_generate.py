@@ -1,10 +1,11 @@
 """``jaxspec generate``: the README's main command on the shipped demo pair."""
 
 import json
+import os
 import re
 
 from jaxspec.cli import main
-from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT
+from jaxspec.demo import DEMO_BLOCK, DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT
 
 
 def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsys):
@@ -24,7 +25,7 @@ def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsy
     assert list(rows) == [DEMO_DEFAULT] + [m for m in DEMO_METHODS if m != DEMO_DEFAULT], table
     assert rows["plain"][-1] == "1.00x" and float(rows[DEMO_DEFAULT][-3]) == accept
     assert all(float(r[-3]) >= 1.0 and r[-1].endswith("x") for r in rows.values())
-    assert rows["hybrid"][1:5] == ["eagle3", "chain", "3", "+"] and rows["block"][1] == "dflash"
+    assert rows["hybrid"][1:5] == ["eagle3", "chain", "3", "+"] and rows["block"][1] == os.path.basename(DEMO_BLOCK)
 
 
 def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):
