@@ -7,10 +7,6 @@ on the DFlash goldens' target, so acceptance varies)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,35 +15,10 @@ import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.dspark import markov_bias
 from jaxspec.model.targets import forward_sequence
-from tests.conftest import DATA
+from tests.model.golden_drafts import GoldenDrafts, target
 
-ROOT = os.path.join(DATA, "golden", "dspark")
-
-
-@functools.cache
-def manifest() -> dict:
-    with open(os.path.join(ROOT, "manifest.json")) as f:
-        return json.load(f)
-
-
-@functools.cache
-def golden() -> dict:
-    return dict(np.load(os.path.join(ROOT, "golden.npz")))
-
-
-@functools.cache
-def target():
-    return js.load_model(os.path.join(DATA, "golden", "dflash", "target"), dtype="float32", progress=False)
-
-
-@functools.cache
-def draft(name: str):
-    return js.load_draft(os.path.join(ROOT, name), target())
-
-
-def case(name: str) -> dict:
-    return next(c for c in manifest()["cases"] if c["name"] == name)
-
+DRAFTS = GoldenDrafts("dspark")
+manifest, golden, draft, case = DRAFTS.manifest, DRAFTS.golden, DRAFTS.draft, DRAFTS.case
 
 NAMES = [c["name"] for c in manifest()["cases"]]
 DSPARK = [n for n in NAMES if case(n)["speculators_model_type"] == "dspark"]
