@@ -107,6 +107,21 @@ def plain(page: int, batch: int):
                        engine=engine(page, batch), progress=False).token_ids
 
 
+def greedy_lossless(target_model, d, spec, page: int, batch: int = 4):
+    """Greedy decoding with draft ``d`` under ``spec``, checked lossless: the tokens of ``plain``,
+    every page freed, every accept length in [1, num_steps + 1]. Returns the accept and the verify
+    lengths of every step."""
+    prompts = PROMPTS_4 if batch == 4 else PROMPTS_1
+    out = js.generate(target_model, prompts, draft=d, spec=spec,
+                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
+                      engine=engine(page, batch), progress=False)
+    assert out.token_ids == plain(page, batch)
+    assert out.kv_pages_free == out.kv_pages_total
+    acc = np.concatenate([s.accept_lens for s in out.stats])
+    assert acc.min() >= 1 and acc.max() <= spec.num_steps + 1, acc
+    return acc, np.concatenate([s.verify_lens for s in out.stats])
+
+
 LOSSLESS = [
     ("dflash", js.SpecConfig.chain(7), 1, 4),
     ("dflash", js.SpecConfig(num_steps=7, topk=3, num_draft_tokens=16), 16, 4),
@@ -120,14 +135,7 @@ LOSSLESS = [
     pytest.param(*c, id=f"{c[0]}-S{c[1].num_steps}_k{c[1].topk}_n{c[1].num_draft_tokens}-page{c[2]}-B{c[3]}")
     for c in LOSSLESS])
 def test_greedy_equals_plain_greedy(name, spec, page, batch):
-    prompts = PROMPTS_4 if batch == 4 else PROMPTS_1
-    out = js.generate(target(), prompts, draft=draft(name), spec=spec,
-                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=()),
-                      engine=engine(page, batch), progress=False)
-    assert out.token_ids == plain(page, batch)
-    assert out.kv_pages_free == out.kv_pages_total
-    lens = np.concatenate([s.accept_lens for s in out.stats])
-    assert lens.min() >= 1 and lens.max() <= spec.num_steps + 1
+    lens, _ = greedy_lossless(target(), draft(name), spec, page, batch)
     if name != "dflash_mixed":  # the trained drafts: some proposals accepted, not all
         assert lens.mean() > 1.3 and (lens < spec.num_steps + 1).any(), lens
 

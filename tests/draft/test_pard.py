@@ -9,9 +9,6 @@ objective for the DFlash goldens' target, so acceptance varies."""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import shutil
 
 import jax
 import numpy as np
@@ -20,10 +17,8 @@ import pytest
 import jaxspec as js
 from jaxspec.model.targets import Model
 from tests.draft import test_spec_sampling as sampling_test
-from tests.draft.test_dflash import MAX_NEW, PROMPTS_4, engine, plain
-from tests.model.test_golden_pard import ROOT, draft, target
-
-GREEDY = js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=())
+from tests.draft.test_dflash import engine, greedy_lossless
+from tests.model.test_golden_pard import DRAFTS, draft, target
 
 LOSSLESS = [
     ("pard_qwen3", js.SpecConfig.chain(5), 1),
@@ -36,14 +31,9 @@ LOSSLESS = [
     pytest.param(*c, id=f"{c[0]}-S{c[1].num_steps}_k{c[1].topk}_n{c[1].num_draft_tokens}-page{c[2]}")
     for c in LOSSLESS])
 def test_greedy_equals_plain_greedy(name, spec, page):
-    out = js.generate(target(), PROMPTS_4, draft=draft(name), spec=spec, sampling=GREEDY, engine=engine(page, 4),
-                      progress=False)
-    assert out.token_ids == plain(page, 4)
-    assert out.kv_pages_free == out.kv_pages_total
-    acc = np.concatenate([s.accept_lens for s in out.stats])
-    assert acc.min() >= 1 and acc.max() <= spec.num_steps + 1
+    acc, ver = greedy_lossless(target(), draft(name), spec, page)
     assert acc.mean() > 1.3 and (acc < spec.num_steps + 1).any(), acc  # some proposals accepted, not all
-    assert all(v == spec.num_draft_tokens for s in out.stats for v in s.verify_lens)
+    assert (ver == spec.num_draft_tokens).all(), ver
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -77,18 +67,6 @@ def test_speculative_sampling_matches_target_distribution(sampling):
 # ----------------------------------------------------------------------------------- checks
 
 
-def _copy_with(tmp_path, name: str, drop=(), **changes):
-    """A copy of golden draft ``name`` whose config.json has ``changes`` and lacks ``drop``."""
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(ROOT, name), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    for key in drop:
-        del cfg[key]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("name,drop,changes,match", [
     ("pard_qwen3", (), {"vocab_size": 300}, "PARD draft vocab_size 300 does not match the target's 256"),
     ("pard_qwen3", ("pard_token",), {}, "spd_type 'pard' but no pard_token: a PARD draft needs the id of its mask "
@@ -102,11 +80,11 @@ def _copy_with(tmp_path, name: str, drop=(), **changes):
 ])
 def test_drafts_that_do_not_fit_are_refused_by_name(tmp_path, name, drop, changes, match):
     with pytest.raises(ValueError, match=match):
-        js.load_draft(_copy_with(tmp_path, name, drop, **changes), target())
+        js.load_draft(DRAFTS.copy_with(tmp_path, name, drop, **changes), target())
 
 
 def test_without_pard_token_an_lm_is_a_standalone_draft(tmp_path):
-    d = js.load_draft(_copy_with(tmp_path, "pard_llama", ("pard_token", "spd_type")), target())
+    d = js.load_draft(DRAFTS.copy_with(tmp_path, "pard_llama", ("pard_token", "spd_type")), target())
     assert d.kind == "standalone" and d.config.proposer == "recurrent"
 
 

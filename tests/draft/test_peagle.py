@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import shutil
 
 import jax
 import numpy as np
@@ -24,10 +21,8 @@ import jaxspec as js
 from jaxspec.model.drafts.peagle import PEagleConfig, peagle_draft
 from jaxspec.model.io.peagle import init_peagle_params
 from tests.draft import test_spec_sampling as sampling_test
-from tests.draft.test_dflash import MAX_NEW, PROMPTS_4, engine, plain
-from tests.model.test_golden_peagle import ROOT, draft, target
-
-GREEDY = js.SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=())
+from tests.draft.test_dflash import engine, greedy_lossless
+from tests.model.test_golden_peagle import DRAFTS, draft, target
 
 LOSSLESS = [
     ("peagle", js.SpecConfig(num_steps=5, topk=2, num_draft_tokens=8), 16),  # the greedy chain + alternatives
@@ -40,12 +35,7 @@ LOSSLESS = [
     pytest.param(*c, id=f"{c[0]}-S{c[1].num_steps}_k{c[1].topk}_n{c[1].num_draft_tokens}-page{c[2]}")
     for c in LOSSLESS])
 def test_greedy_equals_plain_greedy(name, spec, page):
-    out = js.generate(target(), PROMPTS_4, draft=draft(name), spec=spec, sampling=GREEDY, engine=engine(page, 4),
-                      progress=False)
-    assert out.token_ids == plain(page, 4)
-    assert out.kv_pages_free == out.kv_pages_total
-    acc = np.concatenate([s.accept_lens for s in out.stats])
-    assert acc.min() >= 1 and acc.max() <= spec.num_steps + 1, acc
+    acc, _ = greedy_lossless(target(), draft(name), spec, page)
     assert (acc > 1).mean() > 0.15, acc  # the trained heads' first proposal is right in 22-29% of the steps
 
 
@@ -96,16 +86,7 @@ def test_spec_checks_name_the_problem():
 def _copy_with(tmp_path, name: str, drop: str | None = None, **changes):
     """A copy of golden head ``name`` whose config.json has ``changes`` (dotted keys reach in) and
     whose tensors lack ``drop``."""
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(ROOT, name), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for key, value in changes.items():
-        *path, last = key.split(".")
-        node = cfg
-        for p in path:
-            node = node[p]
-        node[last] = value
-    (dst / "config.json").write_text(json.dumps(cfg))
+    dst = DRAFTS.copy_with(tmp_path, name, **changes)
     if drop is not None:
         tensors = load_file(dst / "model.safetensors")
         del tensors[drop]

@@ -7,47 +7,17 @@ DFlash goldens' target, so acceptance varies)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.base import DraftSeed
 from jaxspec.model.targets import forward_sequence
-from tests.conftest import DATA
+from tests.model.golden_drafts import GoldenDrafts, target
 
-ROOT = os.path.join(DATA, "golden", "peagle")
-
-
-@functools.cache
-def manifest() -> dict:
-    with open(os.path.join(ROOT, "manifest.json")) as f:
-        return json.load(f)
-
-
-@functools.cache
-def golden() -> dict:
-    return dict(np.load(os.path.join(ROOT, "golden.npz")))
-
-
-@functools.cache
-def target():
-    return js.load_model(os.path.join(DATA, "golden", "dflash", "target"), dtype="float32", progress=False)
-
-
-@functools.cache
-def draft(name: str):
-    return js.load_draft(os.path.join(ROOT, name), target())
-
-
-def case(name: str) -> dict:
-    return next(c for c in manifest()["cases"] if c["name"] == name)
-
+DRAFTS = GoldenDrafts("peagle")
+manifest, golden, draft, case = DRAFTS.manifest, DRAFTS.golden, DRAFTS.draft, DRAFTS.case
 
 NAMES = [c["name"] for c in manifest()["cases"]]
 TOL = dict(atol=2e-4, rtol=2e-4)
@@ -109,15 +79,4 @@ def test_generate_tokens_and_acceptance_lengths(name, page):
     """The reference loop's greedy tokens and the accept length of every step before the last (it
     runs whole chains, as jaxspec does, and cuts the output); a ragged batch of three prompts, the
     chain the head was trained for, pages 1 and 16."""
-    c = case(name)
-    K = c["num_speculative_tokens"]
-    out = js.generate(target(), c["prompts"], draft=draft(name), spec=js.SpecConfig.chain(K),
-                      sampling=js.SamplingParams(max_new_tokens=c["max_new_tokens"], stop_token_ids=()),
-                      engine=js.EngineConfig(page_size=page, max_batch=4, max_seq_len=96), progress=False)
-    g = golden()
-    for j in range(len(c["prompts"])):
-        assert out.token_ids[j] == g[f"{name}/generate/p{j}/tokens"].tolist()
-        ref = g[f"{name}/generate/p{j}/accept"].tolist()
-        assert out.stats[j].accept_lens[:-1] == ref[: len(out.stats[j].accept_lens) - 1]
-    accepted = [a for j in range(len(c["prompts"])) for a in g[f"{name}/generate/p{j}/accept"]]
-    assert min(accepted) == 1 and max(accepted) >= 3  # acceptance varies
+    DRAFTS.check_generate(name, page)

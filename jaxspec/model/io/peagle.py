@@ -25,9 +25,9 @@ import numpy as np
 from jaxspec.model.config import ConfigError, get_field, pad_vocab, parse_rope
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.peagle import PEagleConfig, peagle_draft
-from jaxspec.model.io.checkpoint import CheckpointError
 from jaxspec.model.io.llama import attention_entries, llama_layer_entries, mlp_entries
-from jaxspec.model.io.speculators import QWEN3_DEFAULTS, _bool, _int, speculative_tokens
+from jaxspec.model.io.speculators_fields import (QWEN3_DEFAULTS, flag, hot_ids, mask_token, speculative_tokens, taps,
+                                                 vocab_sizes)
 from jaxspec.model.io.tables import LINEAR, Param, Table, host_rng, init_params, load_params, replicated, shardings_for, under, whole_on
 
 MODEL_TYPE = "peagle"
@@ -70,25 +70,10 @@ def peagle_config_from_hf(raw: dict, target_cfg, where: str) -> PEagleConfig:
     if H != target_cfg.hidden_size or target_hidden != target_cfg.hidden_size:
         raise ConfigError(f"{where}: P-EAGLE hidden_size {H} (target_hidden_size {raw.get('target_hidden_size')}) "
                           f"must equal the target's hidden size {target_cfg.hidden_size}")
-    vocab = get_field(layer, "vocab_size", int, where=lwhere)
-    if vocab != target_cfg.vocab_size:
-        raise ConfigError(f"{lwhere}: P-EAGLE vocab_size {vocab} (the verifier's) does not match the target's "
-                          f"{target_cfg.vocab_size}")
-    draft_vocab = _int(raw, "draft_vocab_size", where, default=vocab)
-    if draft_vocab > vocab:
-        raise ConfigError(f"{where}: P-EAGLE draft_vocab_size {draft_vocab} exceeds the target vocabulary {vocab}")
-    n = target_cfg.num_layers
-    aux = raw.get("eagle_aux_hidden_state_layer_ids")
-    if aux is None:  # the library's default taps
-        aux = [2, n // 2, n - 3]
-    if (not isinstance(aux, list) or not aux or any(not isinstance(a, int) or isinstance(a, bool) for a in aux)
-            or len(set(aux)) != len(aux) or not all(1 <= a <= n for a in aux)):
-        raise ConfigError(f"{where}: P-EAGLE eagle_aux_hidden_state_layer_ids {aux!r} must be distinct HF "
-                          f"hidden_states indices in [1, {n}] (the target's layer outputs)")
-    mask_token = _int(raw, "mask_token_id", where, minimum=0)
-    if mask_token >= vocab:
-        raise ConfigError(f"{where}: P-EAGLE mask_token_id {mask_token} is outside the vocabulary of {vocab}")
-    norm_before_fc, fc_norm = _bool(raw, "norm_before_fc", False, where), _bool(raw, "fc_norm", False, where)
+    vocab, draft_vocab = vocab_sizes(raw, layer, target_cfg, where, lwhere, prefix="P-EAGLE ")
+    aux = taps(raw, "eagle_aux_hidden_state_layer_ids", target_cfg.num_layers, where, prefix="P-EAGLE ")
+    mask = mask_token(raw, vocab, where, prefix="P-EAGLE ")
+    norm_before_fc, fc_norm = flag(raw, "norm_before_fc", False, where), flag(raw, "fc_norm", False, where)
     if norm_before_fc and fc_norm:
         raise ConfigError(f"{where}: norm_before_fc and fc_norm are mutually exclusive")
     kv_heads = layer.get("num_key_value_heads") or heads
@@ -105,12 +90,12 @@ def peagle_config_from_hf(raw: dict, target_cfg, where: str) -> PEagleConfig:
         draft_vocab_size=draft_vocab,
         target_hidden_size=target_cfg.hidden_size,
         aux_layers=tuple(aux),
-        mask_token_id=mask_token,
+        mask_token_id=mask,
         num_speculative_tokens=speculative_tokens(raw, where) or LIBRARY_DEPTHS,
         qk_norm=kind == "qwen3",
         norm_before_fc=norm_before_fc,
         fc_norm=fc_norm,
-        norm_before_residual=_bool(raw, "norm_before_residual", False, where),
+        norm_before_residual=flag(raw, "norm_before_residual", False, where),
         vocab_parallel=getattr(target_cfg, "tensor_parallel", 1),
     )
 
@@ -146,13 +131,8 @@ def load_peagle(ckpt, raw: dict, target, dtype, where: str) -> DraftModel:
     if "embed" not in params:
         params["embed"] = target.params["embed"]
     if cfg.own_vocab:
-        if "d2t" not in ckpt:
-            raise CheckpointError(f"{ckpt.path}: P-EAGLE draft_vocab_size {cfg.draft_vocab_size} < the target's "
-                                  f"{cfg.vocab_size} but the checkpoint has no d2t map")
-        hot = np.arange(cfg.draft_vocab_size, dtype=np.int64) + ckpt.get("d2t", (cfg.draft_vocab_size,)).astype(np.int64)
-        if hot.min() < 0 or hot.max() >= cfg.vocab_size or len(set(hot.tolist())) != len(hot):
-            raise CheckpointError(f"{ckpt.path}: d2t maps draft ids outside the target vocabulary or onto one id twice")
-        params["hot_ids"] = whole_on(hot.astype(np.int32), target.mesh)
+        params["hot_ids"] = whole_on(hot_ids(ckpt, cfg.draft_vocab_size, cfg.vocab_size, prefix="P-EAGLE "),
+                                     target.mesh)
     return peagle_draft(cfg, params, ckpt.path)
 
 

@@ -30,15 +30,13 @@ from jaxspec.model.config import ConfigError, get_field, parse_rope
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.dflash import DFlashConfig, dflash_draft
 from jaxspec.model.drafts.dspark import MARKOV_HEADS, DSparkConfig, dspark_draft
-from jaxspec.model.io.checkpoint import CheckpointError, decoder_fields, resolve_dtype, write_json
+from jaxspec.model.io.checkpoint import decoder_fields, resolve_dtype, write_json
 from jaxspec.model.io.dflash import dflash_table, layer_kinds, shared_target_params
+from jaxspec.model.io.speculators_fields import (QWEN3_DEFAULTS, flag, hot_ids, integer, mask_token, speculative_tokens,
+                                                 taps, vocab_sizes)
 from jaxspec.model.io.tables import LINEAR, Param, Table, export_params, init_params, load_params, shardings_for, whole_on
 
 MODEL_TYPES = ("dflash", "dspark")
-# The library stores the nested config as a diff against transformers' Qwen3Config: absent fields
-# hold these defaults.
-QWEN3_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6}
 ARCHITECTURES = ("DFlashDraftModel", "DFlashSpeculator", "DSparkDraftModel", "DSparkSpeculator")
 
 
@@ -53,36 +51,6 @@ def model_type(raw: dict, where: str) -> str:
         raise ConfigError(f"{where}: speculators_model_type {kind!r} is not a draft jaxspec loads from this "
                           f"layout; supported: {[*MODEL_TYPES, 'peagle']}")
     return kind
-
-
-def _bool(raw: dict, name: str, default: bool, where: str) -> bool:
-    value = raw.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {name!r} must be true or false, got {value!r}")
-    return value
-
-
-def _int(raw: dict, name: str, where: str, default=None, minimum: int = 1) -> int:
-    value = raw.get(name, default)
-    if value is None:
-        raise ConfigError(f"{where}: missing required field {name!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{where}: {name!r} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def speculative_tokens(raw: dict, where: str) -> int | None:
-    """``speculators_config.proposal_methods[0].speculative_tokens`` (None when absent)."""
-    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
-    if not methods:
-        return None
-    value = methods[0].get("speculative_tokens")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens must be a positive "
-                          f"int, got {value!r}")
-    return value
 
 
 def speculators_config_from_hf(raw: dict, target_cfg, where: str) -> DFlashConfig:
@@ -106,31 +74,17 @@ def speculators_config_from_hf(raw: dict, target_cfg, where: str) -> DFlashConfi
     if H != target_cfg.hidden_size or raw.get("target_hidden_size") not in (None, H):
         raise ConfigError(f"{where}: draft hidden_size {H} (target_hidden_size {raw.get('target_hidden_size')}) must "
                           f"equal the target's hidden size {target_cfg.hidden_size}")
-    vocab = get_field(layer, "vocab_size", int, where=lwhere)
-    if vocab != target_cfg.vocab_size:
-        raise ConfigError(f"{lwhere}: vocab_size {vocab} (the verifier's) does not match the target's "
-                          f"{target_cfg.vocab_size}")
-    draft_vocab = _int(raw, "draft_vocab_size", where, default=vocab)
-    if draft_vocab > vocab:
-        raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} exceeds the target vocabulary {vocab}")
-    aux = raw.get("aux_hidden_state_layer_ids")
-    if aux is None:  # the library's default taps
-        aux = [2, target_cfg.num_layers // 2, target_cfg.num_layers - 3]
-    if (not isinstance(aux, list) or not aux or any(not isinstance(a, int) or isinstance(a, bool) for a in aux)
-            or len(set(aux)) != len(aux) or not all(1 <= a <= target_cfg.num_layers for a in aux)):
-        raise ConfigError(f"{where}: aux_hidden_state_layer_ids {aux!r} must be distinct HF hidden_states indices "
-                          f"in [1, {target_cfg.num_layers}] (the target's layer outputs)")
-    block = _int(raw, "block_size", where, default=8, minimum=2)
-    mask_token = _int(raw, "mask_token_id", where, minimum=0)
-    if mask_token >= vocab:
-        raise ConfigError(f"{where}: mask_token_id {mask_token} is outside the vocabulary of {vocab}")
-    anchor = _bool(raw, "sample_from_anchor", kind == "dspark", where)
+    vocab, draft_vocab = vocab_sizes(raw, layer, target_cfg, where, lwhere, prefix="")
+    aux = taps(raw, "aux_hidden_state_layer_ids", target_cfg.num_layers, where, prefix="")
+    block = integer(raw, "block_size", where, default=8, minimum=2)
+    mask = mask_token(raw, vocab, where, prefix="")
+    anchor = flag(raw, "sample_from_anchor", kind == "dspark", where)
     if isinstance(layer.get("layer_types"), list) and len(layer["layer_types"]) > L:
         # the library copies the verifier's config and sets num_hidden_layers; its layers read
         # layer_types[i] for their own i only
         layer = dict(layer, layer_types=layer["layer_types"][:L])
     windows, _ = layer_kinds(layer, L, lwhere)
-    non_causal = _bool(raw, "sliding_window_non_causal", False, where)
+    non_causal = flag(raw, "sliding_window_non_causal", False, where)
     base = dict(
         hidden_size=H,
         intermediate_size=get_field(layer, "intermediate_size", int, where=lwhere),
@@ -144,7 +98,7 @@ def speculators_config_from_hf(raw: dict, target_cfg, where: str) -> DFlashConfi
         target_layer_ids=tuple(a - 1 for a in aux),  # z-lab's numbering: the tap is l + 1
         num_target_layers=target_cfg.num_layers,
         block_size=block,
-        mask_token_id=mask_token,
+        mask_token_id=mask,
         layer_windows=windows,
         # full-attention layers see the whole block; sliding ones causally unless non-causal
         layer_causal=tuple(w is not None and not non_causal for w in windows),
@@ -155,13 +109,13 @@ def speculators_config_from_hf(raw: dict, target_cfg, where: str) -> DFlashConfi
     markov = 0
     head_type, confidence, with_markov = "vanilla", False, False
     if kind == "dspark":
-        markov = _int(raw, "markov_rank", where, default=256, minimum=0)
+        markov = integer(raw, "markov_rank", where, default=256, minimum=0)
         head_type = raw.get("markov_head_type") or "vanilla"
         if head_type not in MARKOV_HEADS:
             raise ConfigError(f"{where}: markov_head_type {head_type!r} is not supported; supported: "
                               f"{list(MARKOV_HEADS)}")
-        confidence = _bool(raw, "enable_confidence_head", True, where)
-        with_markov = confidence and _bool(raw, "confidence_head_with_markov", True, where)
+        confidence = flag(raw, "enable_confidence_head", True, where)
+        with_markov = confidence and flag(raw, "confidence_head_with_markov", True, where)
         if with_markov and not markov:
             raise ConfigError(f"{where}: confidence_head_with_markov needs a Markov head (markov_rank > 0)")
     cfg = DSparkConfig(**base, sample_from_anchor=anchor, markov_rank=markov, markov_head_type=head_type,
@@ -208,13 +162,7 @@ def load_speculators(ckpt, raw: dict, target, dtype, where: str) -> DraftModel:
     table = dspark_table(cfg)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=False))
     if isinstance(cfg, DSparkConfig) and cfg.own_vocab:
-        if "d2t" not in ckpt:
-            raise CheckpointError(f"{ckpt.path}: draft_vocab_size {cfg.draft_vocab_size} < the target's "
-                                  f"{cfg.vocab_size} but the checkpoint has no d2t map")
-        hot = np.arange(cfg.draft_vocab_size, dtype=np.int64) + ckpt.get("d2t", (cfg.draft_vocab_size,)).astype(np.int64)
-        if hot.min() < 0 or hot.max() >= cfg.vocab_size or len(set(hot.tolist())) != len(hot):
-            raise CheckpointError(f"{ckpt.path}: d2t maps draft ids outside the target vocabulary or onto one id twice")
-        params["hot_ids"] = whole_on(hot.astype(np.int32), target.mesh)
+        params["hot_ids"] = whole_on(hot_ids(ckpt, cfg.draft_vocab_size, cfg.vocab_size, prefix=""), target.mesh)
     return _draft_of(cfg, shared_target_params(params, target.params), ckpt.path)
 
 
