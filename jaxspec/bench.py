@@ -22,8 +22,8 @@ verified per request per step (the root included) and ``ms/step`` the wall time 
 
     jaxspec bench --batches 1 --configs plain,chain3,ngram5,ngram2x11,chain3+ng4,tree4x16+ng5
 A ``<draft>:`` prefix runs a model-draft configuration with a named draft (``--drafts
-name=DIR,...``; the demo names ``eagle3``, ``dflash`` and ``dspark``), so several drafts are compared against the
-same plain baseline in one run:
+name=DIR,...``; the demo names ``eagle3``, ``dflash``, ``dspark`` and ``peagle``), so several drafts
+are compared against the same plain baseline in one run:
 
     jaxspec bench --configs plain,eagle3:chain5,dflash:chain7,dflash:tree4x16s7 --batches 1
 """
@@ -300,11 +300,12 @@ def device_name() -> str:
 
 def cmd_bench(args) -> int:
     import jaxspec as js
-    from jaxspec.demo import DEMO_DFLASH, DEMO_DRAFT, DEMO_DSPARK, DEMO_TARGET
+    from jaxspec.demo import DEMO_DFLASH, DEMO_DRAFT, DEMO_DSPARK, DEMO_PEAGLE, DEMO_TARGET
 
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft or (DEMO_DRAFT if args.target is None else None)
-    named = {"eagle3": DEMO_DRAFT, "dflash": DEMO_DFLASH, "dspark": DEMO_DSPARK} if args.target is None else {}
+    named = {"eagle3": DEMO_DRAFT, "dflash": DEMO_DFLASH, "dspark": DEMO_DSPARK,
+             "peagle": DEMO_PEAGLE} if args.target is None else {}
     for item in filter(None, (x.strip() for x in (args.drafts or "").split(","))):
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
@@ -374,7 +375,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft checkpoint (default: the demo EAGLE-3 head)")
     p.add_argument("--drafts", default=None,
-                   help="named drafts for '<name>:' configurations, name=DIR,... (demo: eagle3, dflash, dspark)")
+                   help="named drafts for '<name>:' configurations, name=DIR,... (demo: eagle3, dflash, dspark, peagle)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated (default: the full sweep)")
     p.add_argument("--batches", type=_ints, default=[1, 4, 16], help="comma-separated batch sizes (default 1,4,16)")
     p.add_argument("--tree-steps", type=int, default=5, help="default draft depth S of tree configurations")

@@ -10,6 +10,7 @@ DEMO_TARGET = os.path.join(DEMO_DIR, "target")
 DEMO_DRAFT = os.path.join(DEMO_DIR, "eagle3")
 DEMO_DFLASH = os.path.join(DEMO_DIR, "dflash")  # a DFlash block draft for the same target
 DEMO_DSPARK = os.path.join(DEMO_DIR, "dspark")  # a DSpark block draft (speculators layout)
+DEMO_PEAGLE = os.path.join(DEMO_DIR, "peagle")  # a P-EAGLE head (speculators layout)
 DEMO_BLOCK = DEMO_DSPARK  # the block drafter ``jaxspec generate --compare`` runs
 # Ends mid-line on purpose: the byte-level BPE merges a newline with the next line's indent into one
 # token, so a prompt ending in a bare "\n" tells the model the next line starts at column 0.
