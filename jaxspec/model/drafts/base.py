@@ -87,6 +87,16 @@ def zero_pool(page_size: int, dtype) -> KVPool:
     return KVPool.create(num_layers=0, num_pages=1, page_size=page_size, num_kv_heads=1, head_dim=1, dtype=dtype)
 
 
+def check_block_tree(kind: str, spec) -> None:
+    """A tree built from one block forward hangs at most ``topk - 1`` alternatives off each of the
+    ``num_steps`` positions of the greedy chain, so it has at most ``num_steps * topk`` draft nodes."""
+    if spec.topk > 1 and spec.num_draft_tokens - 1 > spec.num_steps * spec.topk:
+        raise ValueError(
+            f"a {kind} tree has at most num_steps * topk = {spec.num_steps * spec.topk} draft nodes (the greedy "
+            f"chain and topk - 1 alternatives per position); num_draft_tokens={spec.num_draft_tokens} asks for "
+            f"{spec.num_draft_tokens - 1}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Draft(abc.ABC):
     """A draft kind (static). Subclasses are frozen dataclasses holding the model config.

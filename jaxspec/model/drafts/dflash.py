@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
-from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
+from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.grammar import Grammar
 from jaxspec.model.layers import lm_head, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
 from jaxspec.model.sampling import sample_with_uniform, target_probs
@@ -342,12 +342,7 @@ class DFlashDraft(Draft):
         for S_a in spec.adaptive_steps:
             if S_a + 1 > Q:
                 raise ValueError(f"adaptive_steps {spec.adaptive_steps} exceed the draft's block_size {Q} - 1")
-        if spec.topk > 1 and spec.num_draft_tokens - 1 > S * spec.topk:
-            raise ValueError(
-                f"a DFlash tree has at most num_steps * topk = {S * spec.topk} draft nodes (the top-1 chain and "
-                f"topk - 1 alternatives per position); num_draft_tokens={spec.num_draft_tokens} asks for "
-                f"{spec.num_draft_tokens - 1}"
-            )
+        check_block_tree("DFlash", spec)
 
     def check_fits(self, target_cfg) -> None:
         cfg = self.model

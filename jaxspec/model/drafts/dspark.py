@@ -39,7 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.model.drafts.base import DraftModel
+from jaxspec.model.drafts.base import DraftModel, check_block_tree
 from jaxspec.model.drafts.dflash import DFlashConfig, DFlashDraft, dflash_logits
 from jaxspec.model.grammar import Grammar
 from jaxspec.model.layers import mask_padded_vocab
@@ -158,11 +158,7 @@ class DSparkDraft(DFlashDraft):
                 f"{cfg.max_proposals} (its chain is SpecConfig.chain({cfg.num_speculative_tokens}))")
         # DFlash's own checks against a block of S + 1 slots do not apply when the anchor drafts.
         super(DFlashDraft, self).check_spec(spec)
-        if spec.topk > 1 and spec.num_draft_tokens - 1 > spec.num_steps * spec.topk:
-            raise ValueError(
-                f"a DSpark tree has at most num_steps * topk = {spec.num_steps * spec.topk} draft nodes (the greedy "
-                f"path and topk - 1 alternatives per slot); num_draft_tokens={spec.num_draft_tokens} asks for "
-                f"{spec.num_draft_tokens - 1}")
+        check_block_tree("DSpark", spec)
 
     def check_fits(self, target_cfg) -> None:
         super().check_fits(target_cfg)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
+from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
 from jaxspec.model.grammar import Grammar
 from jaxspec.model.layers import mask_padded_vocab
@@ -132,11 +132,7 @@ class PardDraft(Draft):
         """Any chain (a block of S rows for S proposals); a tree hangs at most ``topk`` candidates
         per position off the greedy chain, so n - 1 <= S * topk."""
         super().check_spec(spec)  # no grafted n-gram branch, no confidence head
-        if spec.topk > 1 and spec.num_draft_tokens - 1 > spec.num_steps * spec.topk:
-            raise ValueError(
-                f"a PARD tree has at most num_steps * topk = {spec.num_steps * spec.topk} draft nodes (the greedy "
-                f"chain and topk - 1 alternatives per position); num_draft_tokens={spec.num_draft_tokens} asks for "
-                f"{spec.num_draft_tokens - 1}")
+        check_block_tree("PARD", spec)
 
 
 def pard_draft(model: Model, mask_token_id: int) -> DraftModel:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.config import RopeConfig, pad_vocab
-from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
+from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
 from jaxspec.model.grammar import Grammar
 from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q,
@@ -252,11 +252,7 @@ class PEagleDraft(Draft):
         """Any chain depth (mask rows past the trained K still draft, less well); a tree hangs
         ``topk - 1`` alternatives per position off the greedy chain, so n - 1 <= S * topk."""
         super().check_spec(spec)  # no grafted n-gram branch, no confidence head
-        if spec.topk > 1 and spec.num_draft_tokens - 1 > spec.num_steps * spec.topk:
-            raise ValueError(
-                f"a P-EAGLE tree has at most num_steps * topk = {spec.num_steps * spec.topk} draft nodes (the greedy "
-                f"chain and topk - 1 alternatives per position); num_draft_tokens={spec.num_draft_tokens} asks for "
-                f"{spec.num_draft_tokens - 1}")
+        check_block_tree("P-EAGLE", spec)
 
     def check_fits(self, target_cfg) -> None:
         cfg = self.model
