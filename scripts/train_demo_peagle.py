@@ -324,6 +324,7 @@ def check(args) -> None:
             f"tokens equal to plain greedy: {same} [{time.perf_counter() - t:.0f} s]")
         if not same:
             sys.exit(f"{name} chain {s}: output differs from plain greedy decoding")
+    RUN.mkdir(parents=True, exist_ok=True)
     (RUN / "check.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
