@@ -55,9 +55,17 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()
 
 
+def xdist_worker() -> bool:
+    """True in a pytest-xdist worker (``pytest -n 2``), where each worker collects every test."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
 def pytest_collection_finish(session):
-    """Starts the subprocess workloads of the selected test modules (``tests/background.py``)."""
-    if session.config.option.collectonly:
+    """Starts the subprocess workloads of the selected test modules (``tests/background.py``).
+    Under xdist every worker collects every module, so a worker starts a module's job only when
+    it runs that module's test (``--dist loadfile``: one worker per module); the modules with a
+    job are put first (below) so that their jobs run beside the other worker's tests."""
+    if session.config.option.collectonly or xdist_worker():
         return
     for module in dict.fromkeys(getattr(item, "module", None) for item in session.items):
         job = getattr(module, "BACKGROUND_JOB", None)
@@ -75,6 +83,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
+    if xdist_worker():  # the same order in every worker: modules with a background job first
+        items.sort(key=lambda item: getattr(getattr(item, "module", None), "BACKGROUND_JOB", None) is None)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
