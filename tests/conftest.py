@@ -4,8 +4,11 @@ their compiles."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -18,6 +21,21 @@ from jaxspec.model.targets import Model
 from tests.background import Job
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
+
+# Compiling is most of the suite's time. One persistent compilation cache per run, shared by this
+# process, the xdist workers and the subprocess workloads (they inherit the environment), so a
+# program compiled by one process is loaded, not compiled, by the others, and a program compiled
+# again after the jit caches were dropped (below) is loaded too. A directory the user set is used
+# as it is; the run's own directory is removed when the process that made it exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+for _flag in ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+    if _flag in os.environ:
+        jax.config.update(_flag.lower(), type(getattr(jax.config, _flag.lower()))(os.environ[_flag]))
 
 # tests/train runs in a process of its own (tests/test_train_process.py), which also keeps its
 # training programs out of this process's memory maps (below).
