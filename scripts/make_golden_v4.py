@@ -128,28 +128,35 @@ class Mtp(torch.nn.Module):
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         """``mtp.0.*`` under DeepSeek's published names (the block's as the trunk's published layer)."""
         out = {prefix + k: v.contiguous() for k, v in self.w.items()}
-        rename = {"self_attn.": "attn.", "mlp.": "ffn.", "input_layernorm": "attn_norm", "post_attention_layernorm":
-                  "ffn_norm", "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale":
-                  "hc_attn_scale", "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale":
-                  "hc_ffn_scale", "q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv",
-                  "o_a_proj": "wo_a", "o_b_proj": "wo_b", "sinks": "attn_sink", "e_score_correction_bias": "bias",
-                  "shared_experts.gate_proj": "shared_experts.w1", "shared_experts.up_proj": "shared_experts.w3",
-                  "shared_experts.down_proj": "shared_experts.w2"}
-        I = self.cfg.moe_intermediate_size
-        for k, v in self.block.state_dict().items():
-            if k.endswith("experts.gate_up_proj"):
-                for e in range(v.shape[0]):
-                    out[f"{prefix}ffn.experts.{e}.w1.weight"] = v[e, :I].contiguous()
-                    out[f"{prefix}ffn.experts.{e}.w3.weight"] = v[e, I:].contiguous()
-                continue
-            if k.endswith("experts.down_proj"):
-                for e in range(v.shape[0]):
-                    out[f"{prefix}ffn.experts.{e}.w2.weight"] = v[e].contiguous()
-                continue
-            for a, b in rename.items():
-                k = k.replace(a, b)
-            out[prefix + k] = v.contiguous()
+        out.update(published_block_state(self.block, self.cfg, prefix))
         return out
+
+
+def published_block_state(block: DeepseekV4DecoderLayer, cfg: DeepseekV4Config, prefix: str) -> dict[str, torch.Tensor]:
+    """An HF ``DeepseekV4DecoderLayer``'s weights under DeepSeek's published layer names, under ``prefix``."""
+    out = {}
+    rename = {"self_attn.": "attn.", "mlp.": "ffn.", "input_layernorm": "attn_norm", "post_attention_layernorm":
+              "ffn_norm", "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale":
+              "hc_attn_scale", "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale":
+              "hc_ffn_scale", "q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv",
+              "o_a_proj": "wo_a", "o_b_proj": "wo_b", "sinks": "attn_sink", "e_score_correction_bias": "bias",
+              "shared_experts.gate_proj": "shared_experts.w1", "shared_experts.up_proj": "shared_experts.w3",
+              "shared_experts.down_proj": "shared_experts.w2"}
+    I = cfg.moe_intermediate_size
+    for k, v in block.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):
+            for e in range(v.shape[0]):
+                out[f"{prefix}ffn.experts.{e}.w1.weight"] = v[e, :I].contiguous()
+                out[f"{prefix}ffn.experts.{e}.w3.weight"] = v[e, I:].contiguous()
+            continue
+        if k.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[f"{prefix}ffn.experts.{e}.w2.weight"] = v[e].contiguous()
+            continue
+        for a, b in rename.items():
+            k = k.replace(a, b)
+        out[prefix + k] = v.contiguous()
+    return out
 
 
 def randomize_(model: torch.nn.Module, gen: torch.Generator, cfg: DeepseekV4Config) -> None:

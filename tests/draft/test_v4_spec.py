@@ -15,7 +15,8 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   attention reads each scratch column back where the helper wrote it, at that step's logical position;
   a different layout in the helper moves the writes and the reads together;
 * the MTP layer against an independent torch implementation of DeepSeek's documented forward;
-* speculative sampling (MTP chain and tree) on a tiny V4 target (vocabulary 5) has the target's exact
+* speculative sampling (MTP chain and tree; DeepSeek's DSpark chain with its Markov head's sequential q,
+  with and without confidence scheduling) on a tiny V4 target (vocabulary 5) has the target's exact
   distribution.
 """
 
@@ -41,8 +42,10 @@ from jaxspec.kvcache.layout import draft_scratch_positions, per_step_draft_locs
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.drafts import standalone_draft
 from jaxspec.model.drafts.base import DraftContext, DraftSeed
+from jaxspec.model.drafts.deepseek_v4_dspark import V4DSparkConfig, v4_dspark_draft
 from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, v4_mtp_draft, v4_mtp_forward, v4_mtp_logits
 from jaxspec.model.io.deepseek_v4 import init_deepseek_v4_params
+from jaxspec.model.io.deepseek_v4_dspark import init_v4_dspark_params
 from jaxspec.model.io.deepseek_v4_mtp import init_v4_mtp_params
 from jaxspec.model.targets import Model, create_target_pool, target_commit, target_forward
 from jaxspec.model.targets.deepseek_v4_attention import block_columns
@@ -421,3 +424,32 @@ def test_mtp_sampling_matches_the_target_distribution(spec):
                       engine=js.EngineConfig(page_size=4, max_batch=256, max_seq_len=32, steps_per_call=4), seed=99)
     lens = np.concatenate([s.accept_lens for s in out.stats])
     assert 1.05 < lens.mean() < 3.0 and (lens == 1).any() and (lens > 1).any(), lens.mean()
+
+
+@functools.cache
+def small_dspark():
+    """DeepSeek's DSpark layout on the tiny target: 2 stages over the outputs of layers 1 and 2, a block of
+    2 slots, a Markov head of rank 4 and a confidence head."""
+    target, _ = small_pair()
+    cfg = V4DSparkConfig(target=SMALL, num_stages=2, block_size=2, mask_token_id=4, target_layer_ids=(1, 2),
+                         markov_rank=4)
+    return v4_dspark_draft(cfg, init_v4_dspark_params(cfg, target.params, seed=5, scale=0.5))
+
+
+def test_dspark_sampling_matches_the_target_distribution():
+    """Rejection sampling with the V4 DSpark draft's sequential q (each slot drawn from its logits plus the
+    Markov bias of the token drawn before it) under confidence scheduling (threshold 0.3: some rows verify
+    the whole block, some less): the joint of the first 4 tokens is the target's (chi-square over 32 x 256
+    samples), and drafts are partly accepted."""
+    from tests.draft.test_spec_sampling import HOT, P_VALUE_MIN, chi_square_p, exact_joint, sample_counts
+
+    target, _ = small_pair()
+    spec = js.SpecConfig.chain(2, confidence_threshold=0.3)
+    counts = sample_counts(small_dspark(), spec, HOT, calls=32, model=target)
+    assert chi_square_p(counts, exact_joint(HOT, model=target)) > P_VALUE_MIN
+    out = js.generate(target, [[1, 2, 3, 4]] * 256, draft=small_dspark(), spec=spec, sampling=HOT, progress=False,
+                      engine=js.EngineConfig(page_size=4, max_batch=256, max_seq_len=32, steps_per_call=4), seed=99)
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    verified = np.concatenate([s.verify_lens for s in out.stats])
+    assert 1.05 < lens.mean() < 3.0 and (lens == 1).any() and (lens > 1).any(), lens.mean()
+    assert (verified < 3).any() and (verified == 3).any(), np.bincount(verified)  # scheduling cuts some rows

@@ -20,6 +20,7 @@ from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError, padded_vocab_size
 from jaxspec.model.drafts.assistant import assistant_draft
 from jaxspec.model.drafts.base import DraftModel
+from jaxspec.model.drafts.deepseek_v4_dspark import v4_dspark_draft
 from jaxspec.model.drafts.deepseek_v4_mtp import v4_mtp_draft
 from jaxspec.model.drafts.eagle import eagle_draft
 from jaxspec.model.drafts.mtp import mtp_draft
@@ -35,6 +36,7 @@ from jaxspec.model.io.checkpoint import (CheckpointError, SafetensorsCheckpoint,
 from jaxspec.model.io.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.io.eagle import detect_eagle_version, load_eagle
 from jaxspec.model.io.loader import TARGET_FAMILIES, target_family, warn_unread
+from jaxspec.model.io.deepseek_v4_dspark import is_v4_dspark, load_v4_dspark_params
 from jaxspec.model.io.deepseek_v4_mtp import find_v4_mtp_layers, load_v4_mtp_params
 from jaxspec.model.io.mtp import find_mtp_layers, load_mtp_params
 from jaxspec.model.io.qwen_mtp import load_qwen_mtp_params
@@ -104,6 +106,12 @@ def _load_v4_mtp(ckpt, raw, target: Model, dtype, where, path):
     params, cfg = load_v4_mtp_params(ckpt, target.config, target.params, dtype, mesh=target.mesh,
                                      fp8_block=fp8_block_size(raw, where))
     return dataclasses.replace(v4_mtp_draft(cfg, params, path), mesh=target.mesh)
+
+
+def _load_v4_dspark(ckpt, raw, target: Model, dtype, where, path):
+    params, cfg = load_v4_dspark_params(ckpt, raw, target.config, target.params, dtype, where, mesh=target.mesh,
+                                        fp8_block=fp8_block_size(raw, where))
+    return dataclasses.replace(v4_dspark_draft(cfg, params, path), mesh=target.mesh)
 
 
 def _load_qwen_mtp(ckpt, raw, target: Model, dtype, where, path):
@@ -198,7 +206,7 @@ def _load_peagle(ckpt, raw, target: Model, dtype, where, path):
 
 def _is_lm(names: set[str]) -> bool:
     return (any(n.startswith(("model.layers.", "layers.")) for n in names) and "fc.weight" not in names
-            and not find_mtp_layers(names) and not find_v4_mtp_layers(names))
+            and not find_mtp_layers(names) and not find_v4_mtp_layers(names) and not is_v4_dspark(names))
 
 
 DRAFT_FORMATS = (
@@ -212,6 +220,8 @@ DRAFT_FORMATS = (
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
     DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
+    DraftFormat("DeepSeek-V4 DSpark draft (mtp.* stages)", V4_ARCHITECTURES, is_v4_dspark, (DeepseekV4Config,),
+                _load_v4_dspark),
     DraftFormat("DeepSeek-V4 MTP layer", V4_ARCHITECTURES, lambda names: bool(find_v4_mtp_layers(names)),
                 (DeepseekV4Config,), _load_v4_mtp),
     DraftFormat("Qwen3-Next / Qwen3.5 MTP layer", tuple(HYBRID_ARCHITECTURES),
@@ -291,8 +301,8 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     whose config carries its mask token ``pard_token``), a standalone LM of a supported family
     sharing the target's vocabulary, a frozen-KV assistant (the project's format for
     Llama-family targets, HF ``Gemma4AssistantForCausalLM`` for Gemma 4 targets), or -- for a DeepSeek-V3,
-    DeepSeek-V4, Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint (pass the target's
-    directory).
+    DeepSeek-V4, Qwen3-Next or Qwen3.5 target -- the MTP layer(s) stored in its checkpoint, or the DSpark
+    stages DeepSeek ships in DeepSeek-V4-Flash-DSpark (pass the target's directory).
 
     Raises:
       ValueError: an unknown or mismatched kind, or a draft that does not fit the target

@@ -159,6 +159,19 @@ def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid
     return (out + shared).reshape(B, T, H)
 
 
+def v4_block(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, attend, tid2eid: jax.Array | None,
+             bias: jax.Array | None, hashed: jax.Array):
+    """One V4 layer over the streams ``x [B, T, N, H]`` (module docstring): its attention is
+    ``attend(h [B, T, H]) -> (o [B, T, H], extra)``, then the MoE (``v4_moe``'s routing arguments).
+    Returns (streams [B, T, N, H], extra). The target's layers and DSpark's draft stages share it."""
+    pre, post, comb = hyper_weights(x, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"], cfg)
+    o, extra = attend(norm(collapse(x, pre), lp["attn_norm"], cfg.rms_norm_eps))
+    x = expand(x, o.astype(x.dtype), post, comb)
+    pre, post, comb = hyper_weights(x, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], cfg)
+    y = v4_moe(lp, cfg, norm(collapse(x, pre), lp["mlp_norm"], cfg.rms_norm_eps), tokens, tid2eid, bias, hashed)
+    return expand(x, y.astype(x.dtype), post, comb), extra
+
+
 def _row(tree: dict | None, i: jax.Array):
     """Row ``i`` (i32[]) of every stacked array of ``tree`` (None stays None)."""
     if tree is None:
@@ -210,20 +223,19 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
         x, pool, aux = carry
         lp, s = xs
         aux = taps.record(aux, s["layer"], x.reshape(B, T, N * H))
-        pre, post, comb = hyper_weights(x, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"], cfg)
-        h = norm(collapse(x, pre), lp["attn_norm"], cfg.rms_norm_eps)
-        if len(branches) == 1:
-            o, pool, closing = branches[0](lp, s["row"], s["layer"], h, pool)
-        else:
-            o, pool, closing = jax.lax.switch(s["branch"], branches, lp, s["row"], s["layer"], h, pool)
-        x = expand(x, o.astype(x.dtype), post, comb)
-        pre, post, comb = hyper_weights(x, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], cfg)
-        h = norm(collapse(x, pre), lp["mlp_norm"], cfg.rms_norm_eps)
+
+        def attend(h):
+            if len(branches) == 1:
+                o, p, closing = branches[0](lp, s["row"], s["layer"], h, pool)
+            else:
+                o, p, closing = jax.lax.switch(s["branch"], branches, lp, s["row"], s["layer"], h, pool)
+            return o, (p, closing)
+
         tid2eid = _row(params.get(HASH), s["mlp_row"])
         bias = _row(params.get(TOPK), s["mlp_row"])
-        y = v4_moe(lp, cfg, h, tokens, None if tid2eid is None else tid2eid["tid2eid"],
-                   None if bias is None else bias["router_bias"], s["hashed"])
-        return (expand(x, y.astype(x.dtype), post, comb), pool, aux), closing
+        x, (pool, closing) = v4_block(lp, cfg, x, tokens, attend, None if tid2eid is None else tid2eid["tid2eid"],
+                                      None if bias is None else bias["router_bias"], s["hashed"])
+        return (x, pool, aux), closing
 
     (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (params["layers"], sched))
     return x, pool, aux, closings

@@ -228,11 +228,8 @@ def v4_attention(
     ring = pool.window
     P = ring.page_size
 
-    q_res = norm(h @ lp["wq_a"], lp["q_norm"], cfg.rms_norm_eps)  # [B, T, Rq]
-    q = norm((q_res @ lp["wq_b"]).reshape(B, T, Hq, D), None, cfg.rms_norm_eps)
-    q = rope_tail(q, positions, rope, R)
-    kv = norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps)  # [B, T, D]
-    kv = rope_tail(kv[:, :, None], positions, rope, R)[:, :, 0]
+    q, q_res = v4_query(lp, cfg, h, positions, rope)
+    kv = v4_kv(lp, cfg, h, positions, rope)
 
     m = cfg.rate(kind) if kind != SLIDING else 1
     wslots, (closes,) = compressed_write_targets(ring_table, attn.write_positions, positions, (m,), P)
@@ -271,31 +268,61 @@ def v4_attention(
         keys += keys_c
     pool = dataclasses.replace(pool, window=ring, entries=entries)
 
-    # ---- one softmax over every key set and the sink (HF's eager attention with s_aux)
+    o = sink_attention(q, keys, lp["sinks"], cfg.sm_scale)
+    return v4_attention_output(lp, cfg, o.astype(h.dtype), positions, rope), pool, closing
+
+
+def sink_attention(q: jax.Array, keys, sinks: jax.Array, sm_scale: float) -> jax.Array:
+    """One softmax over every key set and the per-head sink (HF's eager attention with ``s_aux``);
+    K = V, so the keys are the values. q [B, T, Hq, D]; ``keys``: pairs (k [B, 1 | T, K, D]: one set
+    per request or per row, ok bool[B, T, K]) -> f32[B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
     qf = q.astype(jnp.float32)
     logits = []
-    for k, ok in keys:  # k [B, 1 | T, K, D] (one set per request, or per row), ok bool[B, T, K]
+    for k, ok in keys:
         spec = "bthd,bkd->bthk" if k.shape[1] == 1 else "bthd,btkd->bthk"
         kf = k[:, 0] if k.shape[1] == 1 else k
-        s = jnp.einsum(spec, qf, kf.astype(jnp.float32), precision=_HI) * cfg.sm_scale
+        s = jnp.einsum(spec, qf, kf.astype(jnp.float32), precision=_HI) * sm_scale
         logits.append(jnp.where(ok[:, :, None, :], s, -jnp.inf))
-    sink = jnp.broadcast_to(lp["sinks"].astype(jnp.float32)[None, None, :, None], (B, T, Hq, 1))
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (B, T, Hq, 1))
     probs = jax.nn.softmax(jnp.concatenate(logits + [sink], axis=-1), axis=-1)
     o = jnp.zeros((B, T, Hq, D), jnp.float32)
     at = 0
-    for k, _ in keys:  # K = V: the keys are the values
+    for k, _ in keys:
         n = k.shape[2]
         spec = "bthk,bkd->bthd" if k.shape[1] == 1 else "bthk,btkd->bthd"
         kf = k[:, 0] if k.shape[1] == 1 else k
         o = o + jnp.einsum(spec, probs[..., at:at + n], kf.astype(jnp.float32), precision=_HI)
         at += n
-    o = rope_tail(o.astype(h.dtype), positions, rope, R, inverse=True)  # [B, T, Hq, D]
+    return o
 
+
+def v4_query(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig):
+    """Queries of ``h [B, T, H]``: (q [B, T, Hq, D] per-head normed, RoPE on the tail; the low-rank
+    residual q_res [B, T, Rq], which the indexer reads)."""
+    B, T, _ = h.shape
+    q_res = norm(h @ lp["wq_a"], lp["q_norm"], cfg.rms_norm_eps)  # [B, T, Rq]
+    q = norm((q_res @ lp["wq_b"]).reshape(B, T, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps)
+    return rope_tail(q, positions, rope, cfg.rope_dim), q_res
+
+
+def v4_kv(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """The one K = V row of each position of ``h [B, T, H]`` -> [B, T, D] (RoPE on the tail)."""
+    kv = norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps)
+    return rope_tail(kv[:, :, None], positions, rope, cfg.rope_dim)[:, :, 0]
+
+
+def v4_attention_output(lp: dict, cfg: DeepseekV4Config, o: jax.Array, positions: jax.Array, rope: RopeConfig
+                        ) -> jax.Array:
+    """``o [B, T, Hq, D]`` (the values are the keys, so their RoPE is undone at the query's position)
+    through the grouped low-rank output projection -> [B, T, H]."""
+    B, T, Hq, D = o.shape
+    o = rope_tail(o, positions, rope, cfg.rope_dim, inverse=True)
     G = cfg.o_groups
     o = o.reshape(B, T, G, Hq * D // G)
     wo_a = lp["wo_a"].reshape(Hq * D // G, G, cfg.o_lora_rank)
     o = jnp.einsum("btgi,igr->btgr", o, wo_a).reshape(B, T, G * cfg.o_lora_rank)
-    return o @ lp["wo_b"], pool, closing
+    return o @ lp["wo_b"]
 
 
 def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, inputs, ring: RingPart,
