@@ -7,6 +7,7 @@ starts it, so the rest of the suite keeps one device). Prints one JSON line per 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import tempfile
@@ -39,12 +40,15 @@ def engine(page, batch, **kw):
     return js.EngineConfig(page_size=page, max_batch=batch, steps_per_call=4, **kw)
 
 
-def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False, pressure=False):
+def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plain=False, pressure=False,
+             checkpoint=None):
     """Speculative greedy on the mesh == plain greedy on one device, ragged batch of 3. ``pressure``: the
     prompts behind a shared prefix, the mesh run in a small pool per data shard with forced preemption
     and, where the target allows it, the prefix cache (each data shard preempts and caches on its own; a
-    DeepSeek-V4 target refuses prefix caching, so its run has preemption only)."""
+    DeepSeek-V4 target refuses prefix caching, so its run has preemption only). ``checkpoint``: another
+    golden directory holding the same target (and the draft it stores)."""
     path, prompts = golden(target_name)
+    path = os.path.join(os.path.dirname(path), checkpoint) if checkpoint else path
     sampling = js.SamplingParams(max_new_tokens=max_new)
     single = js.load_model(path, dtype="float32", progress=False)
     spec_engine = plain_engine = engine(page, 4)
@@ -71,7 +75,7 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
         keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
         noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), target.params)
         draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
-    else:  # the target's own MTP layer
+    else:  # the draft its checkpoint stores: an MTP layer, DSpark stages
         draft = js.load_draft(path, target)
     out = js.generate(target, prompts, draft=draft, spec=spec, sampling=sampling, engine=spec_engine, progress=False)
     plain_equal = None
@@ -325,8 +329,6 @@ CASES = {
     "qwen3_tp2_chain_dflash": lambda: dflash_lossless(2, js.SpecConfig.chain(7), 16),
     "qwen3_tp2_chain_dspark": lambda: dflash_lossless(2, js.SpecConfig.chain(3, confidence_threshold=0.3), 1,
                                                       "dspark/dspark_gated_dv"),
-    "gemma4_tp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 1,
-                                                           "gemma4_assistant"),
     "gemma4_tp2_tree_assistant_plain": lambda: sliding_lossless(
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "gemma4_assistant_plain"),
     "gemma4_tp2_tree_perturbed": lambda: sliding_lossless(
@@ -345,6 +347,10 @@ CASES = {
     # the compressors, indexers and every compressed pool whole on both shards; its MTP layer, tree, page 16
     "deepseek_v4_tp2_tree_mtp": lambda: lossless("deepseek_v4", 2, 1,
                                                  js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
+    # DeepSeek's DSpark stages stored with the same target: V4 blocks over a ring pool of their own, split like
+    # the target's layers; a confidence-scheduled chain, page 1
+    "deepseek_v4_tp2_chain_dspark": lambda: lossless("deepseek_v4", 2, 1, js.SpecConfig.chain(4, confidence_threshold=0.3),
+                                                     1, "stored", checkpoint="deepseek_v4_dspark"),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "odd_vocab_tp2_dp2": lambda: odd_vocab(2, 2),

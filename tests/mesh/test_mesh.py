@@ -55,7 +55,6 @@ def case(results, name) -> dict:
     ("qwen3_tp2_chain_dspark", "dspark"),
     # Sliding-window targets, both KV pools split by KV head (Gemma 4's full layers: 1 KV head, repeated),
     # every request running past the window (goldens: tests/data/golden/sliding_window):
-    ("gemma4_tp2_chain_assistant", "frozen_kv"),  # HF-layout assistant reading the split pools, chain, page 1
     ("gemma4_tp2_tree_assistant_plain", "frozen_kv"),  # the plain-head assistant, tree, page 16
     ("gemma4_tp2_tree_perturbed", "standalone"),  # partly accepted tree: compaction in both split pools, page 1
     ("mistral_swa_tp2_tree_perturbed", "standalone"),  # all layers sliding (a zero-layer full part), page 16
@@ -68,6 +67,7 @@ def case(results, name) -> dict:
     # DeepSeek-V4 (CSA / sliding / HCA layers, hyper-connections): query heads and experts split, the K = V head,
     # compressors and compressed pools whole on both shards; its MTP layer, tree, page 16
     ("deepseek_v4_tp2_tree_mtp", "v4_mtp"),
+    ("deepseek_v4_tp2_chain_dspark", "dspark"),  # DeepSeek's DSpark stages stored with it, confidence-scheduled
 ])
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
