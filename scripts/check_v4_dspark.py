@@ -58,7 +58,7 @@ print(json.dumps(results))
 def draw_shape(rng: random.Random) -> ref.Shape:
     n = rng.randint(1, 3)
     return ref.Shape(stages=rng.randint(1, 3), block=rng.randint(2, 5), taps=tuple(sorted(rng.sample(range(4), n))),
-                     rank=rng.choice((16, 32, 64)), noise=rng.randrange(64), confidence=rng.random() < 0.7)
+                     rank=rng.choice((16, 32, 64)), noise=rng.randrange(64), confidence=rng.random() >= 0.3)
 
 
 def main() -> None:

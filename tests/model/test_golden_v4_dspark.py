@@ -183,3 +183,52 @@ def test_taps_outside_the_target_are_refused(tmp_path):
     target, _ = pair()
     with pytest.raises(ValueError, match=r"dspark_target_layer_ids \[1, 2, 4\]"):
         js.load_draft(str(tmp_path), target)
+
+
+def test_release_form_with_fp8_and_fp4_stages(tmp_path):
+    """The form DeepSeek releases: published names, the legacy config (``compress_ratios`` listing the stages
+    after the target's layers), the stages' dense linears FP8 with ue8m0 blocks and their routed experts FP4:
+    the draft loads with every quantized weight equal to code x scale, the rest as in the golden."""
+    from safetensors.numpy import save_file
+
+    from jaxspec.model.io.checkpoint import SafetensorsCheckpoint
+    from tests.model.test_deepseek_v4 import (BLOCK, FP4, _quantize_fp4, _quantize_fp8, legacy_form,
+                                              published_from_mixed)
+
+    ckpt = SafetensorsCheckpoint(PATH)
+    tensors, want = {}, {}
+    for name in ckpt.keys():
+        x = ckpt.get(name)
+        if name.startswith("mtp.") and name.endswith(("wq_b.weight", "wo_b.weight", "shared_experts.w2.weight")):
+            q, s = _quantize_fp8(x.astype(np.float32))
+            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
+            want[name] = q.astype(np.float32) * np.kron(s.astype(np.float32), np.ones((BLOCK, BLOCK)))[
+                : x.shape[0], : x.shape[1]]
+        elif name.startswith("mtp.") and ".ffn.experts." in name:
+            q, s = _quantize_fp4(x.astype(np.float32))
+            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
+            want[name] = FP4[np.stack([q.view(np.uint8) & 15, q.view(np.uint8) >> 4], -1).reshape(x.shape)] * \
+                np.repeat(s.astype(np.float32), 16, axis=1)
+        else:
+            tensors[published_from_mixed(name)] = x.astype(np.int32) if x.dtype == np.int64 else x
+    with open(os.path.join(PATH, "config.json")) as f:
+        raw = json.load(f)
+    config = {**legacy_form(raw), "expert_dtype": "fp4",
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
+                                      "scale_fmt": "ue8m0"}}
+    config["compress_ratios"] = config["compress_ratios"][:-1] + [0] * 3  # the target's layers, then the stages
+    config.pop("n_mtp_layers")  # the HF config leaves it out: the stages found count
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    target = js.load_model(str(tmp_path), dtype="float32", progress=False)
+    d = js.load_draft(str(tmp_path), target)
+    assert d.config.model.num_stages == 3
+    st = d.params["stages"]["layers"]
+    for name, got in [("mtp.0.attn.wq_b.weight", st["wq_b"][0]), ("mtp.2.attn.wo_b.weight", st["wo_b"][2]),
+                      ("mtp.1.ffn.shared_experts.w2.weight", st["shared_down"][1]),
+                      ("mtp.1.ffn.experts.2.w1.weight", st["experts_gate"][1, 2]),
+                      ("mtp.2.ffn.experts.0.w2.weight", st["experts_down"][2, 0])]:
+        np.testing.assert_array_equal(np.asarray(got).T, want[name], err_msg=name)
+        assert np.abs(np.asarray(got).T - ckpt.get(name)).max() > 0, name  # it really was quantized
+    _, golden_draft = pair()
+    np.testing.assert_array_equal(np.asarray(d.params["markov"]["w2"]), np.asarray(golden_draft.params["markov"]["w2"]))
