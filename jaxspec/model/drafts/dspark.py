@@ -1,5 +1,6 @@
 """DSpark block drafts: a DFlash backbone plus a Markov head and a confidence head
-(checkpoint layout and config parsing: ``jaxspec.model.io.speculators``).
+(checkpoint layout and config parsing: ``jaxspec.model.io.speculators``; DeepSeek's own layout for
+DeepSeek-V4, whose backbone is V4 blocks, subclasses this: ``jaxspec.model.drafts.deepseek_v4_dspark``).
 
 The backbone is DFlash's (``jaxspec.model.drafts.dflash``): one non-causal block forward over
 ``[anchor, mask, ...]`` reading the target's features as context. DSpark then drafts the block
