@@ -222,7 +222,7 @@ def v4_attention(
     write targets ``compressed_write_targets`` gives), the entries a committing forward closes into
     the entry pool; then one softmax over the window, the compressed entries it sees and the sink."""
     B, T, _ = h.shape
-    Hq, D, R, W = cfg.num_heads, cfg.head_dim, cfg.rope_dim, cfg.sliding_window
+    D, W = cfg.head_dim, cfg.sliding_window
     rope = cfg.rope_of(kind)
     ring_table = attn.window
     ring = pool.window
