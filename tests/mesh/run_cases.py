@@ -331,8 +331,6 @@ CASES = {
                                                       "dspark/dspark_gated_dv"),
     "gemma4_tp2_tree_assistant_plain": lambda: sliding_lossless(
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "gemma4_assistant_plain"),
-    "gemma4_tp2_tree_perturbed": lambda: sliding_lossless(
-        "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed"),
     "mistral_swa_tp2_tree_perturbed": lambda: sliding_lossless(
         "mistral_swa", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "gemma4_tp2_dp2_chain_assistant": lambda: sliding_lossless("gemma4_text", 2, js.SpecConfig.chain(3), 16,
@@ -348,9 +346,9 @@ CASES = {
     "deepseek_v4_tp2_tree_mtp": lambda: lossless("deepseek_v4", 2, 1,
                                                  js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 16, "mtp"),
     # DeepSeek's DSpark stages stored with the same target: V4 blocks over a ring pool of their own, split like
-    # the target's layers; a confidence-scheduled chain, page 1
+    # the target's layers; a confidence-scheduled chain, page 16 (the plain run's programs are the MTP case's)
     "deepseek_v4_tp2_chain_dspark": lambda: lossless("deepseek_v4", 2, 1, js.SpecConfig.chain(4, confidence_threshold=0.3),
-                                                     1, "stored", checkpoint="deepseek_v4_dspark"),
+                                                     16, "stored", checkpoint="deepseek_v4_dspark"),
     "collectives_llama": lambda: collective_counts("llama3", 2),
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "odd_vocab_tp2_dp2": lambda: odd_vocab(2, 2),

@@ -56,7 +56,6 @@ def case(results, name) -> dict:
     # Sliding-window targets, both KV pools split by KV head (Gemma 4's full layers: 1 KV head, repeated),
     # every request running past the window (goldens: tests/data/golden/sliding_window):
     ("gemma4_tp2_tree_assistant_plain", "frozen_kv"),  # the plain-head assistant, tree, page 16
-    ("gemma4_tp2_tree_perturbed", "standalone"),  # partly accepted tree: compaction in both split pools, page 1
     ("mistral_swa_tp2_tree_perturbed", "standalone"),  # all layers sliding (a zero-layer full part), page 16
     # TP=2 x DP=2: each data shard's rows take window pages from the shard's own allocator
     ("gemma4_tp2_dp2_chain_assistant", "frozen_kv"),  # the assistant over split pools, chain, page 16
