@@ -238,6 +238,24 @@ def _quantize_fp4(w: np.ndarray, group: int = 16):
     return packed, s.astype(ml_dtypes.float8_e8m0fnu)
 
 
+def quantize_as_released(name: str, x: np.ndarray, prefix: str, tensors: dict, want: dict) -> bool:
+    """Under ``prefix``, the dense linears ``wq_b`` / ``wo_b`` / shared ``w2`` as FP8 blocks and the routed
+    experts as FP4, as DeepSeek releases them: the codes and ``.scale`` go into ``tensors``, code x scale
+    (numpy) into ``want``. False for a tensor left as it is."""
+    if name.startswith(prefix) and name.endswith(("wq_b.weight", "wo_b.weight", "shared_experts.w2.weight")):
+        q, s = _quantize_fp8(x.astype(np.float32))
+        want[name] = q.astype(np.float32) * np.kron(s.astype(np.float32), np.ones((BLOCK, BLOCK)))[: x.shape[0],
+                                                                                                 : x.shape[1]]
+    elif name.startswith(prefix) and ".ffn.experts." in name:
+        q, s = _quantize_fp4(x.astype(np.float32))
+        want[name] = FP4[np.stack([q.view(np.uint8) & 15, q.view(np.uint8) >> 4], -1).reshape(x.shape)] * \
+            np.repeat(s.astype(np.float32), 16, axis=1)
+    else:
+        return False
+    tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
+    return True
+
+
 def test_fp8_and_fp4_weights_dequantize_while_loading(tmp_path_factory):
     """The published layout, its dense linears FP8 with ``.scale`` (ue8m0) blocks and its routed experts
     FP4: every quantized weight loads as code x scale, computed here with numpy."""
@@ -246,17 +264,7 @@ def test_fp8_and_fp4_weights_dequantize_while_loading(tmp_path_factory):
     tensors, want = {}, {}
     for name in ckpt.keys():
         x = ckpt.get(name)
-        if name.startswith("layers.") and name.endswith(("wq_b.weight", "wo_b.weight", "shared_experts.w2.weight")):
-            q, s = _quantize_fp8(x.astype(np.float32))
-            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
-            want[name] = q.astype(np.float32) * np.kron(s.astype(np.float32), np.ones((BLOCK, BLOCK)))[: x.shape[0],
-                                                                                                     : x.shape[1]]
-        elif name.startswith("layers.") and ".ffn.experts." in name:
-            q, s = _quantize_fp4(x.astype(np.float32))
-            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
-            want[name] = FP4[np.stack([q.view(np.uint8) & 15, q.view(np.uint8) >> 4], -1).reshape(x.shape)] * \
-                np.repeat(s.astype(np.float32), 16, axis=1)
-        else:
+        if not quantize_as_released(name, x, "layers.", tensors, want):
             tensors[name] = x
     config = {**legacy_form(raw_config()), "expert_dtype": "fp4",
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],

@@ -193,24 +193,13 @@ def test_release_form_with_fp8_and_fp4_stages(tmp_path):
     from safetensors.numpy import save_file
 
     from jaxspec.model.io.checkpoint import SafetensorsCheckpoint
-    from tests.model.test_deepseek_v4 import (BLOCK, FP4, _quantize_fp4, _quantize_fp8, legacy_form,
-                                              published_from_mixed)
+    from tests.model.test_deepseek_v4 import BLOCK, legacy_form, published_from_mixed, quantize_as_released
 
     ckpt = SafetensorsCheckpoint(PATH)
     tensors, want = {}, {}
     for name in ckpt.keys():
         x = ckpt.get(name)
-        if name.startswith("mtp.") and name.endswith(("wq_b.weight", "wo_b.weight", "shared_experts.w2.weight")):
-            q, s = _quantize_fp8(x.astype(np.float32))
-            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
-            want[name] = q.astype(np.float32) * np.kron(s.astype(np.float32), np.ones((BLOCK, BLOCK)))[
-                : x.shape[0], : x.shape[1]]
-        elif name.startswith("mtp.") and ".ffn.experts." in name:
-            q, s = _quantize_fp4(x.astype(np.float32))
-            tensors[name], tensors[name.replace(".weight", ".scale")] = q, s
-            want[name] = FP4[np.stack([q.view(np.uint8) & 15, q.view(np.uint8) >> 4], -1).reshape(x.shape)] * \
-                np.repeat(s.astype(np.float32), 16, axis=1)
-        else:
+        if not quantize_as_released(name, x, "mtp.", tensors, want):
             tensors[published_from_mixed(name)] = x.astype(np.int32) if x.dtype == np.int64 else x
     with open(os.path.join(PATH, "config.json")) as f:
         raw = json.load(f)
