@@ -115,13 +115,13 @@ def test_markov_path_and_confidence():
     np.testing.assert_allclose(np.asarray(conf[0]), 1 / (1 + np.exp(-g["block/confidence"])), **TOL)
 
 
-def _generate(spec, page, max_batch=4):
+def _generate(spec, page, max_batch=4, **engine):
     target, d = pair()
     g = dict(np.load(os.path.join(GOLDEN, "deepseek_v4", "golden.npz")))
     prompts = [g[f"prompt_{i}"].tolist() for i in range(3)]
     out = js.generate(target, prompts, draft=d, spec=spec, sampling=js.SamplingParams(max_new_tokens=24),
                       progress=False, engine=js.EngineConfig(page_size=page, max_batch=max_batch, max_seq_len=96,
-                                                             check_pages=True))
+                                                             check_pages=True, **engine))
     for i in range(3):
         assert out.token_ids[i] == g[f"greedy_{i}"].tolist(), i  # the target's own greedy tokens
     assert out.kv_pages_free == out.kv_pages_total
@@ -143,10 +143,12 @@ def test_reference_tokens_and_acceptance_lengths(page):
 
 def test_confidence_scheduling_is_lossless():
     """A confidence-scheduled chain (each row verifies the prefix its confidence head predicts, threshold
-    0.5): the target's greedy tokens, fewer tokens verified. (Trees of this draft run through the same block
+    0.5), its requests preempted every 2 steps and resumed by prefill: the target's greedy tokens, every
+    page of both pools back, fewer tokens verified. (Trees of this draft run through the same block
     proposer as every DSpark's, tested in tests/draft/test_dspark.py; the V4 target's tree verify in
     tests/draft/test_v4_spec.py.)"""
-    out = _generate(js.SpecConfig.chain(4, confidence_threshold=0.5), 4)
+    out = _generate(js.SpecConfig.chain(4, confidence_threshold=0.5), 4, preempt_every=2)
+    assert sum(s.preemptions for s in out.stats) > 0
     verified = np.concatenate([s.verify_lens for s in out.stats])
     assert verified.min() < 5 and (verified <= 5).all(), verified
 
