@@ -42,9 +42,9 @@ from tqdm.auto import tqdm
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.mtp import MtpConfig, create_mtp_pool, mtp_draft, mtp_forward, mtp_logits
-from jaxspec.model.io.deepseek import init_deepseek_params
-from jaxspec.model.io.mtp import init_mtp_params
-from jaxspec.model.io.tokenizer import load_tokenizer
+from jaxspec.model.checkpoints.deepseek import init_deepseek_params
+from jaxspec.model.checkpoints.mtp import init_mtp_params
+from jaxspec.model.checkpoints.tokenizer import load_tokenizer
 from jaxspec.model.layers import embed_lookup, rms_norm
 from jaxspec.model.targets import Model, forward_sequence
 from jaxspec.model.targets.deepseek import indexer_key, indexer_query, mla_projections

@@ -23,19 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
-from jaxspec.draft import tree as tree_lib
-from jaxspec.draft.plan import Plan, StepRows
-from jaxspec.draft.shape import Root, Tree
-from jaxspec.draft.step import verify_and_accept
+from jaxspec.spec import tree as tree_lib
+from jaxspec.spec.plan import Plan, StepRows
+from jaxspec.spec.shape import Root, Tree
+from jaxspec.spec.step import verify_and_accept
 from jaxspec.model.config import RopeConfig
-from jaxspec.model.controls import Controls
+from jaxspec.sampling.controls import Controls
+from jaxspec.sampling.distributions import RowSampling
 from jaxspec.model.drafts.base import DraftSeed
-from jaxspec.model.grammar import Grammar, GrammarTable
-from jaxspec.model.io.llama import init_llama_params
-from jaxspec.model.io.qwen3_next import init_hybrid_params
+from jaxspec.sampling.grammar_masks import Grammar, GrammarTable
+from jaxspec.model.checkpoints.llama import init_llama_params
+from jaxspec.model.checkpoints.hybrid import init_hybrid_params
 from jaxspec.model.targets import create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
-from jaxspec.model.targets.qwen3_next_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
+from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
 
 H, L, V = 512, 8, 4096
 
@@ -64,8 +65,7 @@ def step_fn(cfg, params, n: int, batch: int, context: int):
     parent = np.asarray([[-1] + [int(rng.integers(0, t)) for t in range(1, n)] for _ in range(batch)], np.int32)
     tree = tree_lib.link_tree(jnp.asarray(rng.integers(0, V, (batch, n)), jnp.int32), jnp.asarray(parent), n)
     rows = StepRows(seq_lens=jnp.full((batch,), context, jnp.int32), bonus=tree.tokens[:, 0],
-                    active=jnp.ones((batch,), bool), temperature=jnp.zeros((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
-                    top_p=jnp.ones((batch,)), min_p=jnp.zeros((batch,)), controls=Controls.empty(batch, 0),
+                    active=jnp.ones((batch,), bool), sampling=RowSampling.empty(batch), controls=Controls.empty(batch, 0),
                     keys=jax.random.split(jax.random.PRNGKey(0), batch), seed=DraftSeed.empty(batch, 1, jnp.float32),
                     grammar=Grammar(table=GrammarTable.empty(), state=jnp.zeros((batch,), jnp.int32),
                                     stop_ids=jnp.full((batch, 1), -1, jnp.int32)))

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/ngram_no_match.py [--new-tokens 256] [--repeats 5]
 
 A step in which no active row finds a match verifies the root alone (a ``lax.cond`` in
-``jaxspec.draft.step``), so it should cost a plain decode step plus the lookup. To make every
+``jaxspec.spec.step``), so it should cost a plain decode step plus the lookup. To make every
 step a no-match step, the target is the demo target's architecture and size (``demo/target``)
 with weights set so that greedy decoding emits ``t + 1`` after ``t``: the attention and MLP
 outputs are zero (the layers still run in full) and ``lm_head`` maps each token's final hidden

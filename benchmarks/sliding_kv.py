@@ -17,7 +17,7 @@ import argparse
 import numpy as np
 
 from jaxspec.config import SamplingParams, SpecConfig
-from jaxspec.draft.plan import Plan
+from jaxspec.spec.plan import Plan
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import pages_needed

@@ -27,18 +27,18 @@ import jaxspec as js
 from jaxspec.config import MAX_LOGPROBS
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
-from jaxspec.draft.plan import Plan
+from jaxspec.spec.plan import Plan
 from jaxspec.engine.state import DecodeState
-from jaxspec.generate import next_pow2
+from jaxspec.engine.geometry import next_pow2
 from jaxspec.kvcache.paging import pages_needed
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import zero_pool
 from jaxspec.model.drafts.dflash import dflash_config_for, dflash_draft
 from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_draft
-from jaxspec.model.io.dflash import dflash_table, shared_target_params
-from jaxspec.model.io.eagle import eagle_table
-from jaxspec.model.io.llama import llama_table
-from jaxspec.model.io.tables import init_params
+from jaxspec.model.checkpoints.dflash import dflash_table, shared_target_params
+from jaxspec.model.checkpoints.eagle import eagle_table
+from jaxspec.model.checkpoints.llama import llama_table
+from jaxspec.model.checkpoints.name_tables import init_params
 from jaxspec.model.targets import Model, create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -57,7 +57,7 @@ def timing_grammar(tokenizer_path: str | None, vocab_size: int):
     import re
 
     from jaxspec.demo import DEMO_TARGET
-    from jaxspec.model.io.tokenizer import load_tokenizer
+    from jaxspec.model.checkpoints.tokenizer import load_tokenizer
     from jaxspec.structured.automaton import compile_automaton, join_automata
     from jaxspec.structured.regex import compile_dfa
     from jaxspec.structured.schema import schema_regex
@@ -148,12 +148,12 @@ def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, re
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
     req = request_arrays(batch, max_new=out_width - plan.max_accept, control_vocab=V if controls else 0)
-    req["temperature"][:] = temperature
+    req["sampling"].temperature[:] = temperature
     if grammars is not None:
         req["grammar"][:] = grammars.initial(0)
     if controls:
         req["repetition_penalty"][:], req["presence_penalty"][:], req["frequency_penalty"][:] = 1.2, 0.5, 0.5
-        req["min_p"][:] = 0.05
+        req["sampling"].min_p[:] = 0.05
         for row in req["logit_bias"]:
             row[rng.choice(V, 64, replace=False)] = rng.normal(0, 2, 64)
     state, tpool, dpool = prefill_program(plan, target.params, dparams, state, tpool, dpool, table,

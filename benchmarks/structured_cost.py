@@ -28,7 +28,7 @@ import numpy as np
 
 import jaxspec as js
 from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
-from jaxspec.model.io.tokenizer import Tokenizer, load_tokenizer
+from jaxspec.model.checkpoints.tokenizer import Tokenizer, load_tokenizer
 from jaxspec.structured import compile_constraint, compile_constraints
 
 RECORD = {"type": "object", "properties": {

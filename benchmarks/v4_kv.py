@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import SamplingParams, SpecConfig
-from jaxspec.draft.plan import Plan
+from jaxspec.spec.plan import Plan
 from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.window import window_pages_for
 from jaxspec.kvcache.paging import pages_needed
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig, V4MtpDraft
-from jaxspec.model.targets.deepseek_v4 import create_v4_pool, entry_pages_for
+from jaxspec.kvcache.compressed import entry_pages_for
+from jaxspec.model.targets.deepseek_v4 import create_v4_pool
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, DeepseekV4Config
 
 

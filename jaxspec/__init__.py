@@ -16,10 +16,10 @@ from jaxspec.model.drafts import HybridDraft as HybridDraft
 from jaxspec.model.drafts import NgramDraft as NgramDraft
 from jaxspec.model.drafts import pard_draft as pard_draft
 from jaxspec.model.drafts import standalone_draft as standalone_draft
-from jaxspec.model.io.drafts import load_draft as load_draft
-from jaxspec.model.io.loader import load_model as load_model
-from jaxspec.model.io.tokenizer import apply_chat_template as apply_chat_template
-from jaxspec.model.io.tokenizer import load_tokenizer as load_tokenizer
+from jaxspec.model.checkpoints.draft_formats import load_draft as load_draft
+from jaxspec.model.checkpoints.loader import load_model as load_model
+from jaxspec.model.checkpoints.tokenizer import apply_chat_template as apply_chat_template
+from jaxspec.model.checkpoints.tokenizer import load_tokenizer as load_tokenizer
 from jaxspec.model.targets import Model as Model
 
 __version__ = "0.1.0"

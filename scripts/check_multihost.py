@@ -46,7 +46,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1]))
 import jaxspec as js
-from jaxspec.model.io import checkpoint
+from jaxspec.model.checkpoints import checkpoint
 
 opened, init = [], checkpoint.SafetensorsCheckpoint.__init__
 def recording(self, path):  # the loader's own count of the bytes it reads (headers included)

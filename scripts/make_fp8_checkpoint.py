@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxspec.model.io.checkpoint import SafetensorsCheckpoint
+from jaxspec.model.checkpoints.checkpoint import SafetensorsCheckpoint
 
 E4M3_MAX = 448.0
 QUANTIZED = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")

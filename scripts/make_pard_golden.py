@@ -64,7 +64,7 @@ NUM_PROMPTS = 3
 MIN_MARGIN = 2e-3
 BLOCK_CTX = 11
 CROP = 32  # tokens per training window (positions 0..31 of the window; PARD's copies make it 160 rows)
-# The prompts the tests decode (tests/draft/test_dflash.py's PROMPTS_4, which tests/draft/test_pard.py uses)
+# The prompts the tests decode (tests/spec/test_dflash.py's PROMPTS_4, which tests/spec/test_pard.py uses)
 # and the candidates for the recorded ones: the first FOCUS_NEW tokens of the target's greedy continuation
 # of each are in the training data (a token-only draft of a random target learns little else of it: about
 # 0.3 held-out top-1 for draft 1), so acceptance is high on those tokens and low after them.

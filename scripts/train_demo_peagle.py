@@ -69,7 +69,7 @@ def log(msg: str) -> None:
 def prep(args) -> None:
     import jaxspec as js
     from jaxspec.train.corpus import stdlib_files, tokenize_files
-    from jaxspec.train.dflash import least_frequent_token
+    from jaxspec.train.dflash_method import least_frequent_token
     from jaxspec.train.draft_train import greedy_windows
 
     RUN.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
-from jaxspec.model.tokenizer import load_tokenizer  # noqa: E402
+from jaxspec.model.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from jaxspec.train.corpus import stdlib_files, tokenize_files  # noqa: E402
-from jaxspec.model.io.llama import export_llama  # noqa: E402
+from jaxspec.model.checkpoints.llama import export_llama  # noqa: E402
 from jaxspec.train.lm import LMTrainConfig, train_lm  # noqa: E402
 from jaxspec.train.optim import OptimConfig  # noqa: E402
 
@@ -46,7 +46,7 @@ def export_checkpoint(cfg, tcfg, args, eos) -> None:
     """Exports a training checkpoint (e.g. of a run in progress) as an HF checkpoint."""
     import shutil
 
-    from jaxspec.model.io.llama import init_llama_params
+    from jaxspec.model.checkpoints.llama import init_llama_params
     from jaxspec.train.optim import make_optimizer
     from jaxspec.train.state import load_checkpoint
 

@@ -5,7 +5,7 @@
 
 Each row is one kernel launch: the Triton module is captured from the Pallas lowering,
 verified, compiled by ``triton`` for sm_90a and read with ``ptxas -v`` (see
-``jaxspec/pallas/triton_compile.py``; the cases are ``jaxspec/pallas/compile_cases.py``).
+``tests/pallas/triton_compile.py``; the cases are ``tests/pallas/compile_cases.py``).
 Columns: registers and spill bytes per thread, static shared memory, global loads by width
 (16-byte vector loads, scalar 2-byte loads), 16-byte ``cp.async`` copies, wgmma / mma.sync
 instructions, and what the CPU test would fail on.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from jaxspec.pallas import compile_cases, triton_compile  # noqa: E402
+from tests.pallas import compile_cases, triton_compile  # noqa: E402
 
 
 def run_case(case: compile_cases.CompileCase) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.model.targets.llama_config import LlamaConfig
-from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.checkpoints.llama import init_llama_params
 from jaxspec.model.targets import Model
 from tests.background import Job
 

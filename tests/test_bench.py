@@ -8,9 +8,9 @@ from jaxspec.bench import parse_config
 from jaxspec.cli import main
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.drafts.eagle import eagle3_config_for
-from jaxspec.model.io.eagle import export_eagle3
-from jaxspec.model.io.eagle import eagle_table
-from jaxspec.model.io.tables import init_params
+from jaxspec.model.checkpoints.eagle import export_eagle3
+from jaxspec.model.checkpoints.eagle import eagle_table
+from jaxspec.model.checkpoints.name_tables import init_params
 from tests.train.tiny_hf import make_tiny_hf
 
 

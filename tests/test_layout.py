@@ -19,12 +19,12 @@ LAYERS = [
     ("jaxspec", "jaxspec.generate"),  # the package root re-exports the public names
     ("jaxspec.engine",),
     ("jaxspec.structured",),  # constraints compiled on the host into the automata the step follows
-    ("jaxspec.draft",),
-    ("jaxspec.model.io",),
-    ("jaxspec.model.drafts",),
+    ("jaxspec.spec",),
+    ("jaxspec.model.checkpoints",),
+    ("jaxspec.model.drafts",),  # draft architectures
     ("jaxspec.model.targets",),
     ("jaxspec.model",),  # the shared building blocks (layers, sampling, config)
-    ("jaxspec.kvcache", "jaxspec.pallas"),
+    ("jaxspec.kvcache", "jaxspec.pallas", "jaxspec.sampling"),  # sampling: the per-token pipeline
     ("jaxspec.config", "jaxspec.demo", "jaxspec.mesh"),
 ]
 
@@ -96,7 +96,7 @@ def test_no_import_circle(graph):
 def test_the_step_asks_no_draft_kind():
     """The speculative step drives every draft through one interface: its code names no draft
     kind, kind-specific flag or type test (chain vs tree is decided in ``shape``)."""
-    tree = ast.parse((ROOT / "draft" / "step.py").read_text())
+    tree = ast.parse((ROOT / "spec" / "step.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):

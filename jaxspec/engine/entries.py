@@ -5,7 +5,7 @@ Entry ``e`` of rate ``m`` covers positions ``[e*m, (e+1)*m)``. A request whose n
 positions below ``reach`` can close (and commit) entries below ``reach // m + 1``; its table grows to
 cover them, so it advances at ``1/m`` of the token rate, and every page returns when the request
 retires or is preempted. The pool is sized so that it never runs out before the full page pool does
-(``jaxspec.model.targets.deepseek_v4.entry_pages_for``): it never forces a preemption.
+(``jaxspec.kvcache.compressed.entry_pages_for``): it never forces a preemption.
 """
 
 from __future__ import annotations

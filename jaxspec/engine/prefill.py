@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.draft.plan import Plan
-from jaxspec.draft.proposers import proposer_for
+from jaxspec.spec.plan import Plan
+from jaxspec.spec.proposers import proposer_for
 from jaxspec.engine.state import DecodeState
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.model.controls import Controls, apply_controls, token_logprobs
+from jaxspec.sampling.controls import Controls, apply_controls, token_logprobs
 from jaxspec.model.drafts.base import DraftContext
-from jaxspec.model.grammar import FREE, Grammar
-from jaxspec.model.sampling import pick_tokens
+from jaxspec.sampling.grammar_masks import FREE, Grammar
+from jaxspec.sampling.distributions import RowSampling, pick_tokens
 from jaxspec.model.targets import target_forward, target_logits
 
 
@@ -36,8 +36,7 @@ def request_arrays(rows: int, *, max_new: int = 0, num_stop: int = 1, control_vo
     R = rows
     return dict(
         max_new=np.full(R, max_new, np.int32), stop_ids=np.full((R, num_stop), -1, np.int32),
-        temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
-        min_p=np.zeros(R, np.float32), keys=np.zeros((R, 2), np.uint32),
+        sampling=RowSampling.host((), R), keys=np.zeros((R, 2), np.uint32),
         repetition_penalty=np.ones(R, np.float32), presence_penalty=np.zeros(R, np.float32),
         frequency_penalty=np.zeros(R, np.float32), logit_bias=np.zeros((R, control_vocab), np.float32),
         prompt_lens=np.full(R, np.iinfo(np.int32).max, np.int32), first=np.full(R, -1, np.int32), steps=np.ones(R, np.int32),
@@ -56,7 +55,7 @@ def prefill(
     rows: jax.Array,  # i32[R] batch rows to fill (>= B: padding)
     tokens: jax.Array,  # i32[R, T] prompts, right-padded
     lens: jax.Array,  # i32[R] prompt lengths (0 for padding rows)
-    request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], temperature, top_k, top_p, min_p,
+    request: dict,  # per-row arrays: max_new i32[R], stop_ids i32[R, NS], sampling (``RowSampling``, [R] each),
     #                 repetition / presence / frequency_penalty, logit_bias f32[R, V] (V = 0: controls off), keys u32[R, 2];
     #                 resuming: prompt_lens i32[R] (tokens past it were generated; default: none), first i32[R] (>= 0:
     #                 the forced first token), steps i32[R] (PRNG draws so far, 1 for a new request);
@@ -91,8 +90,7 @@ def prefill(
     grammar = Grammar(table=state.grammar_table, state=request["grammar"], stop_ids=request["stop_ids"])
     masked = grammar.mask(logits, grammar.state)  # the grammar first, then the controls (vLLM's order)
     processed = apply_controls(masked[:, None], controls, None, None)[:, 0]
-    first = pick_tokens(processed, request["temperature"], request["top_k"], request["top_p"], keys, plan.greedy_only,
-                        plan.filtering, request["min_p"])
+    first = pick_tokens(processed, request["sampling"], keys, plan.greedy_only, plan.filtering)
     first = jnp.where(request["first"] >= 0, request["first"], first)
     done = lens - prompt_lens  # tokens generated before this prefill (all but the forced first)
     empty = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.seed)
@@ -122,10 +120,7 @@ def prefill(
         stop_token=jnp.where(stop_token, first, -1).astype(jnp.int32),
         max_new=request["max_new"],
         stop_ids=request["stop_ids"],
-        temperature=request["temperature"],
-        top_k=request["top_k"],
-        top_p=request["top_p"],
-        min_p=request["min_p"],
+        sampling=request["sampling"],
         controls=controls.count(first[:, None], (~stop)[:, None]),
         logprobs=logprobs,
         keys=request["keys"],

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.draft.plan import Plan
-from jaxspec.draft.step import spec_step
+from jaxspec.spec.plan import Plan
+from jaxspec.spec.step import spec_step
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.state import DecodeState, commit
 from jaxspec.mesh import DATA

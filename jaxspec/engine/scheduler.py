@@ -60,7 +60,7 @@ class Request:
     order: int = 0  # admission sequence number (the latest admitted is preempted first)
     preemptions: int = 0
     stalls: int = 0  # preemptions in a row with no new token between them
-    resume: Any = None  # what a preempted request carries back (``jaxspec.generate._Resume``)
+    resume: Any = None  # what a preempted request carries back (``jaxspec.engine.host_loop.Resume``)
     start: int = 0  # positions of its context found in the prefix cache at its latest admission
     cached_tokens: int = 0  # prompt positions found in the prefix cache at its first admission
     constraint: int | None = None  # which structured-output automaton of the call it follows (None: none)

@@ -11,11 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.draft.plan import StepRows
-from jaxspec.draft.step import StepOutput
-from jaxspec.model.controls import Controls, TokenLogprobs
+from jaxspec.spec.plan import StepRows
+from jaxspec.spec.step import StepOutput
+from jaxspec.sampling.controls import Controls, TokenLogprobs
+from jaxspec.sampling.distributions import RowSampling
 from jaxspec.model.drafts.base import DraftSeed
-from jaxspec.model.grammar import FREE, Grammar, GrammarTable, path_states
+from jaxspec.sampling.grammar_masks import FREE, Grammar, GrammarTable, path_states
 
 
 @jax.tree_util.register_dataclass
@@ -31,7 +32,7 @@ class DecodeState:
       stop_token: i32[B] the stop token that ended the row (-1: none, e.g. it ran to max_new).
       max_new: i32[B] per-request token limit.
       stop_ids: i32[B, NS] stop tokens (-1 padded).
-      temperature, top_p, min_p: f32[B]; top_k: i32[B] sampling parameters.
+      sampling: each row's sampling settings (``RowSampling``, every field [B]).
       controls: logit bias, penalties and the output-token counts they read (``Controls``;
         [B, 0] arrays when no request uses them).
       keys: u32[B, 2] per-request PRNG key data; steps: i32[B] draws so far (fold_in counter).
@@ -56,10 +57,7 @@ class DecodeState:
     stop_token: jax.Array
     max_new: jax.Array
     stop_ids: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
+    sampling: RowSampling
     controls: Controls
     keys: jax.Array
     steps: jax.Array
@@ -93,10 +91,7 @@ class DecodeState:
             stop_token=jnp.full((B,), -1, jnp.int32),
             max_new=zeros_i(B),
             stop_ids=jnp.full((B, num_stop), -1, jnp.int32),
-            temperature=jnp.zeros((B,), jnp.float32),
-            top_k=zeros_i(B),
-            top_p=jnp.ones((B,), jnp.float32),
-            min_p=jnp.zeros((B,), jnp.float32),
+            sampling=RowSampling.empty(B),
             controls=Controls.empty(B, control_vocab),
             keys=jnp.zeros((B, 2), jnp.uint32),
             steps=zeros_i(B),
@@ -121,9 +116,8 @@ class DecodeState:
         """What one speculative step reads, with this step's PRNG key per row:
         fold_in(request key, steps so far)."""
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(self.keys), self.steps)
-        return StepRows(seq_lens=self.seq_lens, bonus=self.bonus, active=self.active, temperature=self.temperature,
-                        top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, controls=self.controls, keys=keys,
-                        seed=self.seed, grammar=self.constraint())
+        return StepRows(seq_lens=self.seq_lens, bonus=self.bonus, active=self.active, sampling=self.sampling,
+                        controls=self.controls, keys=keys, seed=self.seed, grammar=self.constraint())
 
     def constraint(self) -> Grammar:
         """The rows' structured-output automata (their states, the call's table, their stop ids)."""

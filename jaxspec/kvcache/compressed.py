@@ -35,6 +35,13 @@ def _spec(buffer: jax.Array, data_axis):
     return PartitionSpec() if buffer.shape[0] == 0 else PartitionSpec(None, data_axis, None)
 
 
+def entry_pages_for(num_pages: int, rows: int, rate: int) -> int:
+    """Pages of an entry pool that let every row reach whatever the full pool's ``num_pages`` allow:
+    a row holding positions [0, n) keeps entries [0, n / rate] (one page more at most), so
+    ``num_pages / rate`` pages for all rows together, two per row for rounding, and the scratch page."""
+    return -(-num_pages // rate) + 2 * rows + 1
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RingPart:

@@ -9,7 +9,7 @@ Buffers are any arrays shaped ``[L, N, ...]`` (MHA k/v, MLA latent, indexer keys
 move by the same slot lists. A pool with ``L == 0`` is returned unchanged.
 
 The slot lists are flat ``[M]`` with ``M = B * S``, request-major (entry ``b * S + j - 1``
-moves request ``b``'s node ``j``; see ``jaxspec.draft.compact``). Moves of different requests
+moves request ``b``'s node ``j``; see ``jaxspec.spec.compact``). Moves of different requests
 touch disjoint pages, so any set of whole requests is closed under overlap.
 
 Pallas kernel (Triton). Every buffer is viewed as ``[L, N, C]``. The grid is

@@ -1,5 +1,5 @@
 """Structured output: regular expressions and JSON schemas compiled on the host into token-level
-automata that the compiled decode loop follows on device (``jaxspec.model.grammar``).
+automata that the compiled decode loop follows on device (``jaxspec.sampling.grammar_masks``).
 
     regex.py       Python regexes -> DFAs over bytes (refusing what a DFA cannot express)
     charsets.py    code point sets, Python's categories and case folding, UTF-8 byte sequences

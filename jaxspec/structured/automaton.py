@@ -16,7 +16,7 @@ Built once per distinct constraint (cached by its text and the vocabulary), on t
    classes]`` plus a ``[vocab]`` class map, not ``[states, vocab]``: for JSON schemas most of a
    128k vocabulary falls into a handful of classes (every token with no quote, brace, digit, ...).
 
-``GrammarSet`` joins the automata of one call into the device table (``jaxspec.model.grammar``):
+``GrammarSet`` joins the automata of one call into the device table (``jaxspec.sampling.grammar_masks``):
 state 0 is FREE (unconstrained requests: everything allowed), 1 is DEAD (reached only by a token that
 was not allowed, i.e. by draft nodes that cannot be accepted), then each automaton's states.
 
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from jaxspec.model.grammar import DEAD, FREE, GrammarTable
+from jaxspec.sampling.grammar_masks import DEAD, FREE, GrammarTable
 from jaxspec.structured.regex import ByteDFA
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -179,7 +179,7 @@ def _method(args, cfg, target, train_stream):
     if args.method not in ("dflash", "dspark"):
         return None
     from jaxspec.model.drafts.dflash import DFlashDraft, dflash_config_for
-    from jaxspec.train.dflash import DFlashMethod, least_frequent_token
+    from jaxspec.train.dflash_method import DFlashMethod, least_frequent_token
 
     mask = args.mask_token_id
     if mask is None:
@@ -190,7 +190,7 @@ def _method(args, cfg, target, train_stream):
     DFlashDraft(model=dcfg).check_fits(target.config)
     gamma = args.position_decay if args.position_decay is not None else max(1.0, (args.block_size - 2) / 2)
     if args.method == "dspark":
-        from jaxspec.train.dspark import DSparkMethod, dspark_config_for
+        from jaxspec.train.dspark_method import DSparkMethod, dspark_config_for
 
         dcfg = dspark_config_for(dcfg, markov_rank=args.markov_rank, markov_head_type=args.markov_head,
                                  confidence_head=not args.no_confidence_head,

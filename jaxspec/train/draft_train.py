@@ -3,7 +3,7 @@
 Each step samples windows from the tokenized corpus, runs the frozen target (dense forward)
 for its features and logits, and updates the draft with its method's loss: EAGLE-3's TTT
 loss (``Eagle3Method``, ``jaxspec.train.ttt``) or DFlash's block-parallel loss
-(``jaxspec.train.dflash.DFlashMethod``). The target's embedding (and, for DFlash, its head) is
+(``jaxspec.train.dflash_method.DFlashMethod``). The target's embedding (and, for DFlash, its head) is
 shared and frozen; everything else in the draft trains. Periodic reports give per-step (or
 per-position) top-1 agreement on held-out windows and the mean accept length of a real
 ``jaxspec.generate`` chain on held-out prompts.
@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import SpecConfig
 from jaxspec.model.drafts.eagle import EagleConfig, eagle3_config_for, eagle_draft
-from jaxspec.model.io.eagle import eagle_table, export_eagle3
-from jaxspec.model.io.tables import init_params
+from jaxspec.model.checkpoints.eagle import eagle_table, export_eagle3
+from jaxspec.model.checkpoints.name_tables import init_params
 from jaxspec.model.layers import lm_head
 from jaxspec.model.targets import Model
 from jaxspec.train.corpus import fixed_windows, sample_windows
@@ -194,7 +194,7 @@ class DraftTrainer:
       out_dir: where the exported head goes (config.json + model.safetensors).
       run_dir: checkpoints (resumed automatically when present).
       method: what is trained and how (``Eagle3Method`` by default, or a
-        ``jaxspec.train.dflash.DFlashMethod``).
+        ``jaxspec.train.dflash_method.DFlashMethod``).
       init_from: a draft checkpoint whose arrays of the same name and shape start the training
         (e.g. a DFlash draft's backbone for a DSpark draft); ignored when resuming.
     """

@@ -2,7 +2,7 @@
 
 ``train_lm`` samples random windows from a token stream, steps AdamW, reports held-out loss,
 checkpoints (and resumes), and returns the final params. Export with
-``jaxspec.model.io.llama.export_llama``.
+``jaxspec.model.checkpoints.llama.export_llama``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.checkpoints.llama import init_llama_params
 from jaxspec.model.layers import lm_head
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.train.corpus import fixed_windows, sample_windows

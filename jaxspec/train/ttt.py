@@ -11,7 +11,7 @@ row ``p`` sitting at position ``p`` and consuming the token ``x[p+1]``:
 Row p of every step predicts the token at p + 2, labelled by ``l[p+1]``. Step-k row p
 attends to the step-0 keys at positions <= p - k (the extend prefix) and to the step-j key
 at position p - k + j for j = 1..k (its own chain so far), exactly the draft KV it would
-see at inference (``jaxspec.draft.step``: ``draft_extend`` then ``draft_propose``). Rows
+see at inference (``jaxspec.spec.step``: ``draft_extend`` then ``draft_propose``). Rows
 p < k have no such chain and carry no loss.
 
 Glossary: B windows, T rows, H head width, F target feature width, V target vocabulary,

@@ -6,7 +6,7 @@ import pytest
 import jaxspec as js
 from jaxspec.engine.adaptive import AdaptiveSteps
 from tests.conftest import PROMPTS_4, engine
-from tests.draft.test_lossless import MAX_NEW, drafts, plain_greedy
+from tests.spec.test_lossless import MAX_NEW, drafts, plain_greedy
 
 
 def test_controller_goes_deeper_when_everything_is_accepted():

@@ -8,7 +8,7 @@ import pytest
 import jaxspec as js
 from jaxspec.engine.programs import compiled_programs
 from tests.conftest import PROMPTS_4, engine
-from tests.draft.test_lossless import MAX_NEW, drafts, plain_greedy
+from tests.spec.test_lossless import MAX_NEW, drafts, plain_greedy
 
 GREEDY = js.SamplingParams(max_new_tokens=MAX_NEW)
 

@@ -19,7 +19,7 @@ from jaxspec.engine.programs import compiled_programs
 from jaxspec.engine.scheduler import MAX_STALLS, Request, Scheduler
 from jaxspec.kvcache.paging import pages_needed
 from tests.conftest import PROMPTS_4, engine
-from tests.draft.test_lossless import MAX_NEW, drafts, plain_greedy
+from tests.spec.test_lossless import MAX_NEW, drafts, plain_greedy
 
 TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 
@@ -60,7 +60,7 @@ def llama_draft(target, kind):
         return js.NgramDraft(max_ngram=2)
     if kind == "hybrid":
         return js.HybridDraft(drafts(target)["perturbed"], js.NgramDraft(max_ngram=2))
-    from tests.draft.test_dflash import tiny_dflash  # noqa: PLC0415  (its fixtures build the draft)
+    from tests.spec.test_dflash import tiny_dflash  # noqa: PLC0415  (its fixtures build the draft)
     return tiny_dflash(target)
 
 
@@ -139,7 +139,7 @@ def test_preemption_compiles_nothing_new_in_steady_state(tiny_target):
 
 
 def test_mla_pool_with_mtp_draft():
-    from tests.draft.test_mla_spec import golden  # noqa: PLC0415
+    from tests.spec.test_mla_spec import golden  # noqa: PLC0415
 
     case, target, draft, ref = golden("deepseek_v3_dense")
     n, prompts = case["greedy_new_tokens"], case["prompts"]
@@ -154,7 +154,7 @@ def test_mla_pool_with_mtp_draft():
     ("gemma4_text", "gemma4_assistant", js.SpecConfig.chain(3), 1),
 ])
 def test_sliding_window_pools(name, draft, spec, page):
-    from tests.draft.test_sliding_lossless import draft_for  # noqa: PLC0415
+    from tests.spec.test_sliding_lossless import draft_for  # noqa: PLC0415
     from tests.model.sliding_golden import arrays, case, target  # noqa: PLC0415
 
     c = case(name)
@@ -167,8 +167,8 @@ def test_sliding_window_pools(name, draft, spec, page):
 
 
 def test_recurrent_state_with_mtp_draft():
-    from tests.draft.test_hybrid_lossless import MAX_NEW as HYBRID_NEW, draft_of, plain, prompts  # noqa: PLC0415
-    from tests.model.test_golden_hybrid import target  # noqa: PLC0415
+    from tests.spec.test_hybrid_lossless import MAX_NEW as HYBRID_NEW, draft_of, plain, prompts  # noqa: PLC0415
+    from tests.model.targets.test_golden_hybrid import target  # noqa: PLC0415
 
     name = "qwen3_5_dense"
     out = js.generate(target(name), prompts(name), draft=draft_of(name, "mtp"), spec=TREE,
@@ -248,7 +248,7 @@ def test_mla_indexer_pool_with_prefix_cache_and_preemption():
     """DeepSeek-V3.2 (MLA latent + indexer keys, contexts past ``index_topk``): prompts behind a shared
     prefix, MTP tree drafting with its own indexer, a small pool with forced preemption and the prefix
     cache: the output is an unpressured, uncached plain run's."""
-    from tests.draft.test_dsa_spec import PROMPTS as DSA_PROMPTS, dsa_target_and_mtp  # noqa: PLC0415
+    from tests.spec.test_dsa_spec import PROMPTS as DSA_PROMPTS, dsa_target_and_mtp  # noqa: PLC0415
 
     target, mtp = dsa_target_and_mtp()
     prompts = [list(range(40, 57)) + p for p in DSA_PROMPTS]

@@ -13,7 +13,7 @@ from jaxspec.engine.allocator import PageAllocator
 from jaxspec.engine.prefix_cache import PrefixCache, cacheable_pages
 from jaxspec.engine.programs import compiled_programs
 from tests.conftest import engine
-from tests.draft.test_lossless import drafts
+from tests.spec.test_lossless import drafts
 
 RNG = np.random.default_rng(0)
 SHARED = RNG.integers(1, 96, 32).tolist()  # a "system prompt" of whole pages (of 1, 4 and 16)
@@ -31,7 +31,7 @@ def draft_of(target, kind):
     if kind == "hybrid":
         return js.HybridDraft(drafts(target)["eagle3"], js.NgramDraft(max_ngram=2))
     if kind == "dflash":
-        from tests.draft.test_dflash import tiny_dflash  # noqa: PLC0415
+        from tests.spec.test_dflash import tiny_dflash  # noqa: PLC0415
 
         return tiny_dflash(target)
     return drafts(target)[kind]
@@ -62,7 +62,7 @@ def test_cache_on_equals_cache_off(tiny_target, kind, spec, page):
 
 
 def test_mla_target_with_mtp_draft():
-    from tests.draft.test_mla_spec import golden  # noqa: PLC0415
+    from tests.spec.test_mla_spec import golden  # noqa: PLC0415
 
     case, target, draft, _ = golden("deepseek_v3_dense")
     prompts = [case["prompts"][0] + p[:3] for p in case["prompts"]]
@@ -129,7 +129,7 @@ def test_a_page_is_keyed_by_the_token_after_it():
 
 
 def test_models_whose_state_is_not_paged_are_refused_by_name():
-    from tests.model.test_golden_hybrid import target  # noqa: PLC0415
+    from tests.model.targets.test_golden_hybrid import target  # noqa: PLC0415
 
     with pytest.raises(ValueError, match="recurrent state .* is not paged"):
         js.Engine(target("qwen3_5_dense"), engine=js.EngineConfig(prefix_cache=True))

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec as js
-from jaxspec.draft.plan import Plan
+from jaxspec.spec.plan import Plan
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_program, prefill_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.targets import create_target_pool
-from tests.draft.test_lossless import drafts
+from tests.spec.test_lossless import drafts
 
 
 def test_decode_program_donates_and_aliases_the_pools(tiny_target):

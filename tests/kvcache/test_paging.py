@@ -70,7 +70,7 @@ def test_draft_masks_read_the_layout(monkeypatch, swap):
     """The draft attention masks take which (branch j, step i) each scratch column holds from the layout
     helper: column ``offset(j, i)`` is visible to a row iff i <= step and its step-i ancestor is branch j
     (the chain: iff i <= step), for the real layout (``j * S + i``) and a swapped one (``(S - 1 - i) * K + j``)."""
-    from jaxspec.draft.shape import Chain, draft_ancestor_mask
+    from jaxspec.spec.shape import Chain, draft_ancestor_mask
 
     if swap:
         monkeypatch.setattr(layout, "_scratch_offsets", _last_step_first)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft.compact import compact_pool
+from jaxspec.spec.compact import compact_pool
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.kvcache.pool import KVPool, SplitPool
 from jaxspec.model.layers import window_write_and_attend

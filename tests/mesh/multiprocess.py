@@ -36,7 +36,7 @@ def rchar() -> int:
 
 def counted_load(load, *args, **kw):
     """``load(*args, **kw)`` and the bytes it read: the checkpoints' own counts, and the kernel's."""
-    from jaxspec.model.io import checkpoint
+    from jaxspec.model.checkpoints import checkpoint
 
     made, init = [], checkpoint.SafetensorsCheckpoint.__init__
 

@@ -23,8 +23,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import jaxspec as js  # noqa: E402
 from jaxspec.kvcache.paging import pages_needed  # noqa: E402
 from jaxspec.model.drafts.eagle import eagle3_config_for  # noqa: E402
-from jaxspec.model.io.eagle import eagle_table, export_eagle3  # noqa: E402
-from jaxspec.model.io.tables import init_params  # noqa: E402
+from jaxspec.model.checkpoints.eagle import eagle_table, export_eagle3  # noqa: E402
+from jaxspec.model.checkpoints.name_tables import init_params  # noqa: E402
 from tests.model.golden import case_dir, cases  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -114,7 +114,7 @@ def dflash_lossless(tp, spec, page, draft_dir="dflash/dflash"):
 def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
     """A target with sliding-window layers on a mesh (both KV pools split by KV head over model,
     and by pages over data): speculative greedy == HF's greedy tokens (the goldens, which plain
-    greedy on one device reproduces: tests/model/test_golden_sliding.py), ragged batch of 3
+    greedy on one device reproduces: tests/model/targets/test_golden_sliding.py), ragged batch of 3
     running past the window."""
     from tests.model.sliding_golden import arrays, case, case_dir
 
@@ -205,7 +205,7 @@ def _spec(params) -> str:
 def collective_counts(target_name, tp):
     """Collectives in the compiled decode program of one plain decode step (layers run in a
     scan, so the layer body appears once)."""
-    from jaxspec.draft.plan import Plan
+    from jaxspec.spec.plan import Plan
     from jaxspec.engine.placement import create_pool, create_state, run_context
     from jaxspec.engine.programs import decode_program
     from jaxspec.engine.state import DecodeState
@@ -237,12 +237,12 @@ def odd_vocab(tp, dp):
     embedding and head, a standalone draft's tree and a DSpark chain (its Markov bias added to the
     padded head's logits; TP=4)."""
     from jaxspec.model.config import padded_vocab_size
-    from jaxspec.model.io.eagle import init_eagle_params
+    from jaxspec.model.checkpoints.eagle import init_eagle_params
     from jaxspec.model.drafts.dflash import dflash_config_for
-    from jaxspec.model.io.llama import export_llama, init_llama_params
-    from jaxspec.model.io.speculators import export_speculators, init_dspark_params
+    from jaxspec.model.checkpoints.llama import export_llama, init_llama_params
+    from jaxspec.model.checkpoints.speculators import export_speculators, init_dspark_params
     from jaxspec.model.targets.llama_config import LlamaConfig
-    from jaxspec.train.dspark import dspark_config_for
+    from jaxspec.train.dspark_method import dspark_config_for
 
     V = 251
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,

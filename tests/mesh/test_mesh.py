@@ -112,7 +112,7 @@ def test_collectives_are_those_of_the_megatron_layout(results, name):
 
 def test_gemma4_assistant_on_a_mesh_matches_hf(results):
     """The HF-layout assistant given a TP=2 target's split pools: logits and returned hidden
-    against HF (tests/model/test_golden_sliding.py's check), its own weights whole on every shard."""
+    against HF (tests/model/targets/test_golden_sliding.py's check), its own weights whole on every shard."""
     r = case(results, "gemma4_assistant_tp2_golden")
     assert r["steps"] == 4
     assert all("model" not in spec for spec in r["draft_specs"]), r["draft_specs"]

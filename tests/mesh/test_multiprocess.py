@@ -2,7 +2,7 @@
 virtual CPU devices each, gloo collectives) run the README's multi-host script on one mesh
 spanning both (``multiprocess.py``, started in the suite's background). Both get the whole
 result, equal to HF's greedy tokens (which one-device greedy reproduces:
-tests/model/test_golden_targets.py); each reads only its shards' bytes of the checkpoint."""
+tests/model/targets/test_golden_targets.py); each reads only its shards' bytes of the checkpoint."""
 
 from __future__ import annotations
 

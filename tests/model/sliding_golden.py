@@ -121,7 +121,7 @@ def tiny_gemma4(*, vocab: int, window: int, seed: int = 0, scale: float = 0.3):
     """A random in-process Gemma 4 target: layers [S, F], sliding 16 x 1 KV head, full 32 x 1 KV
     head with k_eq_v, softcap 30 (norms and layer scalars perturbed off 1)."""
     from jaxspec.model.config import RopeConfig
-    from jaxspec.model.io.gemma4 import init_gemma4_params
+    from jaxspec.model.checkpoints.gemma4 import init_gemma4_params
     from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 
     cfg = Gemma4Config(
@@ -140,7 +140,7 @@ def tiny_gemma4_assistant(model: js.Model, *, ordered: bool, seed: int = 1, scal
     """A random Gemma 4 assistant for ``tiny_gemma4``: layers [S, F]; ordered head: one token per
     centroid, top 2."""
     from jaxspec.model.drafts.assistant import assistant_draft, gemma4_assistant_config
-    from jaxspec.model.io.assistant import init_gemma4_assistant_params
+    from jaxspec.model.checkpoints.assistant import init_gemma4_assistant_params
 
     t = model.config
     cfg = gemma4_assistant_config(t, hidden_size=16, intermediate_size=32, num_heads=2, layer_types=t.layer_types,

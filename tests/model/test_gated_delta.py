@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax.numpy as jnp
-from jaxspec.draft import tree as tree_lib
+from jaxspec.spec import tree as tree_lib
 from jaxspec.model.gated_delta import (conv_chain, conv_state_after, conv_tree, delta_block, delta_chain, delta_reference,
                                        delta_rows, l2norm, state_at)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.draft.compact import compact_pool, compaction_moves
+from jaxspec.spec.compact import compact_pool, compaction_moves
 from jaxspec.kvcache.pool import KVPool, MLAPool
 from jaxspec.pallas.block_sizes import MoveBlocks
 from jaxspec.pallas.kv_move import kv_move, kv_move_checked, kv_move_pallas, kv_move_reference

@@ -150,7 +150,7 @@ def test_model_forward_pallas_equals_xla():
     """The DeepSeek forward with the Pallas MLA path (interpret mode) equals the XLA path."""
     from jaxspec.kvcache.paging import AttentionInputs
     from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
-    from tests.model.test_golden_deepseek import v32_model
+    from tests.model.targets.test_golden_deepseek import v32_model
 
     cfg, params = v32_model()
     T = 6

@@ -16,10 +16,10 @@ import jaxspec as js
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.programs import decode_step
 from jaxspec.pallas import dispatch
-from tests.draft.test_frozen_kv import assistant
-from tests.draft.test_lossless import drafts
-from tests.draft.test_mla_spec import DSA_PROMPTS, dsa_pair, golden, step_prompts
-from tests.draft.test_step import prefill_args, prepared
+from tests.spec.test_frozen_kv import assistant
+from tests.spec.test_lossless import drafts
+from tests.spec.test_mla_spec import DSA_PROMPTS, dsa_pair, golden, step_prompts
+from tests.spec.test_step import prefill_args, prepared
 from tests.pallas.triton_lowering import TRITON_CALL, lower_for_cuda
 
 CHAIN = js.SpecConfig.chain(3)
@@ -35,7 +35,7 @@ def _llama(kind):
 
 def _dflash(version):
     def make(tiny_target):
-        from tests.draft.test_dflash import tiny_dflash
+        from tests.spec.test_dflash import tiny_dflash
 
         return tiny_target, tiny_dflash(tiny_target, version), None
     return make

@@ -1,6 +1,6 @@
 """Every Pallas kernel lowered for an H100 at realistic shapes (``compile_cases.CASES``), run
 through the MLIR verifier, compiled to PTX for sm_90a by ``triton`` and read with ``ptxas -v``,
-on a machine without a GPU (``jaxspec/pallas/triton_compile.py``).
+on a machine without a GPU (``tests/pallas/triton_compile.py``).
 
 A case fails on a verifier or compiler error, a register spill where the case forbids one,
 or KV read without 16-byte vector loads or 16-byte cp.async (or with scalar bf16 loads).
@@ -21,7 +21,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas import block_table, compile_cases, triton_compile
+from jaxspec.pallas import block_table
+from tests.pallas import compile_cases, triton_compile
 
 pytest.importorskip("triton", reason="compiling to PTX needs the triton package (the test extra)")
 

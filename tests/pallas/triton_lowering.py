@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxspec.pallas.triton_compile import as_if_h100
+from tests.pallas.triton_compile import as_if_h100
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -21,7 +21,7 @@ import pytest
 import regex
 
 from jaxspec.demo import DEMO_TARGET
-from jaxspec.model.io.tokenizer import load_tokenizer
+from jaxspec.model.checkpoints.tokenizer import load_tokenizer
 from jaxspec.structured import compile_constraint
 from jaxspec.structured.automaton import compile_automaton, join_automata
 from jaxspec.structured.regex import compile_dfa

@@ -1,4 +1,4 @@
-"""The device side of structured output (``jaxspec.model.grammar``): following a path of automaton
+"""The device side of structured output (``jaxspec.sampling.grammar_masks``): following a path of automaton
 states compiles in time linear in its length. Chains of ``Grammar.advance`` (a verify tree's levels,
 the emitted path) once compiled in time doubling per level (15 s at depth 8, a depth-15 DFlash chain
 not at all), because XLA inlined every earlier level twice into each later one."""
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.grammar import Grammar, GrammarTable, node_states, path_states
+from jaxspec.sampling.grammar_masks import Grammar, GrammarTable, node_states, path_states
 
 
 def compile_seconds(depth: int) -> float:

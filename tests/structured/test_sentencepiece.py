@@ -23,9 +23,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer, decoders
 
 import jaxspec as js
-from jaxspec.model.io.tokenizer import Tokenizer
+from jaxspec.model.checkpoints.tokenizer import Tokenizer
 from jaxspec.structured import compile_constraint
-from tests.model import test_golden_heads
+from tests.model.drafts import test_golden_heads
 from tests.structured.vocab import oracle_allowed, oracle_final, sentencepiece_tokenizer, token_texts
 
 STYLES = ["strip", "metaspace"]

@@ -8,7 +8,7 @@ import functools
 import regex
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
-from jaxspec.model.io.tokenizer import Tokenizer, _byte_level_alphabet
+from jaxspec.model.checkpoints.tokenizer import Tokenizer, _byte_level_alphabet
 
 # Printable ASCII: single characters first (space included), then a few multi-character tokens.
 CHARS = [chr(c) for c in range(0x20, 0x7F)]

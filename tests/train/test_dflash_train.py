@@ -15,8 +15,8 @@ import jaxspec as js
 from jaxspec.cli import main
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.dflash import DFlashConfig, dflash_draft
-from jaxspec.model.io.dflash import init_dflash_params
-from jaxspec.train.dflash import block_train_forward, position_weights, sample_anchors
+from jaxspec.model.checkpoints.dflash import init_dflash_params
+from jaxspec.train.dflash_method import block_train_forward, position_weights, sample_anchors
 from tests.conftest import tiny_model
 from tests.train.tiny_hf import make_tiny_hf
 

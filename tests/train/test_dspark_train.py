@@ -18,9 +18,9 @@ from jaxspec.cli import main
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.dflash import DFlashConfig
 from jaxspec.model.drafts.dspark import dspark_draft
-from jaxspec.model.io.speculators import init_dspark_params
-from jaxspec.train.dflash import block_train_forward
-from jaxspec.train.dspark import dspark_config_for, slot_prev_tokens, teacher_forced_logits
+from jaxspec.model.checkpoints.speculators import init_dspark_params
+from jaxspec.train.dflash_method import block_train_forward
+from jaxspec.train.dspark_method import dspark_config_for, slot_prev_tokens, teacher_forced_logits
 from tests.conftest import tiny_model
 from tests.train.tiny_hf import make_tiny_hf
 

@@ -10,12 +10,12 @@ from jaxspec.model.drafts.eagle import eagle3_config_for
 from jaxspec.model.layers import lm_head
 from jaxspec.model.targets import Model
 from jaxspec.model.targets import forward_sequence
-from jaxspec.model.io.eagle import export_eagle3
-from jaxspec.model.io.llama import export_llama
+from jaxspec.model.checkpoints.eagle import export_eagle3
+from jaxspec.model.checkpoints.llama import export_llama
 from jaxspec.train.forward import dense_forward
-from jaxspec.model.io.eagle import eagle_table
-from jaxspec.model.io.llama import init_llama_params
-from jaxspec.model.io.tables import init_params
+from jaxspec.model.checkpoints.eagle import eagle_table
+from jaxspec.model.checkpoints.llama import init_llama_params
+from jaxspec.model.checkpoints.name_tables import init_params
 from jaxspec.train.vocab import build_draft_vocab, token_counts
 from tests.conftest import TINY
 

@@ -12,9 +12,9 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_forward
 from jaxspec.model.targets import Model
 from jaxspec.train.forward import dense_forward
-from jaxspec.model.io.eagle import eagle_table
-from jaxspec.model.io.llama import init_llama_params
-from jaxspec.model.io.tables import init_params
+from jaxspec.model.checkpoints.eagle import eagle_table
+from jaxspec.model.checkpoints.llama import init_llama_params
+from jaxspec.model.checkpoints.name_tables import init_params
 from jaxspec.train.ttt import ttt_forward, ttt_loss, ttt_mask
 from tests.conftest import TINY
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxspec.model.targets.llama_config import LlamaConfig
-from jaxspec.model.io.llama import export_llama
-from jaxspec.model.io.llama import init_llama_params
+from jaxspec.model.checkpoints.llama import export_llama
+from jaxspec.model.checkpoints.llama import init_llama_params
 
 LINES = [
     "def add(a, b):\n    return a + b\n",

@@ -1,7 +1,7 @@
 """Draft kinds behind one interface (``base.Draft``): EAGLE-1/2, EAGLE-3, DeepSeek MTP, the
 frozen-KV assistant, DFlash / DFlash 2 / DSpark block drafts, P-EAGLE heads, PARD parallel drafts,
 standalone LMs, model-free n-gram lookup and the hybrid of a model draft with n-gram lookup. Loading
-and detection: ``jaxspec.model.io.drafts``."""
+and detection: ``jaxspec.model.checkpoints.draft_formats``."""
 
 from jaxspec.model.drafts.assistant import FrozenKVAssistant as FrozenKVAssistant
 from jaxspec.model.drafts.assistant import assistant_draft as assistant_draft

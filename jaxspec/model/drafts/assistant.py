@@ -35,7 +35,7 @@ batch, which depends on the batch). The draft's sampling distribution q is the s
 logits, so it is zero outside the selected clusters, and the same q is used to sample a draft
 token and in its acceptance test (lossless either way).
 
-Checkpoint layouts and parsing: ``jaxspec.model.io.assistant``.
+Checkpoint layouts and parsing: ``jaxspec.model.checkpoints.assistant``.
 """
 
 from __future__ import annotations

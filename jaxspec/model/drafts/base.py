@@ -1,7 +1,7 @@
 """The draft interface: what every draft kind exposes to the speculative step.
 
 A draft is a static, hashable description (a frozen dataclass: it rides in the jit-static
-``Plan``) plus a params pytree. The step (``jaxspec.draft``) drives every kind through the
+``Plan``) plus a params pytree. The step (``jaxspec.spec``) drives every kind through the
 same methods, so it never asks which kind it has:
 
     create_pool      its own KV pool (a zero-layer pool when it keeps none)
@@ -19,7 +19,7 @@ same methods, so it never asks which kind it has:
                      "hybrid" (a model draft's tree with an n-gram branch grafted on) or
                      "block" (a whole block of proposals from one forward: DFlash, DSpark, P-EAGLE, PARD)
 
-Detection and loading from checkpoints live in ``jaxspec.model.io.drafts``.
+Detection and loading from checkpoints live in ``jaxspec.model.checkpoints.draft_formats``.
 
 Position convention: a feature-level head's row ``p`` consumes the token at ``p + 1`` and
 writes KV at ``p``; a standalone LM's row consumes the token at ``p`` and writes KV at ``p``.
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
+from jaxspec.model.targets.base import KVLayout
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +105,7 @@ class Draft(abc.ABC):
     Attributes (static):
       model: the head's or LM's own config.
       kind: a short name ("eagle3", "mtp", ...), for messages and stats only.
-      proposer: the draft loop that drives this kind (``jaxspec.draft.proposers``).
+      proposer: the draft loop that drives this kind (``jaxspec.spec.proposers``).
       feature: the target output consumed at draft extend: "final" (normed final hidden),
         "aux" (the residual streams entering ``aux_layers``) or None (tokens only).
       pos_offset: 0 for feature-level heads, 1 for token-level LMs (module docstring).
@@ -167,6 +168,11 @@ class Draft(abc.ABC):
     def kv_window(self) -> int | None:
         """The sliding window of the draft's own sliding-window layers (None: it has none)."""
         return None
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What sizing the draft's own pools needs (``KVLayout``): by default its window alone."""
+        return KVLayout(window=self.kv_window)
 
     def create_pool(self, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None, rows: int = 1):
         """The draft's own KV pool (MHA by default; ``window_pages``: pages of the window part

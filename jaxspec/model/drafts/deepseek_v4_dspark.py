@@ -1,5 +1,5 @@
 """DeepSeek's own DSpark draft for DeepSeek-V4 (``mtp.{0..S-1}.*`` of DeepSeek-V4-Flash-DSpark, read by
-``jaxspec.model.io.deepseek_v4_dspark``): DSpark's Markov and confidence heads
+``jaxspec.model.checkpoints.deepseek_v4_dspark``): DSpark's Markov and confidence heads
 (``jaxspec.model.drafts.dspark``) on a backbone of S full V4 blocks instead of Qwen3-style layers.
 
 Context (at extend, for every committed position p, from the target's taps):

@@ -1,6 +1,6 @@
 """DeepSeek-V4's MTP layer (``mtp.0.*`` of the target's checkpoint, which HF drops) as a draft, following
 DeepSeek's inference code (``MTPBlock``) and vLLM's ``deepseek_v4_mtp.py`` (names:
-``jaxspec.model.io.deepseek_v4_mtp``).
+``jaxspec.model.checkpoints.deepseek_v4_mtp``).
 
 Row ``p`` consumes the residual streams at ``p`` and the token at ``p + 1``, at position ``p``
 (``pos_offset`` 0):

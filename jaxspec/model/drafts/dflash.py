@@ -1,5 +1,5 @@
 """DFlash / DFlash 2 block drafts: one draft forward proposes a whole block of tokens
-(checkpoint names and config parsing: ``jaxspec.model.io.dflash``).
+(checkpoint names and config parsing: ``jaxspec.model.checkpoints.dflash``).
 
 The draft reads the target's hidden states after the layers in ``target_layer_ids`` (the taps
 ``l + 1`` of ``jaxspec.model.targets.base.AuxTaps``), concatenated, projected by ``fc`` and
@@ -45,9 +45,9 @@ from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
-from jaxspec.model.grammar import Grammar
+from jaxspec.sampling.grammar_masks import Grammar
 from jaxspec.model.layers import lm_head, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
-from jaxspec.model.sampling import sample_with_uniform, target_probs
+from jaxspec.sampling.distributions import RowSampling, sample_with_uniform, target_probs
 
 _MASK_VALUE = -1e30
 
@@ -286,7 +286,7 @@ def window_attention(
 
 @dataclasses.dataclass(frozen=True)
 class DFlashDraft(Draft):
-    """A DFlash block draft (``proposer`` "block": ``jaxspec.draft.block``)."""
+    """A DFlash block draft (``proposer`` "block": ``jaxspec.spec.block_loop``)."""
 
     model: DFlashConfig
     kind: ClassVar[str] = "dflash"
@@ -427,16 +427,15 @@ class DFlashDraft(Draft):
         proposes only what its structured-output state allows after the greedy path before it."""
         return position_candidates(self.logits(params, hidden), width, grammar)
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+    def sample_path(self, params, hidden, anchor, sampling: RowSampling, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
         """Draws the proposals of every position from the draft's sampling distribution q
         (each row's temperature / top_k / top_p; one-hot argmax for greedy rows), over the tokens a
         ``grammar`` allows after the tokens drawn before (then position by position).
 
-        hidden: [B, S, H]; temperature, top_p: f32[B]; top_k: i32[B]; uniform: f32[B, S].
+        hidden: [B, S, H]; sampling: every field [B]; uniform: f32[B, S].
         Returns (tokens i32[B, S], q f32[B, S, V]: the distribution each token was drawn from)."""
-        return position_samples(self.logits(params, hidden), temperature, top_k, top_p, uniform, filtering=filtering,
-                                grammar=grammar)
+        return position_samples(self.logits(params, hidden), sampling, uniform, filtering=filtering, grammar=grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,16 +483,16 @@ class DFlash2Draft(DFlashDraft):
             states = None if grammar is None else grammar.advance(states, pred)
         return jnp.stack(toks, axis=1), jnp.stack(probs, axis=1)  # [B, S, width]
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+    def sample_path(self, params, hidden, anchor, sampling: RowSampling, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
         """The selector's sampled path: at each position ``softmax(score / T)`` over the
         candidates given the drawn predecessor (argmax for greedy rows; only those a ``grammar``
         allows there); q is that distribution placed in the vocabulary."""
-        del top_k, top_p, filtering  # the selector samples from its own q (temperature only)
+        del filtering  # the selector samples from its own q (temperature only)
         unary, cand, hp, succ = self._selector_inputs(params, hidden)
         B, S, k_sel = cand.shape
-        greedy = temperature <= 0.0
-        t_safe = jnp.where(greedy, 1.0, temperature)[:, None]
+        greedy = sampling.greedy
+        t_safe = jnp.where(greedy, 1.0, sampling.temperature)[:, None]
         pred = anchor
         states = None if grammar is None else grammar.state
         toks, qs = [], []
@@ -535,9 +534,9 @@ def position_candidates(logits: jax.Array, width: int, grammar: Grammar | None =
     return idx.astype(jnp.int32), p
 
 
-def position_samples(logits, temperature, top_k, top_p, uniform, *, filtering: bool, grammar: Grammar | None = None):
+def position_samples(logits, sampling: RowSampling, uniform, *, filtering: bool, grammar: Grammar | None = None):
     """Draws every position of an independently drafted block from q, the sampling distribution
-    of its logits f32[B, S, V] (each row's temperature / top_k / top_p f32[B] / i32[B]; one-hot
+    of its logits f32[B, S, V] (each row's temperature / top_k / top_p, every field [B]; one-hot
     argmax for greedy rows), over the tokens a ``grammar`` allows after the tokens drawn before
     (then position by position). uniform: f32[B, S].
     Returns (tokens i32[B, S], q f32[B, S, V]: the distribution each token was drawn from)."""
@@ -545,13 +544,12 @@ def position_samples(logits, temperature, top_k, top_p, uniform, *, filtering: b
     if grammar is not None and grammar.enabled:
         states, toks, qs = grammar.state, [], []
         for t in range(S):
-            q_t = target_probs(grammar.mask(logits[:, t], states), temperature, top_k, top_p, filtering)
+            q_t = target_probs(grammar.mask(logits[:, t], states), sampling, filtering, min_p=False)
             toks.append(sample_with_uniform(q_t, uniform[:, t]))
             qs.append(q_t)
             states = grammar.advance(states, toks[-1])
         return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)
-    rows = lambda x: jnp.broadcast_to(x[:, None], x.shape[:1] + (S,))  # noqa: E731
-    q = target_probs(logits, rows(temperature), rows(top_k), rows(top_p), filtering)
+    q = target_probs(logits, sampling.broadcast(logits.shape[:2]), filtering, min_p=False)
     return sample_with_uniform(q, uniform), q
 
 

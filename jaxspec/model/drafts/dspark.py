@@ -1,5 +1,5 @@
 """DSpark block drafts: a DFlash backbone plus a Markov head and a confidence head
-(checkpoint layout and config parsing: ``jaxspec.model.io.speculators``; DeepSeek's own layout for
+(checkpoint layout and config parsing: ``jaxspec.model.checkpoints.speculators``; DeepSeek's own layout for
 DeepSeek-V4, whose backbone is V4 blocks, subclasses this: ``jaxspec.model.drafts.deepseek_v4_dspark``).
 
 The backbone is DFlash's (``jaxspec.model.drafts.dflash``): one non-causal block forward over
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 
 from jaxspec.model.drafts.base import DraftModel, check_block_tree
 from jaxspec.model.drafts.dflash import DFlashConfig, DFlashDraft, dflash_logits
-from jaxspec.model.grammar import Grammar
+from jaxspec.sampling.grammar_masks import Grammar
 from jaxspec.model.layers import mask_padded_vocab
-from jaxspec.model.sampling import sample_with_uniform, target_probs
+from jaxspec.sampling.distributions import sample_with_uniform, target_probs
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
@@ -248,7 +248,7 @@ class DSparkDraft(DFlashDraft):
         p, idx = jax.lax.top_k(probs, width)
         return idx.astype(jnp.int32), p
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+    def sample_path(self, params, hidden, anchor, sampling, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
         """Draws each slot's token from the draft's sampling distribution q of its
         Markov-corrected logits given the token drawn before it (each row's temperature /
@@ -262,7 +262,7 @@ class DSparkDraft(DFlashDraft):
         def choose(t, logits):
             if states[0] is not None:
                 logits = grammar.mask(logits, states[0])
-            q = target_probs(logits, temperature, top_k, top_p, filtering)
+            q = target_probs(logits, sampling, filtering, min_p=False)
             tok = sample_with_uniform(q, uniform[:, t])
             qs.append(q)
             if states[0] is not None:

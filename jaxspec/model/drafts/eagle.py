@@ -1,4 +1,4 @@
-"""EAGLE-1/2 and EAGLE-3 draft heads: configs and forward (checkpoint names: ``jaxspec.model.io.eagle``).
+"""EAGLE-1/2 and EAGLE-3 draft heads: configs and forward (checkpoint names: ``jaxspec.model.checkpoints.eagle``).
 
 Both heads run one decoder layer at the feature level. Draft position ``p`` consumes the
 pair (feature at ``p``, token at ``p + 1``) and predicts the token at ``p + 2``; its KV sits

@@ -1,5 +1,5 @@
 """DeepSeek-V3 NextN / MTP draft head: the extra layer stored at ``model.layers.{L}.*``
-(``L = num_hidden_layers``) of DeepSeek-V3 checkpoints (names: ``jaxspec.model.io.mtp``).
+(``L = num_hidden_layers``) of DeepSeek-V3 checkpoints (names: ``jaxspec.model.checkpoints.mtp``).
 
 Row ``p`` consumes the pair (feature at ``p``, token at ``p + 1``) and predicts the token at
 ``p + 2``; its KV sits at position ``p`` of the head's own one-layer MLA pool (``pos_offset``

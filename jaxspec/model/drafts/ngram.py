@@ -6,11 +6,11 @@ model draft's tree.
   output); what followed the most recent longest match is the proposal (a chain), or the
   continuations of up to ``topk`` matches with distinct next tokens (a tree of paths). No
   parameters and no KV pool; the per-row seed is the token history. The ``lookup`` proposer
-  (``jaxspec.draft.lookup``) drives it inside the compiled decode loop.
+  (``jaxspec.spec.lookup_loop``) drives it inside the compiled decode loop.
 * ``HybridDraft(draft, ngram)``: a model draft (EAGLE, EAGLE-3, MTP, ...) proposes its tree as
   usual and the n-gram continuation is grafted onto it as an extra branch from the root,
   verified in the same target forward (``SpecConfig.ngram_tokens`` nodes, counted in
-  ``num_draft_tokens``). The ``hybrid`` proposer (``jaxspec.draft.hybrid``) drives it.
+  ``num_draft_tokens``). The ``hybrid`` proposer (``jaxspec.spec.graft_loop``) drives it.
 
 Glossary: B rows, M history width (positions a request can reach).
 """
@@ -184,6 +184,14 @@ class Hybrid(Draft):
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.model.aux_layers
+
+    @property
+    def kv_window(self) -> int | None:
+        return self.model.kv_window
+
+    @property
+    def kv_layout(self):
+        return self.model.kv_layout
 
     def empty_seed(self, batch: int, *, dtype, max_len: int) -> HybridSeed:
         return HybridSeed(base=self.model.empty_seed(batch, dtype=dtype, max_len=max_len),

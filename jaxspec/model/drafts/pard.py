@@ -1,6 +1,6 @@
 """PARD drafts (PARallel Draft models): a small Llama-family LM with the target's vocabulary,
 adapted so that one forward over ``[context..., bonus, mask x (K - 1)]`` proposes K tokens
-(checkpoint detection and loading: ``jaxspec.model.io.drafts``).
+(checkpoint detection and loading: ``jaxspec.model.checkpoints.draft_formats``).
 
 The LM keeps its own KV pool over the committed tokens, exactly as a standalone draft does
 (row ``p`` consumes the token at ``p``). Each step is one causal forward over a block at
@@ -12,7 +12,7 @@ rows see masks, not the tokens drafted before them), so a tree hangs alternative
 greedy chain at each position as DFlash's does, and chain sampling draws each position from its
 own q.
 
-It runs under the block draft loop (``jaxspec.draft.block``, ``proposer = "block"``): the block
+It runs under the block draft loop (``jaxspec.spec.block_loop``, ``proposer = "block"``): the block
 forward writes the K/V of its rows; the bonus row's is already the committed token's, the mask
 rows' are overwritten by the extend, which runs the LM over the committed tokens (the root and
 the accepted drafts) at their positions.
@@ -30,7 +30,7 @@ import jax
 
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
-from jaxspec.model.grammar import Grammar
+from jaxspec.sampling.grammar_masks import Grammar
 from jaxspec.model.layers import mask_padded_vocab
 from jaxspec.model.targets import Model, create_target_pool, target_forward, target_logits
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -110,13 +110,12 @@ class PardDraft(Draft):
         del anchor
         return position_candidates(self.logits(params, hidden), width, grammar)
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+    def sample_path(self, params, hidden, anchor, sampling, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
         """Every row's proposal drawn from its own q (``position_samples``). hidden: [B, S, H];
         uniform: f32[B, S]. Returns (tokens i32[B, S], q f32[B, S, W])."""
         del anchor
-        return position_samples(self.logits(params, hidden), temperature, top_k, top_p, uniform, filtering=filtering,
-                                grammar=grammar)
+        return position_samples(self.logits(params, hidden), sampling, uniform, filtering=filtering, grammar=grammar)
 
     # --------------------------------------------------------------------------- fit
 

@@ -1,5 +1,5 @@
 """P-EAGLE drafts: an EAGLE-3 head that drafts a whole chain in one forward (checkpoint layout
-and config parsing: ``jaxspec.model.io.peagle``).
+and config parsing: ``jaxspec.model.checkpoints.peagle``).
 
 The head is EAGLE-3's (``jaxspec.model.drafts.eagle``): a row at position ``p`` reads the target's
 features at ``p`` (the residual streams entering ``aux_layers``, concatenated, through ``fc``) and
@@ -16,7 +16,7 @@ causally to the mask rows before it, as ``speculators``' ``create_peagle_mask_mo
 library train them; no mask row reads a drafted token, so the K positions are drafted
 independently (a tree hangs the top-k alternatives of each position off the greedy chain).
 
-It runs through the block proposer (``jaxspec.draft.block``): ``block_length(S) = S - 1`` mask
+It runs through the block proposer (``jaxspec.spec.block_loop``): ``block_length(S) = S - 1`` mask
 rows, ``seeded`` (the extend's output at the last accepted row is the seed, which drafts the
 first proposal).
 
@@ -49,7 +49,7 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
-from jaxspec.model.grammar import Grammar
+from jaxspec.sampling.grammar_masks import Grammar
 from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q,
                                   rms_norm, rope_inv_freq, write_and_attend)
 
@@ -144,7 +144,7 @@ def peagle_layers(
 
 @dataclasses.dataclass(frozen=True)
 class PEagleDraft(Draft):
-    """A P-EAGLE head (``proposer`` "block": ``jaxspec.draft.block``): the extend is EAGLE-3's
+    """A P-EAGLE head (``proposer`` "block": ``jaxspec.spec.block_loop``): the extend is EAGLE-3's
     and seeds draft 1; one forward over S - 1 mask rows drafts the rest."""
 
     model: PEagleConfig
@@ -238,13 +238,13 @@ class PEagleDraft(Draft):
         del anchor
         return position_candidates(self.target_vocab_logits(params, self.logits(params, hidden)), width, grammar)
 
-    def sample_path(self, params, hidden, anchor, temperature, top_k, top_p, uniform, *, filtering: bool,
+    def sample_path(self, params, hidden, anchor, sampling, uniform, *, filtering: bool,
                     grammar: Grammar | None = None):
         """Every position drawn from the draft's sampling distribution q over the target's
         vocabulary (``dflash.position_samples``). Returns (tokens i32[B, S], q f32[B, S, W])."""
         del anchor
         logits = self.target_vocab_logits(params, self.logits(params, hidden))
-        return position_samples(logits, temperature, top_k, top_p, uniform, filtering=filtering, grammar=grammar)
+        return position_samples(logits, sampling, uniform, filtering=filtering, grammar=grammar)
 
     # --------------------------------------------------------------------------- checks
 

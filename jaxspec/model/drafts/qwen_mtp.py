@@ -1,5 +1,5 @@
 """The MTP layer(s) of Qwen3-Next and Qwen3.5 checkpoints (``mtp.*``, which HF ignores) as a draft,
-following the forward vLLM and SGLang document (names: ``jaxspec.model.io.qwen_mtp``):
+following the forward vLLM and SGLang document (names: ``jaxspec.model.checkpoints.qwen_mtp``):
 
     h   = fc(cat(norm_e(embed(token)), norm_h(feature)))     # embedding first; zero-centred norms
     out = layer(h)                 # a full-attention decoder layer of the target's kind, its own KV
@@ -13,7 +13,7 @@ the accepted rows, so each layer's KV holds every committed position.
 
 Params (linear weights ``[in, out]``): embed [V, H], head [H, V] (the target's); fc [2H, H];
 pre_fc_norm_embedding, pre_fc_norm_hidden, norm [H]; layers/ (stacked [n]) one full-attention decoder
-layer each (``jaxspec.model.targets.qwen3_next`` layout).
+layer each (``jaxspec.model.targets.hybrid`` layout).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
 from jaxspec.model.layers import embed_lookup, mask_padded_vocab, swiglu
-from jaxspec.model.targets.qwen3_next import full_attention, moe_mlp, norm
-from jaxspec.model.targets.qwen3_next_config import HybridConfig
+from jaxspec.model.targets.hybrid import full_attention, moe_mlp, norm
+from jaxspec.model.targets.hybrid_config import HybridConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

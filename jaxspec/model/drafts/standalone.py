@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from jaxspec.kvcache.recurrent import HybridPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.targets import Model, create_target_pool, kv_window, target_forward, target_logits
+from jaxspec.model.targets import KVLayout, Model, create_target_pool, kv_layout, kv_window, target_forward, target_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,10 @@ class StandaloneDraft(Draft):
     @property
     def kv_window(self) -> int | None:
         return kv_window(self.model)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return kv_layout(self.model)
 
     def create_pool(self, *, num_pages, page_size, dtype, window_pages=None, rows=1, entry_pages=None):
         return create_target_pool(self.model, num_pages=num_pages, page_size=page_size, dtype=dtype,

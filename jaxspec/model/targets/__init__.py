@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.layers import lm_head, mask_padded_vocab
-from jaxspec.model.targets.base import ForwardOutput, Model
+from jaxspec.model.targets.base import ForwardOutput, KVLayout, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 from jaxspec.model.targets.deepseek_v4 import commit_accepted as v4_commit
@@ -24,12 +24,11 @@ from jaxspec.model.targets.gemma4 import create_gemma4_pool, gemma4_forward, gem
 from jaxspec.model.targets.gemma4_config import Gemma4Config
 from jaxspec.model.targets.llama import create_llama_pool, llama_forward
 from jaxspec.model.targets.llama_config import LlamaConfig
-from jaxspec.model.targets.qwen3_next import commit_accepted, create_hybrid_pool, hybrid_forward
-from jaxspec.model.targets.qwen3_next_config import HybridConfig
+from jaxspec.model.targets.hybrid import commit_accepted, create_hybrid_pool, hybrid_forward
+from jaxspec.model.targets.hybrid_config import HybridConfig
 
-__all__ = ["ForwardOutput", "Model", "create_target_pool", "forward_fresh", "forward_sequence", "has_recurrent_state",
-           "kv_entry_rates", "kv_span", "kv_window", "target_commit", "target_forward", "target_logits",
-           "uncacheable_reason"]
+__all__ = ["ForwardOutput", "KVLayout", "Model", "create_target_pool", "forward_fresh", "forward_sequence",
+           "has_recurrent_state", "kv_layout", "kv_window", "target_commit", "target_forward", "target_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +36,9 @@ class _Family:
     forward: Callable  # (params, cfg, tokens, positions, pool, attn, *, aux_layers, implementation) -> ForwardOutput
     create_pool: Callable  # (cfg, *, num_pages, page_size, dtype, window_pages, rows) -> pool
     logits: Callable = lambda cfg, params, hidden: lm_head(params, hidden)  # noqa: E731
-    window: Callable = lambda cfg: None  # noqa: E731  (cfg) -> sliding window of its window layers, or None
     # (cfg, pool, pending, accept_index, accept_lens, active) -> pool: a verify's recurrent state committed
     commit: Callable = lambda cfg, pool, pending, accept_index, accept_lens, active: pool  # noqa: E731
-    # (cfg) -> committed positions behind a request's length its window pool keeps (None: the window)
-    span: Callable = lambda cfg: None  # noqa: E731
-    # (cfg) -> compression rates of its compressed-KV pools, in the order of PageTables.compressed
-    entry_rates: Callable = lambda cfg: ()  # noqa: E731
-    # (cfg) -> why its prompts cannot be prefix-cached, or None
-    uncacheable: Callable = lambda cfg: None  # noqa: E731
+    layout: Callable = lambda cfg: KVLayout()  # noqa: E731  (cfg) -> KVLayout: what sizing its pools needs
 
 
 def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
@@ -66,17 +59,17 @@ def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1)
 
 
 _FAMILIES: dict[type, _Family] = {
-    LlamaConfig: _Family(llama_forward, _paged_only(create_llama_pool), window=lambda cfg: cfg.sliding_window),
+    LlamaConfig: _Family(llama_forward, _paged_only(create_llama_pool),
+                         layout=lambda cfg: KVLayout(window=cfg.sliding_window)),
     DeepseekConfig: _Family(deepseek_forward, _mla_pool),
     Gemma4Config: _Family(gemma4_forward, _paged_only(create_gemma4_pool), logits=gemma4_logits,
-                          window=lambda cfg: cfg.sliding_window if cfg.num_sliding_layers else None),
-    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted,
-                          uncacheable=lambda cfg: "its recurrent state (linear-attention layers) is not paged"
-                          if cfg.num_linear_layers else None),
-    DeepseekV4Config: _Family(deepseek_v4_forward, _v4_pool, window=lambda cfg: cfg.sliding_window, commit=v4_commit,
-                              span=lambda cfg: cfg.window_span, entry_rates=lambda cfg: cfg.entry_rates,
-                              uncacheable=lambda cfg: "its compressed KV entries and compressor state follow the "
-                              "request (the sliding window and the running compressor windows are not cached)"),
+                          layout=lambda cfg: KVLayout(window=cfg.sliding_window if cfg.num_sliding_layers else None)),
+    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted, layout=lambda cfg: KVLayout(
+        uncacheable="its recurrent state (linear-attention layers) is not paged" if cfg.num_linear_layers else None)),
+    DeepseekV4Config: _Family(deepseek_v4_forward, _v4_pool, commit=v4_commit, layout=lambda cfg: KVLayout(
+        window=cfg.sliding_window, span=cfg.window_span, entry_rates=tuple(cfg.entry_rates),
+        uncacheable="its compressed KV entries and compressor state follow the request (the sliding window and "
+                    "the running compressor windows are not cached)")),
 }
 
 
@@ -108,30 +101,16 @@ def target_logits(cfg, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H
     return mask_padded_vocab(_family(cfg).logits(cfg, params, hidden), cfg.vocab_size)
 
 
+def kv_layout(cfg) -> KVLayout:
+    """What sizing a target's pools needs (its window, retained span, compressed-KV rates, and why
+    its prompts cannot be cached), in one value."""
+    return _family(cfg).layout(cfg)
+
+
 def kv_window(cfg) -> int | None:
     """The sliding window W of a target with sliding-window layers (their K/V live in a window
     pool of their own), else None."""
-    return _family(cfg).window(cfg)
-
-
-def kv_span(cfg) -> int | None:
-    """Committed positions behind a request's length that a model with a window pool keeps
-    resident (its sliding window, or more when compressor windows still read them); None without
-    a window pool."""
-    if cfg is None or type(cfg) not in _FAMILIES:
-        return None
-    span = _family(cfg).span(cfg)
-    return kv_window(cfg) if span is None else span
-
-
-def kv_entry_rates(cfg) -> tuple[int, ...]:
-    """Compression rates of a model's compressed-KV pools (one page table each; DeepSeek-V4), else ()."""
-    return tuple(_family(cfg).entry_rates(cfg)) if cfg is not None and type(cfg) in _FAMILIES else ()
-
-
-def uncacheable_reason(cfg) -> str | None:
-    """Why a model's prompts cannot be prefix-cached (a state that is not paged by position), or None."""
-    return _family(cfg).uncacheable(cfg) if cfg is not None and type(cfg) in _FAMILIES else None
+    return kv_layout(cfg).window
 
 
 def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None,
@@ -173,7 +152,7 @@ def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ..
     pool = create_target_pool(cfg, num_pages=B + 1, page_size=T, dtype=jnp.dtype(dtype), rows=B)
     pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # one page of T slots per row, in every pool
     tables = PageTables(full=pages, window=WindowTable(pages=pages, first=jnp.zeros((B,), jnp.int32)),
-                        compressed=tuple(pages for _ in kv_entry_rates(cfg)))
+                        compressed=tuple(pages for _ in kv_layout(cfg).entry_rates))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     attn = AttentionInputs.build(tables, jnp.zeros((B,), jnp.int32), positions, T)
     out = target_forward(cfg, params, tokens, positions, pool, attn, aux_layers=aux_layers,

@@ -28,6 +28,31 @@ class ForwardOutput:
     pending: Any = None  # a verify forward's uncommitted recurrent state (hybrid models), else None
 
 
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What sizing a model's pools takes from the model, in one value (``kv_layout``).
+
+    window: the sliding window of its sliding-window layers, whose K/V live in a window pool of
+      their own (None: it has none).
+    span: committed positions behind a request's length its window pool keeps resident, when
+      more than the window (DeepSeek-V4's open compressor windows); None: the window.
+    entry_rates: compression rates of its compressed-KV pools, one page table each (DeepSeek-V4).
+    uncacheable: why its prompts cannot be prefix-cached (state not paged by position), or None.
+    """
+
+    window: int | None = None
+    span: int | None = None
+    entry_rates: tuple[int, ...] = ()
+    uncacheable: str | None = None
+
+    @property
+    def retained(self) -> int | None:
+        """Committed positions its window pool keeps behind a request's length (None: no window pool)."""
+        if self.window is None:
+            return None
+        return self.window if self.span is None else self.span
+
+
 class AuxTaps:
     """Collects the residual stream entering each tapped layer inside a ``lax.scan`` over
     layers: layer ``l`` writes slot ``tap[l]`` (untapped layers write a dummy slot).

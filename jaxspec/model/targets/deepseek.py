@@ -1,5 +1,5 @@
 """DeepSeek-V3 / V3.2 target: multi-head latent attention (MLA) + DeepSeekMoE, as pure functions
-(checkpoint names in ``jaxspec.model.io.deepseek``).
+(checkpoint names in ``jaxspec.model.checkpoints.deepseek``).
 
 Attention (per layer, HF ``DeepseekV3Attention`` semantics, absorbed form):
 

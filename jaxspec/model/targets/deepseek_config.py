@@ -2,7 +2,7 @@
 ``rope_parameters`` form and the classic ``rope_scaling`` form, YaRN included).
 
 Configs are frozen and hashable: they ride in jit static arguments (see
-``jaxspec.model.targets.deepseek`` for the forward, ``jaxspec.model.io.deepseek`` for the names).
+``jaxspec.model.targets.deepseek`` for the forward, ``jaxspec.model.checkpoints.deepseek`` for the names).
 """
 
 from __future__ import annotations

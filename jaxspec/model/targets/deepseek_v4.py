@@ -15,7 +15,7 @@ and the up projection clamped to ``[-swiglu_limit, swiglu_limit]``.
 
 Layers run in one ``lax.scan`` whose attention is a ``lax.switch`` over the layer kinds present (one
 compiled body per kind, whatever the depth). The layer
-params are stacked by what they have in common (``jaxspec.model.io.deepseek_v4``):
+params are stacked by what they have in common (``jaxspec.model.checkpoints.deepseek_v4``):
 
     embed [V, H]; lm_head [H, V]; norm [H]; hc_head_fn f32[N*H, N], hc_head_base [N], hc_head_scale [1]
     layers/ [L]: attn_norm, mlp_norm [H]; hc_{attn,ffn}_fn f32[N*H, (2+N)N], _base [(2+N)N], _scale [3];
@@ -39,7 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kvcache.compressed import CompressedPool
+from jaxspec.kvcache.compressed import CompressedPool, entry_pages_for
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.layers import embed_lookup, routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
@@ -56,13 +56,6 @@ def input_widths(cfg: DeepseekV4Config) -> tuple[int, int]:
     """Per-token compressor inputs a CSA / HCA layer keeps: (kv, gate) of 2D each plus the indexer's
     (kv, gate) of 2Di each; (kv, gate) of D each."""
     return 4 * cfg.head_dim + 4 * cfg.index_head_dim, 2 * cfg.head_dim
-
-
-def entry_pages_for(num_pages: int, rows: int, rate: int) -> int:
-    """Pages of an entry pool that let every row reach whatever the full pool's ``num_pages`` allow:
-    a row holding positions [0, n) keeps entries [0, n / rate] (one page more at most), so
-    ``num_pages / rate`` pages for all rows together, two per row for rounding, and the scratch page."""
-    return -(-num_pages // rate) + 2 * rows + 1
 
 
 def create_v4_pool(cfg: DeepseekV4Config, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None,

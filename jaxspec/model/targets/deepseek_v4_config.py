@@ -11,7 +11,7 @@
   scale 1 unless given) to the compressed layers only, as HF folds it.
 
 Frozen and hashable: it rides in jit static arguments. The forward is in
-``jaxspec.model.targets.deepseek_v4``, the checkpoint names in ``jaxspec.model.io.deepseek_v4``.
+``jaxspec.model.targets.deepseek_v4``, the checkpoint names in ``jaxspec.model.checkpoints.deepseek_v4``.
 """
 
 from __future__ import annotations

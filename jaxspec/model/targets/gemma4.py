@@ -1,4 +1,4 @@
-"""Gemma 4 text decoder (dense) as pure functions (checkpoint names in ``jaxspec.model.io.gemma4``).
+"""Gemma 4 text decoder (dense) as pure functions (checkpoint names in ``jaxspec.model.checkpoints.gemma4``).
 
 Sliding-window and full-attention layers interleave (``Gemma4Config.layer_types``); each type
 has its own head width, KV heads and RoPE, so each keeps its K/V in its own part of a

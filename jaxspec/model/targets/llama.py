@@ -2,7 +2,7 @@
 
 Params are a dict pytree with the per-layer weights stacked on a leading ``[L]`` axis, so
 the layers run under one ``lax.scan`` (one compiled layer body, whatever the depth). Linear
-weights are stored ``[in, out]``; ``jaxspec.model.io.llama`` holds the checkpoint names.
+weights are stored ``[in, out]``; ``jaxspec.model.checkpoints.llama`` holds the checkpoint names.
 
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
     layers/attn_norm [L, H]; wq [L, H, Hq*D]; wk, wv [L, H, Hkv*D]; wo [L, Hq*D, H]

@@ -1,0 +1,383 @@
+"""One call on an ``Engine``: its requests' plan and decode state, and the host loop that
+admits, prefills, grants pages, runs a compiled decode call, hands out what it committed,
+preempts and resumes under memory pressure, and retires finished requests.
+
+Glossary: B batch rows, T prefill length bucket, R prefilled rows (grouped by data shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxspec.config import MAX_LOGPROBS, EngineConfig, SamplingParams
+from jaxspec.engine.adaptive import AdaptiveSteps
+from jaxspec.engine.geometry import next_pow2
+from jaxspec.engine.placement import create_state, place_rows, place_table, run_context, to_host
+from jaxspec.engine.prefill import request_arrays
+from jaxspec.engine.programs import decode_program, prefill_program
+from jaxspec.engine.requests import check_requests, request_keys
+from jaxspec.engine.scheduler import Request, Scheduler
+from jaxspec.engine.state import DecodeState
+from jaxspec.engine.text import RequestText
+from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
+from jaxspec.model.config import padded_vocab_size
+from jaxspec.sampling.distributions import RowSampling
+from jaxspec.results import GenerateOutput, RequestStats, StreamEvent, accepted_per_position
+
+
+@dataclasses.dataclass
+class Resume:
+    """What a preempted request carries back to its next admission, beside its prompt and tokens
+    (``Request.tokens``): what the device held for it."""
+
+    tokens: list[int]  # its output when preempted (progress is measured against it)
+    accept_lens: list[int]  # its verify steps' accept lengths so far
+    steps: int  # PRNG draws so far (the row's fold_in counter)
+    verify_lens: list[int] = dataclasses.field(default_factory=list)  # and their verified lengths
+    logprobs: list[float] | None = None  # when it asked for them: one per token so far
+    top_ids: list[list[int]] | None = None
+    top: list[list[float]] | None = None
+
+
+class Run:
+    """One call on an ``Engine``: validated requests, their plan and decode state, the host loop
+    (``events``)."""
+
+    def __init__(self, eng, ids: list[list[int]], sampling: list[SamplingParams], *, seed: int, progress):
+        target, spec, engine = eng.target, eng.spec, eng.config
+        self.grammars, which = check_requests(target, ids, sampling, engine)
+        plan = dataclasses.replace(
+            eng.plan,
+            greedy_only=all(s.is_greedy for s in sampling),
+            filtering=any(s.filters for s in sampling),
+            controls=any(s.uses_penalties for s in sampling),
+            logprobs=(min(MAX_LOGPROBS, target.config.vocab_size)
+                      if any(s.logprobs is not None for s in sampling) else None),
+        )
+        adaptive, plans = None, {}  # depth -> Plan, for adaptive chains
+        if spec is not None and spec.adaptive_steps:
+            adaptive = AdaptiveSteps(candidates=spec.adaptive_steps, steps=spec.num_steps)
+            plans = {S: dataclasses.replace(plan, spec=spec.with_steps(S)) for S in spec.adaptive_steps}
+        stops = [s.stop_token_ids if s.stop_token_ids is not None else target.eos_token_ids for s in sampling]
+        keys = request_keys(seed, sampling)
+        requests = [Request(i, p, s, tuple(st), keys[i], constraint=w)
+                    for i, (p, s, st, w) in enumerate(zip(ids, sampling, stops, which))]
+        self.sched = eng.pages.scheduler(requests, admission=engine.admission)
+        # Static buckets of the call: output width and stop-id slots.
+        out_width = next_pow2(max(s.max_new_tokens for s in sampling) + plan.max_accept)
+        num_stop = next_pow2(max(1, max(len(st) for st in stops)))
+        batch, dtype, draft = eng.batch, eng.dtype, eng.draft
+        draft_seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype,
+                                                                        max_len=eng.width * engine.page_size)
+        control_vocab = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width
+        grammar_table = None if self.grammars is None else self.grammars.device_table()
+        self.state = create_state(lambda: DecodeState.empty(
+            batch=batch, out_width=out_width, num_stop=num_stop, seed=draft_seed, hidden_dtype=dtype,
+            control_vocab=control_vocab, top_logprobs=plan.logprobs, grammar_table=grammar_table), target.mesh)
+        self.eng = eng
+        self.target, self.draft, self.plan, self.plans, self.adaptive = target, draft, plan, plans, adaptive
+        self.dparams = eng.dparams
+        self.sampling, self.num_stop, self.engine, self.progress = sampling, num_stop, engine, progress
+        self.wall = 0.0
+
+    @property
+    def tpool(self):
+        return self.eng.tpool
+
+    @tpool.setter
+    def tpool(self, value):
+        self.eng.tpool = value
+
+    @property
+    def dpool(self):
+        return self.eng.dpool
+
+    @dpool.setter
+    def dpool(self, value):
+        self.eng.dpool = value
+
+    def events(self) -> Iterator[StreamEvent]:
+        """The host loop: admit, prefill, grant pages, run a decode call, hand out what it
+        committed, retire finished rows. Yields the events of each round trip."""
+        if self.eng.busy:
+            raise RuntimeError("this Engine is serving another call (a stream still open?): one call at a time")
+        self.eng.busy = True
+        try:
+            with run_context(self.target.mesh):
+                yield from self._loop()
+        finally:  # also when a stream is closed early: the engine's pages are whole for the next call
+            self.sched.release_all()
+            self.eng.busy = False
+
+    def _loop(self) -> Iterator[StreamEvent]:
+        sched, plan, engine, target = self.sched, self.plan, self.engine, self.target
+        batch = len(sched.rows)
+        bar = tqdm(total=sum(s.max_new_tokens for s in self.sampling), unit="tok", desc="generate", leave=False,
+                   disable=None if self.progress is None else not self.progress)
+        t0 = time.perf_counter()
+        seq_lens = np.zeros(batch, np.int32)
+        seen = np.zeros(batch, np.int32)  # tokens of each row handed out so far
+        window = 1 + sched.step_growth  # most tokens a row can gain in one round trip (a prefill's first included)
+        calls = 0
+        while not sched.finished:
+            force = bool(engine.preempt_every) and calls > 0 and calls % engine.preempt_every == 0
+            victims = sched.to_preempt(seq_lens, force=force)
+            if victims:
+                self._preempt(victims)
+            admitted = sched.admit(seq_lens)
+            if admitted:
+                self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
+                                                              self.dpool, sched, admitted, self.num_stop, engine,
+                                                              self.grammars)
+                sched.cache_prompts(admitted)
+                for r in admitted:
+                    seq_lens[r.row] = len(r.context)
+                    seen[r.row] = len(r.tokens)
+                    if r.text is None:  # a resumed request keeps its text and stop-string state
+                        r.text = RequestText(target.tokenizer.decode_stream() if target.tokenizer else None,
+                                             r.sampling.stop or ())
+            if all(r is None for r in sched.rows):
+                raise RuntimeError("scheduler made no progress (no request could be admitted)")
+            sched.grant_ahead(seq_lens)
+            calls += 1
+            adaptive = self.adaptive
+            call_plan = self.plans[adaptive.steps] if adaptive else plan
+            before = to_host(dict(out_lens=self.state.out_lens, nv=self.state.num_verify)) if adaptive else None
+            live = max(int(seq_lens[row]) for row, r in enumerate(sched.rows) if r is not None)
+            table = _live_tables(sched, live + sched.step_growth + plan.lookahead, engine, target.mesh)
+            self.state, self.tpool, self.dpool, _ = decode_program(call_plan, target.params, self.dparams, self.state,
+                                                                   self.tpool, self.dpool, table)
+            host = to_host(dict(
+                seq_lens=self.state.seq_lens, active=self.state.active, out_lens=self.state.out_lens,
+                nv=self.state.num_verify, stop_token=self.state.stop_token,
+                recent=_recent_tokens(self.state.out_tokens, place_rows(seen, target.mesh), window)))
+            if adaptive:
+                steps_run = int((host["nv"] - before["nv"]).sum())
+                if steps_run:
+                    adaptive.update(float((host["out_lens"] - before["out_lens"]).sum()) / steps_run)
+            seq_lens = np.array(host["seq_lens"])
+            events, finished_rows, cut_rows = [], [], []
+            for row, r in enumerate(sched.rows):
+                if r is None:
+                    continue
+                new = host["recent"][row, : int(host["out_lens"][row]) - seen[row]].tolist()
+                keep = r.text.add(new)
+                new = new[:keep]
+                seen[row] += len(new)
+                r.tokens.extend(new)
+                done = not host["active"][row] or r.text.stop_reason is not None
+                if r.text.stop_reason is not None and host["active"][row]:
+                    cut_rows.append(row)
+                if done:
+                    # "stop": a stop string or token, or a structured-output match nothing may extend.
+                    matched = r.constraint is not None and self.grammars.ended(r.constraint, r.tokens)
+                    stopped = r.text.stop_reason is not None or host["stop_token"][row] >= 0
+                    r.finish_reason = "stop" if stopped or matched else "length"
+                    r.stop_reason = r.text.stop_reason if r.text.stop_reason is not None else (
+                        int(host["stop_token"][row]) if host["stop_token"][row] >= 0 else None)
+                    finished_rows.append(row)
+                text = r.text.take(final=done) if target.tokenizer is not None else None
+                if new or done or text:
+                    events.append(StreamEvent(index=r.index, token_ids=new, text=text, finished=done,
+                                              finish_reason=r.finish_reason if done else None))
+            if cut_rows:  # stop strings: these rows end now on the device too
+                self.state = _deactivate(self.state, place_rows(_row_mask(batch, cut_rows), target.mesh))
+            if finished_rows:
+                self._retire(finished_rows)
+            if engine.check_pages:
+                sched.check()
+            bar.update(sum(len(e.token_ids) for e in events))
+            yield from events
+        self.wall = time.perf_counter() - t0
+        bar.close()
+        sched.check()
+
+    def _device_rows(self, with_steps: bool = False) -> dict:
+        """What the host keeps of a row that leaves the batch: accept log, PRNG position, logprobs."""
+        plan = self.plan
+        return to_host(dict(log=self.state.accept_log, vlog=self.state.verify_log, nv=self.state.num_verify,
+                            steps=self.state.steps if with_steps else None,
+                            lp=self.state.logprobs if plan.logprobs is not None else None))
+
+    def _history(self, r: Request, out: dict, row: int) -> Resume:
+        """Request ``r``'s accept lengths, PRNG position and logprobs so far: what earlier stints in
+        the batch left (``r.resume``) followed by what row ``row`` of the device holds."""
+        before = r.resume
+        nv = int(out["nv"][row])
+        accept = (before.accept_lens if before else []) + out["log"][row, :nv].tolist()
+        verify = (before.verify_lens if before else []) + out["vlog"][row, :nv].tolist()
+        res = Resume(tokens=list(r.tokens), accept_lens=accept, verify_lens=verify,
+                      steps=int(out["steps"][row]) if out["steps"] is not None else 0)
+        if r.sampling.logprobs is not None:
+            k, n, lp = r.sampling.logprobs, len(r.tokens), out["lp"]
+            m = len(before.logprobs) if before else 0  # earlier tokens' are the host's (columns < m hold none)
+            res.logprobs = (before.logprobs if before else []) + lp.chosen[row, m:n].tolist()
+            res.top_ids = (before.top_ids if before else []) + lp.top_ids[row, m:n, :k].tolist()
+            res.top = (before.top if before else []) + lp.top[row, m:n, :k].tolist()
+        return res
+
+    def _preempt(self, rows: list[int]) -> None:
+        """Takes ``rows`` off the batch: the host keeps what their requests need to resume, their
+        pages go back, and the device rows stop."""
+        out = self._device_rows(with_steps=True)
+        for row in rows:
+            r = self.sched.rows[row]
+            self.sched.preempt(row, self._history(r, out, row))
+        self.state = _deactivate(self.state, place_rows(_row_mask(len(self.sched.rows), rows), self.target.mesh))
+
+    def _retire(self, rows: list[int]) -> None:
+        """Finished rows: their accept lengths and log-probabilities, then their pages back."""
+        out = self._device_rows()
+        for row in rows:
+            r = self.sched.rows[row]
+            h = self._history(r, out, row)
+            log = h.accept_lens
+            if r.text.stop_reason is not None:  # steps past a stop string's cut produced nothing kept
+                log = _steps_behind(log, len(r.tokens))
+            r = self.sched.retire(row, r.tokens, log)
+            r.verify_lens = h.verify_lens[: len(log)]
+            if r.sampling.logprobs is not None:
+                n = len(r.tokens)
+                r.logprobs = h.logprobs[:n]
+                r.top_logprobs = [dict(zip(i, v)) for i, v in zip(h.top_ids[:n], h.top[:n])]
+
+    def output(self) -> GenerateOutput:
+        sched, target = self.sched, self.target
+        done = sorted(sched.done, key=lambda r: r.index)
+        depth = 0 if self.plan.spec is None else self.plan.spec.depth
+        stats = []
+        for r in done:
+            secs = max(r.t_done - r.t_admit, 1e-9)
+            stats.append(RequestStats(
+                num_tokens=len(r.tokens), accept_lens=r.accept_lens,
+                mean_accept_len=float(np.mean(r.accept_lens)) if r.accept_lens else 1.0,
+                tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
+                preemptions=r.preemptions, cached_tokens=r.cached_tokens, verify_lens=r.verify_lens,
+            ))
+        return GenerateOutput(
+            token_ids=[r.tokens for r in done], texts=[r.text.text for r in done] if target.tokenizer else None,
+            stats=stats, wall_seconds=self.wall,
+            logprobs=[r.logprobs for r in done], top_logprobs=[r.top_logprobs for r in done],
+            steps_per_call=self.adaptive.history if self.adaptive else [],
+            kv_pages_free=sched.num_free, kv_pages_total=sched.capacity,
+            **({} if sched.window is None else dict(
+                kv_window_pages_free=sched.window.num_free, kv_window_pages_total=sched.window.capacity,
+                kv_window_pages_returned=sched.window.returned_early)),
+        )
+
+
+def _steps_behind(accept_lens: list[int], num_tokens: int) -> list[int]:
+    """The verify steps that produced a request's first ``num_tokens`` tokens (the first comes
+    from the prefill): steps past a stop-string cut are dropped."""
+    out, have = [], 1
+    for a in accept_lens:
+        if have >= num_tokens:
+            break
+        out.append(a)
+        have += a
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _recent_tokens(out_tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:  # i32[B, width]
+    """Each row's output tokens from column ``start[b]`` on (what the host has not seen yet)."""
+    cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], out_tokens.shape[1] - 1)
+    return jnp.take_along_axis(out_tokens, cols, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _deactivate(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Ends the masked rows (bool[B]) on the device: a stop string was found on the host."""
+    return dataclasses.replace(state, active=state.active & ~rows)
+
+
+def _row_mask(batch: int, rows: list[int]) -> np.ndarray:
+    mask = np.zeros(batch, bool)
+    mask[rows] = True
+    return mask
+
+
+def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, mesh) -> jax.Array:  # i32[B, w]
+    """The page table cut to a power-of-two number of pages covering ``positions`` (at least
+    ``engine.min_kv_bucket`` positions), so attention reads only the live context and a
+    steady-state run compiles one program per bucket."""
+    want = max(pages_needed(positions, engine.page_size), pages_needed(engine.min_kv_bucket, engine.page_size))
+    return place_table(page_table[:, : min(page_table.shape[1], next_pow2(want))], mesh)
+
+
+def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
+    """The live page table, with the window pool's ring table (fixed width) and the compressed-KV
+    entry tables (cut like the full one, at 1/rate of its positions) when there are (all with their
+    rows split over the data shards)."""
+    full = _live_table(sched.page_table, positions, engine, mesh)
+    if sched.window is None and not sched.entries:
+        return full
+    w = sched.window
+    ring = None if w is None else WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh))
+    compressed = tuple(place_table(e.table[:, : min(e.width, next_pow2(e.pages_for(positions)))], mesh)
+                       for e in sched.entries)
+    return PageTables(full=full, window=ring, compressed=compressed)
+
+
+def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine, grammars=None):
+    """Prefills the admitted requests. Rows are grouped by data shard: shard ``d`` gets the
+    ``d``-th chunk of ``Rs`` rows (shard-local row indices; padding rows point past the shard).
+    ``grammars``: the call's structured-output automata (a resumed request restarts from the state
+    its output so far, but the last token, leads to)."""
+    D = sched.data_shards
+    by_shard = [[r for r in admitted if sched.shard_of(r.row) == d] for d in range(D)]
+    Rs = next_pow2(max(len(rs) for rs in by_shard))
+    R = D * Rs
+    longest = max(len(r.context) for r in admitted)
+    T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
+    tokens = np.zeros((R, T), np.int32)
+    hit = any(r.start for r in admitted)  # some context starts in cached pages: prefill only the rest
+    Ts = max(engine.min_prefill_bucket, next_pow2(max(len(r.context) - r.start for r in admitted) + 1)) if hit else T
+    suffix, start = np.zeros((R, Ts), np.int32), np.zeros(R, np.int32)
+    lens = np.zeros(R, np.int32)
+    rows = np.full(R, sched.rows_per_shard, np.int32)  # padding rows point past the shard's rows (dropped)
+    V = padded_vocab_size(target.config) if plan.controls else 0  # the logits' width (a padded vocabulary)
+    req = request_arrays(R, num_stop=num_stop, control_vocab=V)
+    settings = [None] * R  # each row's SamplingParams (None: a padding row)
+    for d, rs in enumerate(by_shard):
+        for j, r in enumerate(rs):
+            i = d * Rs + j
+            context = r.context  # the prompt, or a resumed request's prompt + output but its last token
+            tokens[i, : len(context)] = context
+            lens[i] = len(context)
+            suffix[i, : len(context) - r.start] = context[r.start:]
+            start[i] = r.start
+            req["prompt_lens"][i] = len(r.prompt)
+            if r.resume is not None:
+                req["first"][i] = r.tokens[-1]
+                req["steps"][i] = r.resume.steps
+            if r.constraint is not None:
+                req["grammar"][i] = grammars.walk(r.constraint, r.tokens[:-1])
+            rows[i] = r.row - d * sched.rows_per_shard
+            req["max_new"][i] = r.sampling.max_new_tokens
+            req["stop_ids"][i, : len(r.stop_ids)] = r.stop_ids
+            settings[i] = r.sampling
+            req["keys"][i] = r.key
+            if V:
+                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+                    req[name][i] = getattr(r.sampling, name)
+                for t, b in r.sampling.logit_bias or ():
+                    req["logit_bias"][i, t] = b
+    req["sampling"] = RowSampling.host(settings)
+    if hit:
+        req["suffix"], req["start"] = suffix, start
+    mesh = target.mesh
+    return prefill_program(
+        plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh),
+        place_rows(rows, mesh), place_rows(tokens, mesh), place_rows(lens, mesh),
+        jax.tree.map(lambda v: place_rows(v, mesh), req),
+    )

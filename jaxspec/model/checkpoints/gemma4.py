@@ -1,0 +1,73 @@
+"""Checkpoint names of Gemma 4 text decoders (HF ``Gemma4ForCausalLM``: ``model.*``; the text part of
+``Gemma4ForConditionalGeneration``: ``model.language_model.*``, its vision / audio towers ignored),
+and of the Gemma 4 layer that assistants are built from: one table for load, export and random init
+(``jaxspec.model.checkpoints.name_tables``; our layout in ``jaxspec.model.targets.gemma4``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxspec.model.checkpoints.name_tables import LINEAR, Param, embedding, output_head, Table, init_params, stacked
+from jaxspec.model.targets.gemma4 import GROUPS
+from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
+
+
+def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: int, num_heads: int,
+                         kv: bool = True) -> list[Param]:
+    """One Gemma 4 layer of an attention shape (names relative to the layer); ``kv=False``: a
+    query-only layer (a frozen-KV assistant's). Tensor parallel: q/k/v/gate/up column-parallel,
+    o/down row-parallel; each checkpoint KV head repeated ``shape.kv_repeat`` times."""
+    H, D = hidden, shape.head_dim
+    q, kvs = num_heads * D, shape.num_kv_heads * D
+    a = "self_attn."
+    rep = dict(repeat=shape.kv_repeat, unit=D)
+    out = [
+        Param("attn_norm", "input_layernorm.weight", (H,), init="ones"),
+        Param("wq", a + "q_proj.weight", (H, q), perm=LINEAR, tp=1),
+        Param("q_norm", a + "q_norm.weight", (D,), init="ones"),
+    ]
+    if kv:
+        out += [Param("wk", a + "k_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep),
+                Param("k_norm", a + "k_norm.weight", (D,), init="ones")]
+        if not shape.k_eq_v:
+            out.append(Param("wv", a + "v_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep))
+    return out + [
+        Param("wo", a + "o_proj.weight", (q, H), perm=LINEAR, tp=0),
+        Param("post_attn_norm", "post_attention_layernorm.weight", (H,), init="ones"),
+        Param("pre_mlp_norm", "pre_feedforward_layernorm.weight", (H,), init="ones"),
+        Param("post_mlp_norm", "post_feedforward_layernorm.weight", (H,), init="ones"),
+        Param("w_gate", "mlp.gate_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
+        Param("w_up", "mlp.up_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
+        Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR, tp=0),
+        Param("layer_scalar", "layer_scalar", (1,), init="ones"),
+    ]
+
+
+def typed_layers(layer_types, shape_of, prefix: str, **dims) -> Table:
+    """Every layer of a stack of Gemma 4 layers, stacked per layer type under ``sliding/`` and
+    ``full/`` (checkpoint names ``{prefix}layers.{i}.*``)."""
+    table: Table = []
+    for t in (SLIDING, FULL):
+        idx = [i for i, lt in enumerate(layer_types) if lt == t]
+        if idx:
+            table += stacked(gemma4_layer_entries(shape_of(t), **dims), GROUPS[t] + "/", prefix + "layers.{i}.", idx)
+    return table
+
+
+def gemma4_table(cfg: Gemma4Config) -> Table:
+    """Every tensor of a Gemma 4 text checkpoint that the decoder uses, in our layout (embedding
+    and head vocab-parallel)."""
+    H, pre = cfg.hidden_size, cfg.prefix
+    table: Table = [embedding("embed", pre + "embed_tokens.weight", cfg)]
+    table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
+                          num_heads=cfg.num_heads)
+    table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
+    if not cfg.tie_word_embeddings:
+        table.append(output_head("lm_head", "lm_head.weight", cfg))
+    return table
+
+
+def init_gemma4_params(cfg: Gemma4Config, seed=0, dtype=np.float32, scale: float = 0.02) -> dict:
+    """Random Gemma 4 params (tests, benchmarks): linear weights N(0, scale^2), norms and layer
+    scalars 1 (perturb them to tell ``w`` from ``1 + w``)."""
+    return init_params(gemma4_table(cfg), seed, scale=scale, dtype=dtype)
