@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import os
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ import jaxspec as js
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.checkpoints.llama import init_llama_params
 from jaxspec.model.targets import Model
-from tests.background import Job
+from tests.background import JOBS_ENV, ROOT, Job, jobs_dir, remove_jobs_dir
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -78,21 +79,44 @@ def xdist_worker() -> bool:
     return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
+if not xdist_worker() and not os.environ.get(JOBS_ENV):  # this process owns the run's job directory
+    jobs_dir()
+    atexit.register(remove_jobs_dir)
+
+
+def start_jobs(paths) -> None:
+    """Starts the subprocess workload of every given test module (paths absolute or from the
+    repository root) that names one (``BACKGROUND_JOB``, ``tests/background.py``)."""
+    for path in dict.fromkeys(paths):
+        full = path if os.path.isabs(path) else os.path.join(ROOT, path)
+        try:
+            with open(full) as f:
+                if "BACKGROUND_JOB = Job(" not in f.read():
+                    continue
+        except OSError:
+            continue
+        module = importlib.import_module(os.path.relpath(full, ROOT).removesuffix(".py").replace(os.sep, "."))
+        module.BACKGROUND_JOB.start()
+
+
 def pytest_collection_finish(session):
-    """Starts the subprocess workloads of the selected test modules (``tests/background.py``).
-    Under xdist every worker collects every module, so a worker starts a module's job only when
-    it runs that module's test (``--dist loadfile``: one worker per module); the modules with a
-    job are put first (below) so that their jobs run beside the other worker's tests."""
-    if session.config.option.collectonly or xdist_worker():
+    """Run in one process: the selected modules' jobs start now, beside the tests."""
+    if session.config.option.collectonly or xdist_worker() or getattr(session.config.option, "numprocesses", None):
         return
-    for module in dict.fromkeys(getattr(item, "module", None) for item in session.items):
-        job = getattr(module, "BACKGROUND_JOB", None)
-        if job is not None:
-            job.start()
+    start_jobs(str(item.fspath) for item in session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``pytest -n``: the controller starts the selected modules' jobs as soon as the first
+    worker has collected, so they run beside both workers from the start."""
+    if not getattr(pytest_xdist_node_collection_finished, "done", False):
+        pytest_xdist_node_collection_finished.done = True
+        start_jobs(i.split("::")[0] for i in ids)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for job in Job.started:  # a run stopped early (-x, Ctrl-C) leaves no worker behind
+    for job in Job.started:  # a run stopped early (-x, Ctrl-C) leaves no job behind
         job.stop()
 
 
@@ -101,8 +125,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-    if xdist_worker():  # the same order in every worker: modules with a background job first
-        items.sort(key=lambda item: getattr(getattr(item, "module", None), "BACKGROUND_JOB", None) is None)
+    # The tests that wait for a background job run last (stable sort: the rest keep their order), so
+    # the workers run everything else while the jobs run.
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "BACKGROUND_JOB", None) is not None)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
