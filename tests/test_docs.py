@@ -10,7 +10,6 @@ comments and strings alike: a path in a help text is a citation too).
 from __future__ import annotations
 
 import ast
-import dataclasses
 import functools
 import glob
 import importlib
@@ -35,8 +34,8 @@ SKIP_DIRS = {"runs", "build", "dist", "node_modules", "__pycache__"}
 
 
 def text_files() -> list[pathlib.Path]:
-    """Markdown anywhere, and the Python / shell files of the code homes (no hidden folders, no
-    build outputs, no golden data)."""
+    """Markdown anywhere, pyproject.toml, and the Python / shell files of the code homes (no hidden
+    folders, no build outputs)."""
     out = []
     for path in sorted(ROOT.rglob("*")):
         rel = path.relative_to(ROOT)
@@ -44,7 +43,7 @@ def text_files() -> list[pathlib.Path]:
             continue
         if not path.is_file():
             continue
-        if path.suffix == ".md" or (path.suffix in (".py", ".sh") and rel.parts[0] in HOMES + ("pyproject.toml",)):
+        if path.suffix == ".md" or (path.suffix in (".py", ".sh") and rel.parts[0] in HOMES):
             out.append(path)
     out.append(ROOT / "pyproject.toml")
     return out
@@ -67,14 +66,6 @@ FILE_SUFFIXES = {"py", "md", "json", "npz", "txt", "png", "safetensors", "log", 
 # ``python -m tests.mesh.multiprocess`` and friends: a module of the repository run as a command.
 RUN_MODULE = re.compile(r"-m\s+((?:tests|benchmarks|scripts)(?:\.\w+)+)")
 MD_LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
-
-# Paths the repository names on purpose although they are not in it; each with its reason.
-NOT_IN_REPOSITORY = {
-    # Written by ``jaxspec bench --out`` on a GPU: RESULTS.md says where its first GPU run goes.
-    "benchmarks/results/bench_gpu.json": "an output of a GPU run not made yet",
-    "benchmarks/results/bench_gpu.png": "an output of a GPU run not made yet",
-}
-
 
 def heading_anchors(md: pathlib.Path) -> set[str]:
     """GitHub's anchors of a Markdown file's headings (lowercased, punctuation dropped, spaces to
@@ -100,8 +91,6 @@ def path_problem(cited: str, test_name: str | None = None) -> str | None:
     """None when ``cited`` (a repository path, maybe a glob, maybe ``file.md#anchor``) exists."""
     cited, _, anchor = cited.partition("#")
     cited = cited.rstrip("./")
-    if cited in NOT_IN_REPOSITORY:
-        return None
     matches = glob.glob(str(ROOT / cited)) if "*" in cited else ([str(ROOT / cited)] if (ROOT / cited).exists() else [])
     if not matches:
         return f"{cited} does not exist"
@@ -243,7 +232,7 @@ def test_the_scanner_sees_what_it_must():
 # ------------------------------------------------------------------------------------------------
 # The README's public names
 
-def readme_python_blocks(md: pathlib.Path) -> list[str]:
+def python_blocks(md: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", md.read_text(encoding="utf-8"), re.S)
 
 
@@ -266,7 +255,7 @@ def test_doc_examples_pass_known_arguments():
 
     problems = []
     for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for block in readme_python_blocks(md):
+        for block in python_blocks(md):
             for node in ast.walk(ast.parse(block)):
                 if not isinstance(node, ast.Call) or not node.keywords:
                     continue
@@ -292,9 +281,9 @@ def test_doc_examples_pass_known_arguments():
 
 # Packages some scripts need to run, not to be imported by the test suite's environment.
 OPTIONAL = ("torch", "transformers", "speculators", "dflash")
-# Scripts that parse no arguments (they are imported, never run): the golden makers whose common
-# scaffolding (and command line) is being written in their own change; each one only rewrites
-# its goldens when run, so running it here is what must not happen.
+# Scripts that run as __main__ but parse no arguments, so they have no --help to answer: golden
+# makers without a command line yet. Run, each would rewrite its goldens, so here they are only
+# imported. (Any other script that runs without a parser fails the test below.)
 NO_ARGUMENTS = {
     "make_chat_golden.py", "make_controls_golden.py", "make_dflash_gemma4_golden.py", "make_dflash_golden.py",
     "make_dspark_golden.py", "make_golden_hybrid.py", "make_golden_v4_dspark.py", "make_pard_golden.py",
@@ -342,14 +331,19 @@ def script_files() -> list[str]:
     return files + sorted(glob.glob("benchmarks/**/*.py", root_dir=ROOT, recursive=True))
 
 
-def has_command_line(path: str) -> bool:
+def has_main(path: str) -> bool:
+    return "__main__" in (ROOT / path).read_text(encoding="utf-8")
+
+
+def parses_arguments(path: str) -> bool:
     source = (ROOT / path).read_text(encoding="utf-8")
-    return "__main__" in source and os.path.basename(path) not in NO_ARGUMENTS
+    return "parse_args" in source or "parse_known_args" in source
 
 
 @functools.cache
 def help_results() -> dict[str, dict]:
-    files = [(f, has_command_line(f)) for f in script_files()]
+    # Only a file that parses arguments runs as __main__: one that does not would do its work.
+    files = [(f, has_main(f) and parses_arguments(f)) for f in script_files()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, ",".join(OPTIONAL), json.dumps(files)], cwd=ROOT,
@@ -365,8 +359,11 @@ def help_results() -> dict[str, dict]:
 
 @pytest.mark.parametrize("path", script_files())
 def test_script_answers_help(path):
-    """Imports the file and runs its ``--help`` (a file with no command line is only imported);
+    """Imports the file and runs its ``--help`` (a module without ``__main__`` is only imported);
     a file whose imports need an optional package that is missing here is skipped, naming it."""
+    if has_main(path) and not parses_arguments(path) and os.path.basename(path) not in NO_ARGUMENTS:
+        pytest.fail(f"{path} runs as a script but has no command line: give it an argparse parser (so --help "
+                    f"answers) or list it in NO_ARGUMENTS with the reason")
     r = help_results()[path]
     if r["status"].startswith("needs "):
         pytest.skip(f"{path} {r['status']} at import time (not installed here)")
@@ -377,5 +374,5 @@ def test_known_argument_free_scripts_exist():
     """The list of scripts without a command line names only files that are there and still
     have none (so it cannot keep an entry after its script gained one)."""
     have = {os.path.basename(f): f for f in script_files()}
-    stale = [n for n in sorted(NO_ARGUMENTS) if n in have and "parse_args" in (ROOT / have[n]).read_text()]
+    stale = [n for n in sorted(NO_ARGUMENTS) if n in have and parses_arguments(have[n])]
     assert not stale, f"these parse arguments now; drop them from NO_ARGUMENTS: {stale}"
