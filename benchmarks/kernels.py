@@ -5,7 +5,7 @@
     python benchmarks/kernels.py --smoke         # tiny shapes (runs anywhere; interpret mode off-GPU)
     python benchmarks/kernels.py --xla-vs-reference   # the lean XLA path vs the f32 reference (any device)
 
-Method (DESIGN section 8): jit each path once, warm up, then time ``repeats`` calls, each
+Method (docs/architecture.md#measuring-performance): jit each path once, warm up, then time ``repeats`` calls, each
 followed by ``block_until_ready``, and report the median. The floor of a kernel is the bytes it
 must move (unique reads + writes) over the HBM bandwidth of the device (datasheet: H100 SXM
 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides). Times include the launch, as in the

@@ -69,7 +69,7 @@ def timing_grammar(tokenizer_path: str | None, vocab_size: int):
                          vocab_size)
 
 
-# Datasheet HBM bandwidths, bytes/s (DESIGN.md section 8).
+# Datasheet HBM bandwidths, bytes/s (docs/architecture.md#measuring-performance).
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
 LLAMA3_8B = LlamaConfig(

@@ -1,4 +1,9 @@
-"""jaxspec: lossless speculative decoding (EAGLE, EAGLE-3, MTP, n-gram lookup) in JAX with Pallas kernels."""
+"""jaxspec: lossless speculative decoding for LLMs in JAX with Pallas kernels.
+
+Drafts: EAGLE, EAGLE-3, MTP layers, frozen-KV assistants, block drafts (DFlash, DSpark, P-EAGLE,
+PARD), standalone LMs, and model-free n-gram lookup alone or grafted onto a model draft's tree.
+This module re-exports the public names; docs/architecture.md describes how the package is built.
+"""
 
 from jaxspec.config import EngineConfig as EngineConfig
 from jaxspec.config import SamplingParams as SamplingParams

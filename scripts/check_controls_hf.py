@@ -7,7 +7,7 @@
 
 1. Greedy output with controls (logit bias, repetition / presence / frequency penalties, min-p) equals an
    oracle built from HF's own forward and torch processing in vLLM's order
-   (``scripts/make_controls_golden.process``), for plain decoding, the demo EAGLE-3 head as a chain and as
+   (``scripts/make_controls_golden.py::process``), for plain decoding, the demo EAGLE-3 head as a chain and as
    a tree, and n-gram drafting; per prompt, with the smallest processed top-1 margin reported.
 2. The raw log-probabilities of every emitted token, and the top 5, equal HF's log-softmax.
 3. Sampled output: the joint distribution of the first two tokens (temperature 0.9, top-k 6, min-p, strong

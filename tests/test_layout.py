@@ -1,5 +1,5 @@
-"""The package layout of DESIGN.md section 2: imports run one way, top to bottom, and no two
-modules import each other (directly or around a circle). Every import counts, including
+"""The package's layers (docs/architecture.md#layers): imports run one way, top to bottom, and no
+two modules import each other (directly or around a circle). Every import counts, including
 those inside functions."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LAYERS = [
     ("jaxspec.model.targets",),
     ("jaxspec.model",),  # the shared building blocks (layers, sampling, config)
     ("jaxspec.kvcache", "jaxspec.pallas", "jaxspec.sampling"),  # sampling: the per-token pipeline
-    ("jaxspec.config", "jaxspec.demo", "jaxspec.mesh"),
+    ("jaxspec.config", "jaxspec.demo", "jaxspec.mesh", "jaxspec.results"),  # results: what generate() returns
 ]
 
 

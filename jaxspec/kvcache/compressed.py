@@ -194,7 +194,8 @@ def compressed_write_targets(
     (i32[B, T]: beside their K = V rows), and per compression rate the entry each row closes (i32[B, T],
     -1 when it closes none: entry ``w`` closes at position ``(w + 1) * rate - 1``). A draft step's rows
     come from the one draft-scratch layout (``jaxspec.kvcache.layout.per_step_draft_locs``), so its
-    compressed write targets are that step's row of the layout and nothing else (seed 004)."""
+    compressed write targets are that step's row of the layout and nothing else (so jitted and eager
+    runs write the same entries: docs/architecture.md#jitted-and-eager-runs-agree)."""
     slots = ring.slots(write_positions, page_size)
     real = write_positions >= 0
     closes = tuple(jnp.where(real & ((positions + 1) % m == 0), (positions + 1) // m - 1, -1) for m in rates)

@@ -5,8 +5,8 @@ its draft KV at position ``base + j * S + i`` (``base`` = the first position aft
 committed prefix, per request). The flat buffer is laid out ``[B, topk, S]``; step ``i``
 needs row ``i`` of the ``[S, B * topk]`` view. Every path that writes or reads draft scratch
 (EAGLE heads, standalone drafts, the MLA/MTP path, the attention masks) goes through these
-functions, so the jitted and the eager (``jax.disable_jit()``) runs cannot disagree (seed 004
-is a bug where two copies of this reshape did).
+functions, so the jitted and the eager (``jax.disable_jit()``) runs cannot disagree, as two
+copies of this reshape once did (docs/architecture.md#jitted-and-eager-runs-agree).
 
 The layout itself (branch j, step i -> scratch offset ``j * S + i``) is defined once, in
 ``_scratch_offsets``: the write side (``draft_scratch_positions``) maps (j, i) through it, and the

@@ -1,4 +1,5 @@
-"""Fused gather of the speculative "extras" by one index vector (seed 002).
+"""Fused gather of the speculative "extras" by one index vector
+(docs/architecture.md#one-gather-for-the-next-seed).
 
 After draft extend, each request's next draft seed lives in row ``accept_len - 1`` of its
 block: the next root token and the draft's hidden state (and whatever else a draft carries).

@@ -1,4 +1,5 @@
-"""Accepted-path compaction for tree drafting (seed 001), for any page size.
+"""Accepted-path compaction for tree drafting, for any page size
+(docs/architecture.md#accepted-path-compaction).
 
 Verify writes node ``i``'s target KV at position ``seq_len + i``. The accepted nodes
 ``a_0 = 0 < a_1 < ... < a_k`` then move to ``seq_len + j`` (all layers, every pool buffer,

@@ -4,7 +4,8 @@ frozen-KV assistant, standalone LMs), as a chain or as SGLang's dynamic tree.
     prefill   the draft over the prompt with the target's features -> the first seed
     propose   root (the seed, or the root forward of a frozen-KV assistant: iteration 0 of the
               loop), then S - 1 draft forwards on the frontier -> the verify tree
-    extend    the draft over the accepted rows -> the next seed (one fused gather, seed 002)
+    extend    the draft over the accepted rows -> the next seed (one fused gather of the extras,
+              ``jaxspec.pallas.gather_extras``)
 
 Draft scratch KV for branch ``j``, step ``i`` sits at position ``base + j*S + i``
 (``jaxspec.kvcache.layout``); the frontier of a tree attends to the prefix and its own

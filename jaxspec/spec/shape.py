@@ -1,6 +1,7 @@
 """The shape of a step's verify tree, decided once per plan: a root alone (plain decoding), a
-chain (topk = 1 with nothing grafted, the static specialization of seed 000) or a tree (topk > 1,
-or a hybrid's grafted n-gram branch).
+chain (topk = 1 with nothing grafted: a static specialization with no top_k / sort / gather,
+docs/architecture.md#a-chain-compiles-no-tree) or a tree (topk > 1, or a hybrid's grafted n-gram
+branch).
 
 Everything that differs between them lives here, so the step and the draft loops never test
 ``topk``: the draft attention mask, organizing drafted candidates, building the verify tree
@@ -104,7 +105,7 @@ class Chain:
 
 class Tree:
     """topk > 1: SGLang's dynamic tree (top n-1 of the drafted candidates), a tree verify
-    mask, a tree walk, and the accepted path compacted to the front (seed 001)."""
+    mask, a tree walk, and the accepted path compacted to the front (``jaxspec.spec.compact``)."""
 
     @staticmethod
     def draft_mask(ancestors, parent_row, step: int, num_steps: int):

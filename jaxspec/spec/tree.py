@@ -102,7 +102,7 @@ def chain_constants(batch_size: int, num_steps: int) -> tuple[np.ndarray, np.nda
 
 def organize_chain(levels: list[DraftLevel]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """topk=1 fast path of ``organize_draft_results``: constants and a concatenation, no
-    top_k / sort / gather (seed 000)."""
+    top_k / sort / gather (docs/architecture.md#a-chain-compiles-no-tree)."""
     B = levels[0].tokens.shape[0]
     parents, indices = chain_constants(B, len(levels))
     draft_tokens = jnp.concatenate([lv.tokens for lv in levels], axis=1)  # [B, S]

@@ -1,4 +1,4 @@
-"""Frozen-KV MTP assistant (seed 003): reads the target's KV, writes none, keeps RoPE at
+"""Frozen-KV MTP assistant (docs/architecture.md#frozen-kv-assistants): reads the target's KV, writes none, keeps RoPE at
 seq_len - 1, and runs its seed step as iteration 0 of the draft loop inside one executable."""
 
 import functools

@@ -226,7 +226,7 @@ def _propose_tree(model: Model, spec: js.SpecConfig, prompt: list[int], bonus: i
 
 
 def test_hybrid_draft_tree_is_the_same_under_any_scratch_layout(monkeypatch):
-    """Seed 004, every path at once: a hybrid standalone draft drafting a tree (3 branches x 4 steps)
+    """One draft-scratch layout (docs/architecture.md#draft-scratch-layout), every path at once: a hybrid standalone draft drafting a tree (3 branches x 4 steps)
     writes its scratch KV where the layout helper says (``draft_scratch_positions``) and reads it back
     through the same helper, in its attention masks (``draft_ancestor_mask``) and its Gated DeltaNet
     layers' ancestors and conv inputs (``draft_scratch_steps``). Swapping the helper's layout (step-major,

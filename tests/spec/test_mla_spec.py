@@ -1,6 +1,6 @@
 """Speculative decoding on MLA targets: MTP drafting (chain and tree) is lossless against HF's
 greedy tokens; MLA latent rows and DSA indexer keys follow the accepted path under tree
-drafting; the jitted and eager steps agree on the MLA path (seed 004)."""
+drafting; the jitted and eager steps agree on the MLA path (one draft-scratch layout)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One speculative step at the function level: jit equals eager (seed 004), and tree
-compaction moves exactly the accepted KV for every page size (seed 001)."""
+"""One speculative step at the function level: jit equals eager (one draft-scratch layout,
+docs/architecture.md#jitted-and-eager-runs-agree), and tree compaction moves exactly the accepted KV
+for every page size (docs/architecture.md#accepted-path-compaction)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rates 2 and 4, prompts of 13 / 29 / 40 tokens + 24 greedy tokens):
   sibling closes them, no accepted node does, or a chain is cut before its closer: after commit and
   compaction every entry pool and the ring (K = V rows and compressor inputs) equal a fresh forward over
   the accepted tokens, and so do they after the next step; the verify itself wrote no entry;
-* seed 004: the per-step compressed write targets of multi-step drafting come from the one layout
+* one draft-scratch layout (docs/architecture.md#jitted-and-eager-runs-agree): the per-step compressed write targets of multi-step drafting come from the one layout
   helper, and the jitted and eager paths agree on them; V4's own draft loop (a perturbed V4 draft, a
   tree of 2 x 3 steps) writes its ring rows at exactly those targets, jitted and eager alike, and its
   attention reads each scratch column back where the helper wrote it, at that step's logical position;
@@ -251,7 +251,7 @@ def _cfg():
     return golden()[0].config
 
 
-# ------------------------------------------------------------------------------------ seed 004
+# ------------------------------------------- one draft-scratch layout: jitted and eager runs agree
 
 
 @pytest.mark.parametrize("B,K,S", [(2, 1, 3), (3, 2, 4)])
@@ -308,7 +308,7 @@ def _reads_follow_writes(base: jax.Array, K: int, S: int, tables, page: int) -> 
 
 
 def test_draft_reads_and_writes_share_one_layout(monkeypatch):
-    """Seed 004's drift, both ways round: V4's read side (``block_columns``) takes the scratch layout
+    """The draft-scratch layout cannot drift between writes and reads, both ways round: V4's read side (``block_columns``) takes the scratch layout
     from the same helper as the draft loop's writes, so swapping the helper's layout (here step-major,
     ``i * K + j``, for the real ``j * S + i``) moves the write positions and the read positions, and they
     still agree column for column."""
@@ -351,7 +351,7 @@ def _propose(plan, dparams, state, dpool, tables):
 
 
 def test_multi_step_v4_draft_loop_jit_equals_eager():
-    """Seed 004 through V4's own draft loop: a perturbed V4 draft (its pool holding a 29-token prompt and
+    """Jitted and eager runs agree through V4's own draft loop: a perturbed V4 draft (its pool holding a 29-token prompt and
     the bonus token at 29) drafts a tree of 2 branches x 3 steps; each draft forward writes its K = V rows
     and compressor inputs and computes the CSA / HCA entries its path closes (step 1, at 31, closes CSA
     entry 15 and HCA entry 7 on each branch). Jitted and under ``jax.disable_jit()`` the tree and every

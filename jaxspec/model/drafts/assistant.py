@@ -1,4 +1,4 @@
-"""Frozen-KV MTP assistant (seed 003): a draft with no KV of its own.
+"""Frozen-KV MTP assistant: a draft with no KV of its own (docs/architecture.md#frozen-kv-assistants).
 
 SGLang serves Google's Gemma 4 ``-assistant`` checkpoints this way (FROZEN_KV_MTP). Each
 assistant layer is query-only: it attends to the *target's* K/V of one target layer, reading
@@ -220,7 +220,7 @@ def assistant_logits(params: dict, cfg: AssistantConfig, y: jax.Array) -> jax.Ar
 
 @dataclasses.dataclass(frozen=True)
 class FrozenKVAssistant(Draft):
-    """Frozen-KV MTP assistant (seed 003) as a draft: no pool of its own; its extend keeps the
+    """Frozen-KV MTP assistant as a draft: no pool of its own; its extend keeps the
     target's hidden at the last accepted row, and its root runs the seed step (iteration 0 of
     the draft loop) at RoPE position ``seq_len - 1``."""
 

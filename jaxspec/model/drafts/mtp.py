@@ -15,7 +15,7 @@ draft steps; both go through ``hnorm``, so ``from_target`` changes nothing here.
 
 Params (linear weights ``[in, out]``):
     embed [V, H] (the layer's ``embed_tokens`` copy, else the target's); enorm, hnorm [H];
-    eh_proj [2H, H]; block/ (one layer, ``jaxspec.model.deepseek`` layout, unstacked);
+    eh_proj [2H, H]; block/ (one layer, ``jaxspec.model.targets.deepseek`` layout, unstacked);
     head_norm [H]; head [H, V] (``shared_head.head``, else the target's ``lm_head``)
 """
 

@@ -1,7 +1,8 @@
 """Target models: one entry point per operation, whatever the family.
 
-Each family (``llama``, ``deepseek``, ``gemma4``) is one module with its config next to it;
-this module maps a config type to its family, so callers never branch on the architecture.
+Each family (``llama``, ``deepseek``, ``deepseek_v4``, ``gemma4``, ``hybrid``) is one module with its
+config next to it; this module maps a config type to its family, so callers never branch on the
+architecture.
 """
 
 from __future__ import annotations
