@@ -7,9 +7,11 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import json
 import os
 import shutil
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -72,6 +74,31 @@ def pytest_runtest_teardown(item, nextitem):
     if limit and count > share * limit:
         jax.clear_caches()
         gc.collect()
+
+
+# JAXSPEC_TEST_COMPILE_LOG=FILE: one JSON line per test with the programs it compiled and the seconds
+# spent tracing, lowering and compiling them (what a cold run's time goes to; docs/testing.md).
+_COMPILE_LOG = os.environ.get("JAXSPEC_TEST_COMPILE_LOG")
+_compiles = {"programs": 0, "seconds": 0.0}
+if _COMPILE_LOG:
+    def _count_compile(name, secs, **_):
+        if name.startswith("/jax/core/compile/"):
+            _compiles["seconds"] += secs
+            _compiles["programs"] += name.endswith("backend_compile_duration")
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = dict(_compiles)
+    t0 = time.perf_counter()
+    yield
+    if _COMPILE_LOG:
+        with open(_COMPILE_LOG, "a") as f:
+            f.write(json.dumps(dict(test=item.nodeid, worker=os.environ.get("PYTEST_XDIST_WORKER", ""),
+                                    seconds=round(time.perf_counter() - t0, 3),
+                                    programs=_compiles["programs"] - before["programs"],
+                                    compile_seconds=round(_compiles["seconds"] - before["seconds"], 3))) + "\n")
 
 
 def xdist_worker() -> bool:
