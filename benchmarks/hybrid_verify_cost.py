@@ -13,6 +13,7 @@ warm-up call; the two models are alternated so both see the same machine load.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ from jaxspec.model.checkpoints.hybrid import init_hybrid_params
 from jaxspec.model.targets import create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig
+from jaxspec.xla_options import compiler_options
 
 H, L, V = 512, 8, 4096
 
@@ -70,7 +72,7 @@ def step_fn(cfg, params, n: int, batch: int, context: int):
                     grammar=Grammar(table=GrammarTable.empty(), state=jnp.zeros((batch,), jnp.int32),
                                     stop_ids=jnp.full((batch, 1), -1, jnp.int32)))
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options())  # the engine's XLA options
     def step(params, pool):
         accept_lens, predict, _, _, pool = verify_and_accept(plan, shape, params, rows, tree, None, pool, table,
                                                              lambda out: None)

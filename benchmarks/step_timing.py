@@ -7,6 +7,10 @@ batch-1 decode tokens/s, and the roofline ``weight bytes / HBM bandwidth``.
 
     python benchmarks/step_timing.py --out results.json            # on a GPU machine
     python benchmarks/step_timing.py --tiny                        # smoke test anywhere
+    python benchmarks/step_timing.py --xla-options command_buffer_loops   # a candidate over the table
+
+The programs compile with jaxspec's XLA options for the backend (``jaxspec.xla_options.TABLE``);
+``--xla-options`` times them with none (``none``) or with a named candidate merged over the table.
 
 Timings are only meaningful on a GPU; record them in benchmarks/RESULTS.md with the device.
 """
@@ -41,6 +45,7 @@ from jaxspec.model.checkpoints.llama import llama_table
 from jaxspec.model.checkpoints.name_tables import init_params
 from jaxspec.model.targets import Model, create_target_pool
 from jaxspec.model.targets.llama_config import LlamaConfig
+from jaxspec.xla_options import CANDIDATES, normalize_options, program_backend, resolve_options
 
 # --constraint: every row writes records of this schema (as JSON lines, so rows keep generating).
 TIMING_SCHEMA = {"type": "object", "properties": {
@@ -99,38 +104,45 @@ def param_bytes(params) -> int:
 
 
 def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
-               implementation=None, controls: bool = False, temperature: float = 0.0) -> float:
+               implementation=None, controls: bool = False, temperature: float = 0.0,
+               compiler_options=None) -> float:
     """Median seconds per decode step (one speculative or one plain step). ``controls``: every row
     with a logit bias (64 tokens), repetition / presence / frequency penalties, min-p and 20 top
-    log-probabilities per token; ``temperature`` > 0 samples."""
-    call = prepare(target, draft, spec, batch, context, steps, repeats, implementation, controls, temperature)
+    log-probabilities per token; ``temperature`` > 0 samples; ``compiler_options``: as
+    ``EngineConfig.compiler_options`` (None: the table)."""
+    call = prepare(target, draft, spec, batch, context, steps, repeats, implementation, controls, temperature,
+                   compiler_options=compiler_options)
     call()  # compiles
     return statistics.median(call() for _ in range(repeats))
 
 
 def time_controls_pair(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
-                       implementation=None, temperature: float = 0.0, grammars=None) -> tuple[float, float]:
+                       implementation=None, temperature: float = 0.0, grammars=None,
+                       compiler_options=None) -> tuple[float, float]:
     """Median seconds per step with every control off and on, the two calls alternated so both
     see the same machine load. ``grammars``: compare no constraint with every row constrained by
     this ``GrammarSet``'s first automaton instead of the controls."""
     off, on = (prepare(target, draft, spec, batch, context, steps, repeats, implementation,
-                       c and grammars is None, temperature, grammars if c else None) for c in (False, True))
+                       c and grammars is None, temperature, grammars if c else None, compiler_options)
+               for c in (False, True))
     off(), on()  # compile
     times = [(off(), on()) for _ in range(repeats)]
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int, implementation,
-            controls: bool, temperature: float, grammars=None):
+            controls: bool, temperature: float, grammars=None, compiler_options=None):
     """Prefilled state and pools for ``time_steps``; returns a function running one decode call
     (``steps`` steps) and returning its seconds per step. ``grammars``: a ``GrammarSet`` whose
-    first automaton constrains every row."""
+    first automaton constrains every row. ``compiler_options``: as ``EngineConfig.compiler_options``
+    (None: the table for the backend)."""
     page = 16
     V = target.config.vocab_size
     plan = Plan(target=target.config, draft=None if draft is None else draft.config, spec=spec, page_size=page,
                 steps_per_call=steps, implementation=implementation, greedy_only=temperature == 0,
                 controls=controls,
-                logprobs=min(MAX_LOGPROBS, V) if controls else None)
+                logprobs=min(MAX_LOGPROBS, V) if controls else None,
+                compiler_options=resolve_options(normalize_options(compiler_options), program_backend()))
     max_pos = context + (repeats + 2) * steps * plan.max_accept + plan.lookahead
     width = next_pow2(pages_needed(max_pos, page))
     num_pages = batch * width + 1
@@ -190,8 +202,12 @@ def main(argv=None) -> int:
                     help="with --constraint: the tokenizer.json whose vocabulary the automaton is built over "
                          "(default: the demo's; its vocabulary must cover the shape's)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: sampled rows")
+    ap.add_argument("--xla-options", default="table", choices=["table", "none", *CANDIDATES],
+                    help="XLA options of the programs: jaxspec's table for the backend, none, or a named "
+                         "candidate of jaxspec.xla_options merged over the table")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    options = {"table": None, "none": False}.get(args.xla_options, CANDIDATES.get(args.xla_options))
 
     shape = args.shape or ("tiny" if args.tiny else "llama3-8b")
     cfg = SHAPES[shape]
@@ -208,7 +224,8 @@ def main(argv=None) -> int:
     kind, bw = device_bandwidth()
     wbytes = param_bytes(params)
     results = {"device": kind, "shape": shape, "weight_bytes": wbytes, "bandwidth": bw, "context": args.context,
-               "temperature": args.temperature, "rows": []}
+               "temperature": args.temperature, "xla_options": args.xla_options,
+               "compiler_options": dict(resolve_options(normalize_options(options), program_backend())), "rows": []}
     grammars = None
     if args.constraint:
         grammars = timing_grammar(args.tokenizer, cfg.vocab_size)
@@ -222,10 +239,10 @@ def main(argv=None) -> int:
         for name, spec, d in specs:
             if args.controls or args.constraint:
                 secs = time_controls_pair(target, d, spec, batch, args.context, args.steps, args.repeats,
-                                          args.implementation, args.temperature, grammars)
+                                          args.implementation, args.temperature, grammars, options)
             else:
                 secs = (time_steps(target, d, spec, batch, args.context, args.steps, args.repeats,
-                                   args.implementation, temperature=args.temperature),)
+                                   args.implementation, temperature=args.temperature, compiler_options=options),)
             plain = plain or secs[0]
             roof = wbytes / bw * 1e3 if bw else float("nan")
             for j, sec in enumerate(secs):

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
+from jaxspec.xla_options import normalize_options
+
 # Ops of ``jaxspec.pallas`` that take an ``implementation`` (each resolves its own entry).
 KERNEL_OPS = ("paged_attention", "mla_attention", "mla_sparse_attention", "dsa_indexer", "kv_move", "gather_spec_extras")
 # "pallas" | "xla" | None for every op, or per op: {op: "pallas" | "xla" | None}, stored as
@@ -397,6 +399,16 @@ class EngineConfig:
         on where the model allows it; True: on, or a ValueError naming why not (targets with
         recurrent state, whose state is not paged, and models with sliding-window pools, whose
         pages leave the window, are not cached); False: off.
+      compiler_options: the XLA options every compiled program of the engine (prefill, the decode
+        loop and the draft loops in it) is compiled with, per program (``XLA_FLAGS`` is never set).
+        None: jaxspec's table for the backend the programs run on (``jaxspec.xla_options.TABLE``,
+        each entry with what it was measured to do; on GPUs cuBLAS instead of Triton for the
+        products); a mapping XLA option name -> value (names without leading dashes, values bools,
+        ints, floats or strings; (name, value) pairs too): merged over that table, a value of None
+        dropping the table's entry; False: no options at all, XLA's defaults. A name jaxlib does
+        not know, or a value it refuses, raises a ValueError naming it here (checked by compiling a
+        one-op program once per new option). Stored as sorted (name, value) pairs, so
+        ``EngineConfig(compiler_options={"xla_gpu_enable_command_buffer": ""})`` is hashable.
     """
 
     page_size: int = 16
@@ -411,6 +423,7 @@ class EngineConfig:
     preempt_every: int = 0
     check_pages: bool = False
     prefix_cache: bool | None = None
+    compiler_options: Mapping[str, bool | int | float | str | None] | tuple | bool | None = None
 
     def __post_init__(self):
         for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
@@ -434,6 +447,11 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(f"EngineConfig.{e}") from None
         object.__setattr__(self, "implementation", implementation)  # a mapping -> hashable pairs
+        try:
+            compiler_options = normalize_options(self.compiler_options)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.compiler_options: {e}") from None
+        object.__setattr__(self, "compiler_options", compiler_options)  # a mapping -> hashable pairs
 
     @property
     def pages_per_seq(self) -> int:

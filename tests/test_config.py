@@ -54,6 +54,7 @@ BAD_ENGINE = [
     (dict(implementation={"flash_attention": "pallas"}), "unknown op 'flash_attention'"),
     (dict(implementation={"kv_move": "triton"}), "implementation for kv_move"),
     (dict(implementation=["pallas"]), "implementation"),
+    (dict(compiler_options={"xla_no_such_option": True}), "compiler_options: option 'xla_no_such_option'"),
 ]
 
 

@@ -26,6 +26,7 @@ LAYERS = [
     ("jaxspec.model",),  # the shared building blocks (layers, sampling, config)
     ("jaxspec.kvcache", "jaxspec.pallas", "jaxspec.sampling"),  # sampling: the per-token pipeline
     ("jaxspec.config", "jaxspec.demo", "jaxspec.mesh", "jaxspec.results"),  # results: what generate() returns
+    ("jaxspec.xla_options",),  # the XLA options of every compiled program (config checks overrides with it)
 ]
 
 

@@ -19,6 +19,7 @@ from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool, kv_layout
 from jaxspec.results import GenerateOutput, StreamEvent
 from jaxspec.spec.plan import Plan
+from jaxspec.xla_options import program_backend, resolve_options
 
 
 class Engine:
@@ -55,6 +56,7 @@ class Engine:
             steps_per_call=engine.steps_per_call,
             implementation=engine.implementation,
             data_shards=axis_size(mesh, DATA),
+            compiler_options=resolve_options(engine.compiler_options, program_backend(mesh)),
         )
         draft_layout = None if draft is None else draft.config.kv_layout
         geo = engine_geometry(plan, engine, kv_layout(target.config), draft_layout, requests=_batch, longest=_longest)

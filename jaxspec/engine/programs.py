@@ -7,6 +7,10 @@ in a ``lax.while_loop`` with no host sync, stopping early when every row is done
 On a mesh with several data shards, each program runs per shard of the ``data`` axis
 (``jax.shard_map``): a shard's rows, its pool slots and its shard-local page table; the
 ``model`` axis is left to XLA and to the per-shard ops of the model (``jaxspec.mesh``).
+
+Each program is compiled with the XLA options its plan carries (``Plan.compiler_options``, from
+``jaxspec.xla_options``): ``jax.jit`` fixes its options per jit object, so a ``Program`` keeps one
+per option set and hands a call to the one its plan names.
 """
 
 from __future__ import annotations
@@ -78,8 +82,36 @@ def _spec_leaves(values: tuple, specs: tuple) -> list:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"))
-def prefill_program(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table, rows, tokens, lens, request):
+class Program:
+    """A jitted program (its first argument the static ``Plan``) compiled with the plan's XLA
+    options: one ``jax.jit`` of ``fn`` per option set, made on first use. Called, or lowered, like
+    that jit object."""
+
+    def __init__(self, fn, **jit_kwargs):
+        self.fn, self.jit_kwargs = fn, jit_kwargs
+        self.jits: dict[tuple, object] = {}  # Plan.compiler_options -> jax.jit of fn with them
+
+    def jit_for(self, options: tuple):
+        jitted = self.jits.get(options)
+        if jitted is None:
+            jitted = self.jits[options] = jax.jit(self.fn, compiler_options=dict(options) or None,
+                                                  **self.jit_kwargs)
+        return jitted
+
+    def __call__(self, plan: Plan, *args, **kwargs):
+        return self.jit_for(plan.compiler_options)(plan, *args, **kwargs)
+
+    def lower(self, plan: Plan, *args, **kwargs):
+        return self.jit_for(plan.compiler_options).lower(plan, *args, **kwargs)
+
+    def cache_size(self) -> int:
+        """Compiled variants over every option set."""
+        return sum(j._cache_size() for j in self.jits.values())
+
+
+def prefill_requests(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table, rows, tokens, lens,
+                     request):
+    """Prefills the admitted requests into their rows: (state, tpool, dpool)."""
     fn = _per_data_shard(
         functools.partial(prefill, plan), plan,
         in_specs=(P(), P(), state.specs(DATA), _slots(tpool), _slots(dpool), P(DATA), P(DATA), P(DATA), P(DATA),
@@ -119,9 +151,12 @@ def decode_steps(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool,
     return run(tparams, dparams, state, tpool, dpool, page_table)
 
 
-decode_program = jax.jit(decode_steps, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"))
+_DONATED = ("state", "tpool", "dpool")
+prefill_program = Program(prefill_requests, static_argnames=("plan",), donate_argnames=_DONATED)
+decode_program = Program(decode_steps, static_argnames=("plan",), donate_argnames=_DONATED)
 
 
 def compiled_programs() -> dict[str, int]:
-    """Number of compiled variants of each program (used to prove steady state)."""
-    return {"prefill": prefill_program._cache_size(), "decode": decode_program._cache_size()}
+    """Number of compiled variants of each program, over every option set (used to prove steady
+    state)."""
+    return {"prefill": prefill_program.cache_size(), "decode": decode_program.cache_size()}

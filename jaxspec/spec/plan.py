@@ -29,6 +29,8 @@ class Plan:
     processing is compiled out). logprobs: top log-probabilities computed per emitted token
     (0: none are reported). implementation: kernels ("pallas" | "xla" | None | a per-op
     mapping). data_shards: shards of a mesh's data axis the rows and pool slots are split over.
+    compiler_options: the XLA options the engine's programs compile with, resolved for their
+    backend: sorted (name, value) pairs (``jaxspec.xla_options``; empty: XLA's defaults).
     """
 
     target: Any
@@ -42,6 +44,7 @@ class Plan:
     logprobs: int | None = None
     implementation: Any = None
     data_shards: int = 1
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         if (self.draft is None) != (self.spec is None):

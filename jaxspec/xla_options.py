@@ -1,0 +1,173 @@
+"""The XLA options jaxspec compiles its programs with: one table, per backend.
+
+Every compiled program of the engine (prefill and the decode loop, with the draft loops inside
+them) is compiled through ``jax.jit(..., compiler_options=...)`` with ``TABLE[backend]``, the
+backend being the platform of the target's devices ("gpu", "cpu", "tpu"). Each entry says what it
+was measured to do. The options are per program: the library never sets ``XLA_FLAGS``, and other
+JAX code in the process compiles as it would without jaxspec.
+
+Override the table per engine with ``EngineConfig(compiler_options=...)``:
+
+- ``None`` (default): the table for the backend the programs run on;
+- a mapping name -> value (or (name, value) pairs): merged over that table; a value of ``None``
+  drops the table's entry (XLA's own default applies);
+- ``False``: no options at all (XLA's defaults everywhere).
+
+Names are fields of XLA's ``DebugOptions`` without leading dashes (``xla_gpu_enable_triton_gemm``);
+values are bools, ints, floats or strings. A repeated enum field (``xla_gpu_enable_command_buffer``)
+takes its names comma-separated without spaces, or as a tuple of names, and the list replaces XLA's
+(``""`` empties it). jaxlib checks every name and value when the config is built: it compiles a
+one-op program with each new (name, value) once per process (tens of milliseconds) and refuses
+what it does not know with a ``ValueError`` naming the option.
+
+``CANDIDATES`` names option sets not in the table: measured to change nothing yet, or not measured;
+a GPU check times each over the table (``EngineConfig(compiler_options=CANDIDATES[name])``).
+Benchmarks that jit their own functions take the table with ``compiler_options()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+# The options of every engine program, per backend (``Plan.compiler_options`` after resolution).
+TABLE: dict[str, dict[str, bool | int | float | str]] = {
+    "gpu": {
+        # cuBLAS instead of Triton GEMM fusions for the products (a decode step's are skinny: a
+        # few rows against each weight). NVIDIA H200, Llama-3-8B shape with random bf16 weights,
+        # plain decode step, context 1024, 16 steps a call (benchmarks/step_timing.py, main at
+        # 4e430e3): batch 1 12.35 -> 6.93 ms a step, batch 16 12.55 -> 6.39 ms.
+        "xla_gpu_enable_triton_gemm": False,
+    },
+    # CPU: nothing. Measured against XLA's defaults (plain decode step, random f32 weights, context
+    # 256, 8 steps a call, medians of 9 interleaved calls on a shared 2-core x86 machine under load,
+    # benchmarks/step_timing.py's prepare), for the demo target's shape at batch 1 / 8 and a
+    # 4-layer 1024-wide Llama at batch 1 / 8: xla_cpu_use_xnnpack 1.00 / 1.05 / 0.96 / 1.04x the
+    # step time, xla_cpu_prefer_vector_width=512 1.01 / 1.04 / 1.02 / 1.04x, single-threaded Eigen
+    # 1.00 / 1.01 / 1.09 / 0.99x: no gain beyond the noise. YNNPACK's dot fusions off
+    # (xla_cpu_experimental_ynn_fusion_type="") 1.10 / 1.26 / 1.10 / 1.19x: XLA's default stays.
+    "cpu": {},
+    "tpu": {},
+}
+
+# XLA's default command-buffer (CUDA graph) kinds as its debug-option defaults list them; jaxlib
+# does not show its own defaults to Python. A value for the field replaces XLA's list.
+_XLA_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+
+# Option sets to time over the table on a GPU (not in it: no measured gain yet).
+CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
+    # CUDA graphs over the loops too: XLA's default command buffers hold fusions and library calls
+    # but not WHILE / CONDITIONAL, so the layer loop, the draft loops and the step loop are
+    # launched kernel by kernel (what the optimized HLO of the decode program shows on an H200).
+    # Not measured yet. The list replaces XLA's: its five kinds, then the two loop kinds.
+    "command_buffer_loops": {"xla_gpu_enable_command_buffer": f"{_XLA_COMMAND_BUFFER},WHILE,CONDITIONAL"},
+    # The same, with loops of a known trip count (the layer loop) unrolled inside the graph.
+    "command_buffer_unrolled_loops": {"xla_gpu_enable_command_buffer": f"{_XLA_COMMAND_BUFFER},WHILE,CONDITIONAL",
+                                      "xla_gpu_command_buffer_unroll_loops": True},
+    # Per-layer weights read through dynamic-slice fusions instead of copied out of the stacked
+    # arrays. Measured on the H200 above: no change (batch 1 / 16: 12.44 / 12.51 ms with Triton
+    # GEMMs, 6.91 / 6.41 ms with cuBLAS).
+    "dynamic_slice_fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    # XLA unrolls loops of a known trip count (the layer loop): each layer's weight slice has a
+    # static offset and may be read where it lies. Not measured (an unrolled lax.scan, unroll=32,
+    # took 12.22 against 12.35 ms with Triton GEMMs; not measured with cuBLAS).
+    "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
+    # cuBLASLt for the products (epilogues fused into the GEMM). Not measured.
+    "cublaslt": {"xla_gpu_enable_cublaslt": True},
+    # The latency-hiding scheduler overlaps the per-layer weight copies (async dynamic slices) with
+    # the products before them. Not measured.
+    "latency_hiding_scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
+}
+
+Value = bool | int | float | str
+# None: the table for the backend; False: no options; else sorted (name, value | None) pairs.
+Setting = None | bool | tuple[tuple[str, Value | None], ...]
+
+
+def normalize_options(value) -> Setting:
+    """A user's compiler-options setting, checked by jaxlib: None, False, or sorted (name, value)
+    pairs (a mapping's items; a tuple of names joined by commas; None drops a table entry).
+
+    Raises:
+      ValueError: a name jaxlib does not know, or a value it refuses for that name (naming it).
+    """
+    if value is None or value is False:
+        return value
+    if value is True:
+        raise ValueError("True is not a setting: None takes the table, False turns it off, a mapping overrides it")
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        items = list(value)
+    else:
+        raise ValueError(f"must be None, False or a mapping option name -> value, got {value!r}")
+    pairs = {}
+    for name, v in items:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"option names are strings, got {name!r}")
+        if name.startswith("-"):
+            raise ValueError(f"option {name!r}: give the name without leading dashes ({name.lstrip('-')!r})")
+        if isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v):
+            v = ",".join(v)  # a repeated enum field's names
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"option {name!r}: values are bools, ints, floats, strings or None, got {v!r}")
+        if name in pairs:
+            raise ValueError(f"option {name!r} is given twice")
+        pairs[name] = v
+    for name, v in pairs.items():
+        check_option(name, v, type(v))
+    return tuple(sorted(pairs.items()))
+
+
+def resolve_options(setting: Setting, backend: str) -> tuple[tuple[str, Value], ...]:
+    """The options a program on ``backend`` compiles with: sorted (name, value) pairs."""
+    if setting is False:
+        return ()
+    merged = dict(TABLE.get(backend, {}))
+    for name, value in setting or ():
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    return tuple(sorted(merged.items()))
+
+
+def compiler_options(backend: str | None = None, setting: Setting = None) -> dict[str, Value]:
+    """``jax.jit``'s ``compiler_options`` for a function of jaxspec's: the table for ``backend``
+    (default: JAX's default backend), with a normalized ``setting`` over it."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return dict(resolve_options(setting, backend))
+
+
+def program_backend(mesh=None) -> str:
+    """The platform a model's programs run on: its mesh's devices', else JAX's default backend."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    import jax
+
+    return jax.default_backend()
+
+
+@functools.cache
+def check_option(name: str, value: Value | None, kind: type) -> None:
+    """Asks jaxlib whether it takes ``name=value`` (``None``: whether it knows ``name``) by
+    compiling a one-op program with it; the verdict is kept for the process (per value and type:
+    ``1`` and ``True`` are equal keys, yet jaxlib takes only one of them for a field)."""
+    import jax
+    import jaxlib
+    import numpy as np
+
+    probe = "" if value is None else value  # a string is parsed for any field type: refused only by value
+    try:
+        # A function of its own: jax's caches take (name, True) and (name, 1) for the same key.
+        jax.jit(lambda x: x + 1, compiler_options={name: probe}).lower(np.float32(0)).compile()
+    except jax.errors.JaxRuntimeError as e:
+        message = str(e).split("\n")[0]
+        if "No such compile option" in message:
+            raise ValueError(f"option {name!r} is not an XLA option jaxlib {jaxlib.__version__} knows") from None
+        if value is not None:
+            raise ValueError(f"option {name!r}: jaxlib refuses the value {value!r} ({message})") from None
+
