@@ -69,5 +69,5 @@ def die_with_parent(seconds: int | None = None) -> None:
 
 def cpu_env(devices_per_process: int, root: str) -> dict[str, str]:
     """The environment of a process with ``devices_per_process`` virtual CPU devices."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-                JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
+    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", PYTHONPATH=root)

@@ -13,9 +13,17 @@ import shutil
 import tempfile
 import time
 
-import jax
-import numpy as np
-import pytest
+# The suite compiles thousands of small programs and runs each a few times: XLA:CPU's LLVM
+# optimization costs more than it saves there (a V4 + DSpark module: 184 -> 130 s of compiling on 2
+# cores, docs/testing.md). Set before JAX starts its backend; the subprocess workloads inherit it.
+# JAXSPEC_TEST_XLA_FLAGS replaces it (empty: XLA's defaults).
+TEST_XLA_FLAGS = os.environ.get("JAXSPEC_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import jaxspec as js
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -79,12 +87,14 @@ def pytest_runtest_teardown(item, nextitem):
 # JAXSPEC_TEST_COMPILE_LOG=FILE: one JSON line per test with the programs it compiled and the seconds
 # spent tracing, lowering and compiling them (what a cold run's time goes to; docs/testing.md).
 _COMPILE_LOG = os.environ.get("JAXSPEC_TEST_COMPILE_LOG")
-_compiles = {"programs": 0, "seconds": 0.0}
+_compiles = {"programs": 0, "seconds": 0.0, "backend_seconds": 0.0}
 if _COMPILE_LOG:
     def _count_compile(name, secs, **_):
         if name.startswith("/jax/core/compile/"):
             _compiles["seconds"] += secs
-            _compiles["programs"] += name.endswith("backend_compile_duration")
+            if name.endswith("backend_compile_duration"):
+                _compiles["programs"] += 1
+                _compiles["backend_seconds"] += secs
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
@@ -98,7 +108,9 @@ def pytest_runtest_protocol(item, nextitem):
             f.write(json.dumps(dict(test=item.nodeid, worker=os.environ.get("PYTEST_XDIST_WORKER", ""),
                                     seconds=round(time.perf_counter() - t0, 3),
                                     programs=_compiles["programs"] - before["programs"],
-                                    compile_seconds=round(_compiles["seconds"] - before["seconds"], 3))) + "\n")
+                                    compile_seconds=round(_compiles["seconds"] - before["seconds"], 3),
+                                    backend_seconds=round(_compiles["backend_seconds"] - before["backend_seconds"], 3)))
+                    + "\n")
 
 
 def xdist_worker() -> bool:

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 # Started when collection selects this module (tests/conftest.py): it runs beside the rest of the suite.
 BACKGROUND_JOB = Job([sys.executable, "-m", "tests.mesh.run_cases"], timeout=1500, env=dict(
-    os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+    os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+    JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_one_speculative_step_is_one_executable(tiny_target):
     eng = engine(16, 4, steps_per_call=1)
     draft = assistant(tiny_target)
     calls = []
-    gen = sys.modules["jaxspec.generate"]
+    gen = sys.modules["jaxspec.engine.host_loop"]  # where the host loop calls the decode program
     original = gen.decode_program
 
     def counting(*args, **kwargs):
