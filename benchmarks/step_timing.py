@@ -118,12 +118,15 @@ def time_steps(target: Model, draft, spec, batch: int, context: int, steps: int,
 
 def time_controls_pair(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int,
                        implementation=None, temperature: float = 0.0, grammars=None,
-                       compiler_options=None) -> tuple[float, float]:
+                       compiler_options=None, general: bool = False) -> tuple[float, float]:
     """Median seconds per step with every control off and on, the two calls alternated so both
     see the same machine load. ``grammars``: compare no constraint with every row constrained by
-    this ``GrammarSet``'s first automaton instead of the controls."""
+    this ``GrammarSet``'s first automaton instead of the controls. ``general``: compare the plan
+    these rows need with the serve core's general plan (sampling, filtering, controls and 20
+    logprobs compiled in; the rows themselves unchanged)."""
     off, on = (prepare(target, draft, spec, batch, context, steps, repeats, implementation,
-                       c and grammars is None, temperature, grammars if c else None, compiler_options)
+                       c and grammars is None and not general, temperature, grammars if c else None,
+                       compiler_options, general=c and general)
                for c in (False, True))
     off(), on()  # compile
     times = [(off(), on()) for _ in range(repeats)]
@@ -131,18 +134,21 @@ def time_controls_pair(target: Model, draft, spec, batch: int, context: int, ste
 
 
 def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, repeats: int, implementation,
-            controls: bool, temperature: float, grammars=None, compiler_options=None):
+            controls: bool, temperature: float, grammars=None, compiler_options=None, general: bool = False):
     """Prefilled state and pools for ``time_steps``; returns a function running one decode call
     (``steps`` steps) and returning its seconds per step. ``grammars``: a ``GrammarSet`` whose
     first automaton constrains every row. ``compiler_options``: as ``EngineConfig.compiler_options``
-    (None: the table for the backend)."""
+    (None: the table for the backend). ``general``: the serve core's plan (every flag on) over
+    rows that use none of it."""
     page = 16
     V = target.config.vocab_size
     plan = Plan(target=target.config, draft=None if draft is None else draft.config, spec=spec, page_size=page,
-                steps_per_call=steps, implementation=implementation, greedy_only=temperature == 0,
-                controls=controls,
-                logprobs=min(MAX_LOGPROBS, V) if controls else None,
+                steps_per_call=steps, implementation=implementation,
+                greedy_only=temperature == 0 and not general, filtering=general,
+                controls=controls or general,
+                logprobs=min(MAX_LOGPROBS, V) if controls or general else None,
                 compiler_options=resolve_options(normalize_options(compiler_options), program_backend()))
+    controls_width = V if controls or general else 0
     max_pos = context + (repeats + 2) * steps * plan.max_accept + plan.lookahead
     width = next_pow2(pages_needed(max_pos, page))
     num_pages = batch * width + 1
@@ -153,13 +159,13 @@ def prepare(target: Model, draft, spec, batch: int, context: int, steps: int, re
     out_width = next_pow2((repeats + 2) * steps * plan.max_accept + 2)
     seed = None if draft is None else draft.config.empty_seed(batch, dtype=dtype, max_len=width * page)
     state = DecodeState.empty(batch=batch, out_width=out_width, num_stop=1, seed=seed, hidden_dtype=dtype,
-                              control_vocab=V if controls else 0, top_logprobs=plan.logprobs,
+                              control_vocab=controls_width, top_logprobs=plan.logprobs,
                               grammar_table=None if grammars is None else grammars.device_table())
     table = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     table = jnp.asarray(table)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, next_pow2(context + 1))), jnp.int32)
-    req = request_arrays(batch, max_new=out_width - plan.max_accept, control_vocab=V if controls else 0)
+    req = request_arrays(batch, max_new=out_width - plan.max_accept, control_vocab=controls_width)
     req["sampling"].temperature[:] = temperature
     if grammars is not None:
         req["grammar"][:] = grammars.initial(0)
@@ -198,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--constraint", action="store_true",
                     help="time every config again with every row under a JSON-schema constraint (structured "
                          "output) and print the on / off ratio")
+    ap.add_argument("--general", action="store_true",
+                    help="time every config again under the serve core's general plan (sampling, top-k / top-p "
+                         "sorts, controls, 20 logprobs compiled in) with the same rows, and print the ratio")
     ap.add_argument("--tokenizer", default=None,
                     help="with --constraint: the tokenizer.json whose vocabulary the automaton is built over "
                          "(default: the demo's; its vocabulary must cover the shape's)")
@@ -237,16 +246,17 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = None
         for name, spec, d in specs:
-            if args.controls or args.constraint:
+            if args.controls or args.constraint or args.general:
                 secs = time_controls_pair(target, d, spec, batch, args.context, args.steps, args.repeats,
-                                          args.implementation, args.temperature, grammars, options)
+                                          args.implementation, args.temperature, grammars, options, args.general)
             else:
                 secs = (time_steps(target, d, spec, batch, args.context, args.steps, args.repeats,
                                    args.implementation, temperature=args.temperature, compiler_options=options),)
             plain = plain or secs[0]
             roof = wbytes / bw * 1e3 if bw else float("nan")
             for j, sec in enumerate(secs):
-                config = name + ((" + constraint" if grammars is not None else " + controls") if j else "")
+                on = " + constraint" if grammars is not None else " + general plan" if args.general else " + controls"
+                config = name + (on if j else "")
                 label = config + (f" ({sec / secs[0]:.3f}x of off)" if j else "")
                 row = dict(batch=batch, config=config, ms_per_step=sec * 1e3, ratio_to_plain=sec / plain,
                            roofline_ms=roof)

@@ -42,13 +42,18 @@ class StreamEvent:
     index: the request's position in the prompts; token_ids: its new tokens; text: their new text
     (complete characters only; a tail that could still start a stop string is held back until
     decided; None without a tokenizer); finished: its last event; finish_reason: "stop" or
-    "length" on that event."""
+    "length" on that event. logprobs / top_logprobs: for a request that asked
+    (``SamplingParams.logprobs``), the raw log-probability of each new token and a
+    ``{token_id: logprob}`` dict of its most likely tokens (None otherwise), as
+    ``GenerateOutput`` reports them."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass

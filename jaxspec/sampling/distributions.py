@@ -78,7 +78,10 @@ def target_probs(
     draft distributions, which need not match the target's filters); top_k keeps every token
     whose logit is >= the k-th largest (ties at the boundary are kept); top_p then keeps, in
     descending-probability order, each token whose preceding mass is < top_p, and renormalizes.
-    ``filtering=False`` (static: no row uses top_k or top_p) skips those two and their sorts.
+    ``filtering=False`` (static: no row uses top_k or top_p) skips those two and their sorts; with
+    ``filtering=True`` a row that uses neither still gets exactly the unfiltered distribution, so
+    a row's distribution never depends on what other rows ask (a request's sampled tokens are the
+    same whatever runs beside it).
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
@@ -91,8 +94,10 @@ def target_probs(
         # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p): no softmax, no sort (min_p 0: -inf).
         floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(sampling.min_p)[..., None]
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+    unfiltered = jax.nn.softmax(scaled, axis=-1)
     if not filtering:
-        return jnp.where(greedy[..., None], onehot, jax.nn.softmax(scaled, axis=-1))
+        return jnp.where(greedy[..., None], onehot, unfiltered)
+    filters = (top_k > 0) | (top_p < 1.0)  # [...]
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]
@@ -106,7 +111,7 @@ def target_probs(
     threshold = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
     probs = jnp.where(probs >= threshold, probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return jnp.where(greedy[..., None], onehot, probs)
+    return jnp.where(greedy[..., None], onehot, jnp.where(filters[..., None], probs, unfiltered))
 
 
 def uniforms(keys: jax.Array, shape: tuple[int, ...] = ()) -> jax.Array:  # f32[R, *shape]
