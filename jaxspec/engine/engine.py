@@ -64,23 +64,28 @@ class Engine:
         if engine.prefix_cache and geo.uncacheable:
             raise ValueError(f"EngineConfig(prefix_cache=True): this model's prompts cannot be cached: "
                              f"{geo.uncacheable}")
+        self.geometry = geo
+        self.target, self.draft, self.spec, self.plan, self.config = target, draft, spec, plan, engine
+        self.dtype, self.batch, self.width = jnp.dtype(target.dtype), geo.batch, geo.width
+        self.dparams = None if draft is None else draft.params
+        self.create_pools()
+        self.busy = False  # a call is running (its stream is open)
+
+    def create_pools(self) -> None:
+        """Fresh KV pools and page accounting (empty prefix cache)."""
+        geo, target, draft, engine, mesh, dtype = (self.geometry, self.target, self.draft, self.config,
+                                                   self.target.mesh, self.dtype)
         self.pages = geo.page_pools(prefix_cache=engine.prefix_cache is not False)
-        dtype = jnp.dtype(target.dtype)
         sizes = geo.pool_sizes()
         self.tpool = create_pool(functools.partial(create_target_pool, target.config, dtype=dtype, **sizes),
                                  getattr(target.config, "tensor_parallel", 1) > 1, mesh)
         if draft is None:
             self.dpool = create_pool(functools.partial(zero_pool, engine.page_size, dtype), False, mesh)
         else:
-            if not draft_layout.entry_rates:  # only a draft with compressed KV of its own takes entry pools
+            if not draft.config.kv_layout.entry_rates:  # only a draft with compressed KV of its own takes entry pools
                 sizes.pop("entry_pages", None)
             self.dpool = create_pool(functools.partial(draft.config.create_pool, dtype=dtype, **sizes),
                                      draft.config.tensor_parallel > 1, mesh)
-        self.geometry = geo
-        self.target, self.draft, self.spec, self.plan, self.config = target, draft, spec, plan, engine
-        self.dtype, self.batch, self.width = dtype, geo.batch, geo.width
-        self.dparams = None if draft is None else draft.params
-        self.busy = False  # a call is running (its stream is open)
 
     def generate(self, prompts, *, sampling: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,
                  progress: bool | None = None) -> GenerateOutput:

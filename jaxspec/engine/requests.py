@@ -82,11 +82,13 @@ def _keys_for(seed, index, own_seed, has_own):  # -> u32[N, 2]
     return jnp.where(has_own[:, None], own, derived)
 
 
-def request_keys(seed: int, sampling: list[SamplingParams]) -> np.ndarray:  # u32[N, 2]
-    """Request i's key: PRNGKey(its own seed) if it has one, else fold_in(PRNGKey(seed), i)."""
+def request_keys(seed: int, sampling: list[SamplingParams], indices=None) -> np.ndarray:  # u32[N, 2]
+    """Request i's key: PRNGKey(its own seed) if it has one, else fold_in(PRNGKey(seed), i)
+    (``indices[i]`` instead of i when given: a serving core's request ids)."""
     own = np.asarray([s.seed or 0 for s in sampling], np.uint32)
     has_own = np.asarray([s.seed is not None for s in sampling])
-    keys = _keys_for(np.uint32(seed), np.arange(len(sampling), dtype=np.uint32), own, has_own)
+    index = np.arange(len(sampling), dtype=np.uint32) if indices is None else np.asarray(indices, np.uint32)
+    keys = _keys_for(np.uint32(seed), index, own, has_own)
     return np.asarray(keys, np.uint32)
 
 

@@ -110,19 +110,43 @@ class Scheduler:
         self.optimistic = admission == "optimistic"
         self.admitted = 0  # admissions so far (Request.order)
         self.preempted = 0
-        capacity = self.allocators[0].capacity
         for r in requests:
-            total = len(r.prompt) + r.sampling.max_new_tokens + lookahead
-            r.worst_pages = pages_needed(total, page_size)
-            r.worst_window_pages = window.worst_pages(total) if window is not None else 0
-            if r.worst_pages > width:
-                raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
-            if r.worst_pages > capacity:
-                raise KVCacheExhausted(
-                    f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
-                    f"{page_size} slots but the pool has {capacity}"
-                    + (f" per data shard" if data_shards > 1 else "") + " (raise EngineConfig.num_pages)"
-                )
+            self.size(r)
+
+    def size(self, r: Request) -> None:
+        """Sets ``r``'s worst-case page counts; raises when it could never run here (more pages than
+        its page table row or its shard's pool holds)."""
+        width, capacity = self.page_table.shape[1], self.allocators[0].capacity
+        total = len(r.prompt) + r.sampling.max_new_tokens + self.lookahead
+        r.worst_pages = pages_needed(total, self.page_size)
+        r.worst_window_pages = self.window.worst_pages(total) if self.window is not None else 0
+        if r.worst_pages > width:
+            raise ValueError(f"request {r.index} needs {r.worst_pages} pages, the page table has {width}")
+        if r.worst_pages > capacity:
+            raise KVCacheExhausted(
+                f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
+                f"{self.page_size} slots but the pool has {capacity}"
+                + (" per data shard" if self.data_shards > 1 else "") + " (raise EngineConfig.num_pages)"
+            )
+
+    def enqueue(self, r: Request) -> None:
+        """A request that arrives while others run: sized (``size``) and queued behind the waiting ones."""
+        self.size(r)
+        self.waiting.append(r)
+
+    def drop(self, r: Request) -> int | None:
+        """Takes ``r`` out (a cancelled request): off the queue, or off its row with every page back.
+        Returns the row it held (its device row must be stopped), or None."""
+        if r.row is None or self.rows[r.row] is not r:
+            try:
+                self.waiting.remove(r)
+            except ValueError:
+                pass
+            return None
+        row = r.row
+        self._free_row(row)
+        r.row = None
+        return row
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,140 @@
+"""The serving core: requests that join a running engine from any thread, each with the output it
+would have alone, cancellation, and a bounded set of programs under a mixed load."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.engine.core import EngineCore, LiveGrammars, QueueFull
+from jaxspec.engine.programs import compiled_programs
+from jaxspec.sampling.distributions import RowSampling, target_probs
+from jaxspec.structured.automaton import compile_automaton
+from jaxspec.structured.regex import compile_dfa
+from tests.conftest import PROMPTS_4, engine
+from tests.spec.test_lossless import MAX_NEW, drafts, plain_greedy
+
+GREEDY = js.SamplingParams(max_new_tokens=MAX_NEW)
+SPEC = js.SpecConfig.chain(3)
+HOT = js.SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, logprobs=2)
+MIXED = [GREEDY, HOT, js.SamplingParams(max_new_tokens=MAX_NEW, repetition_penalty=1.3, logit_bias={5: -3.0}),
+         js.SamplingParams(temperature=0.8, top_k=8, top_p=0.9, max_new_tokens=12, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_target):
+    eng = js.Engine(tiny_target, draft=drafts(tiny_target)["perturbed"], spec=SPEC,
+                    engine=engine(16, 4, check_pages=True))
+    with EngineCore(eng, max_waiting=6) as c:
+        yield c
+
+
+def test_requests_from_many_threads_equal_each_alone(core, tiny_target):
+    """Requests added at once from four threads, and one that joins while they run: greedy output is
+    ``generate`` of the request alone, token for token."""
+    ref = plain_greedy(tiny_target, 16, 4)  # equal to each prompt alone (tests/test_generate.py)
+    handles = [None] * 4
+
+    def add(i):
+        handles[i] = core.add(PROMPTS_4[i], GREEDY)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next(iter(handles[0]))  # the batch is running: one more joins it
+    late = core.add(PROMPTS_4[3], GREEDY)
+    results = [h.result() for h in handles]
+    results[0].token_ids = first.token_ids + results[0].token_ids
+    assert [r.token_ids for r in results] == ref
+    assert late.result().token_ids == ref[3]
+    assert all(r.finish_reason == "length" and r.stats.num_tokens == MAX_NEW for r in results)
+
+
+def test_sampled_requests_keep_their_tokens_beside_anything(core, tiny_target):
+    """A seeded sampled request gives the same tokens alone, beside a mixed batch, and as
+    ``generate`` of it alone; greedy neighbours with controls keep theirs; streamed logprobs match."""
+    alone = core.add(PROMPTS_4[1], HOT).result()
+    mixed = [h.result() for h in [core.add(p, s) for p, s in zip(PROMPTS_4, MIXED)]]
+    assert mixed[1].token_ids == alone.token_ids
+    assert mixed[0].token_ids == plain_greedy(tiny_target, 16, 4)[0]
+    out = js.generate(tiny_target, [PROMPTS_4[1]], draft=drafts(tiny_target)["perturbed"], spec=SPEC,
+                      sampling=HOT, engine=engine(16, 4))
+    assert alone.token_ids == out.token_ids[0]
+    np.testing.assert_allclose(alone.logprobs, out.logprobs[0], rtol=1e-4, atol=1e-4)
+    assert [list(d) for d in alone.top_logprobs] == [list(d) for d in out.top_logprobs[0]]
+    controlled = js.generate(tiny_target, [PROMPTS_4[2]], sampling=MIXED[2], engine=engine(16, 4))
+    assert mixed[2].token_ids == controlled.token_ids[0]
+
+
+def test_a_steady_mixed_load_compiles_nothing_new(core):
+    """The same mix of greedy, sampled, filtered, controlled and logprob requests, arriving in
+    another order: every program it needs was compiled by the first round of it."""
+    for order in (MIXED, MIXED[::-1]):  # warm-up: each request also runs alone and in every company
+        [h.result() for h in [core.add(p, s) for p, s in zip(PROMPTS_4, order)]]
+    before = compiled_programs()
+    for order in (MIXED[1:] + MIXED[:1], MIXED):
+        [h.result() for h in [core.add(p, s) for p, s in zip(PROMPTS_4[::-1], order)]]
+    assert compiled_programs() == before
+
+
+def test_cancel_frees_pages_after_the_running_call(core):
+    idle = core.snapshot()["free_pages"]
+    h = core.add(PROMPTS_4[2], js.SamplingParams(max_new_tokens=100))
+    stream = iter(h)
+    assert next(stream).token_ids
+    assert core.snapshot()["free_pages"] < idle
+    h.cancel()
+    rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled"
+    assert sum(len(e.token_ids) for e in rest) < 100
+    assert core.snapshot()["free_pages"] == idle and core.snapshot()["running"] == 0
+
+
+def test_bad_requests_and_a_full_queue_are_refused_before_the_device(core, tiny_target):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add([1, 500], GREEDY)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        core.add([1] * 120, GREEDY)
+    with pytest.raises(ValueError, match="stop token ids"):
+        core.add([1], js.SamplingParams(max_new_tokens=8, stop_token_ids=tuple(range(20))))
+    with pytest.raises(QueueFull):
+        core.add_group([(PROMPTS_4[0], GREEDY)] * 7)
+    assert core.snapshot()["waiting"] == 0  # all or nothing
+
+
+BYTES = tuple(bytes([b]) for b in range(256))
+
+
+def test_live_grammars_renumber_kept_automata():
+    """A table rebuilt for a new automaton drops the released ones; the kept automaton's states map
+    to the same positions of its language."""
+    a, b, c = (compile_automaton(compile_dfa(p), BYTES, 256) for p in ("ab+c", "[0-9]{3}", "x(yz)*"))
+    g = LiveGrammars(256)
+    ia, _ = g.acquire(a)
+    ib, renumber = g.acquire(b)
+    before = g.walk(ib, b"12")
+    assert renumber is not None and g.acquire(a)[1] is None  # held twice: no rebuild
+    g.release(ia), g.release(ia)
+    ic, (states, index) = g.acquire(c)
+    assert index == {ib: 0} and ic == 1
+    assert states[before] == g.walk(index[ib], b"12")
+    assert g.ended(ic, b"xyz") is False and g.set.final[g.walk(ic, b"xyz")]
+    g.release(0), g.release(1)
+    assert g.set is None
+
+
+def test_a_row_without_filters_draws_from_the_same_distribution_in_every_plan():
+    """``filtering`` (some row uses top-k / top-p) must not touch the other rows' distributions, or
+    a sampled request's tokens would depend on its neighbours."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 96)) * 3
+    rows = RowSampling(temperature=jnp.full((4,), 0.7), top_k=jnp.array([0, 5, 0, 0]),
+                       top_p=jnp.array([1.0, 1.0, 0.9, 1.0]), min_p=jnp.array([0.0, 0.0, 0.0, 0.1]))
+    on, off = (np.asarray(target_probs(logits, rows, filtering=f)) for f in (True, False))
+    np.testing.assert_array_equal(on[[0, 3]], off[[0, 3]])
