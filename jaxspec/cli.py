@@ -1,4 +1,4 @@
-"""Command line: ``jaxspec generate | bench | train-draft`` (also ``python -m jaxspec``)."""
+"""Command line: ``jaxspec generate | bench | serve | bench-serve | train-draft`` (also ``python -m jaxspec``)."""
 
 from __future__ import annotations
 
@@ -9,57 +9,7 @@ import sys
 import time
 
 from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET
-
-
-NGRAM = "ngram"  # --draft ngram: model-free n-gram drafting (a directory of that name is given as ./ngram)
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=None,
-                   help="draft depth S (default 5; with no --draft on the demo pair, its default method's)")
-    p.add_argument("--topk", type=int, default=1, help="branching factor (1 = chain, default)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="n verified per step, grafted n-gram tokens included (default: S+1 for chains, plus "
-                        "--ngram-tokens; topk*S+1 for n-gram trees)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix an n-gram draft looks up (default 4)")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix an n-gram draft looks up (default 1)")
-    p.add_argument("--ngram-tokens", type=int, default=None,
-                   help="graft this many n-gram tokens onto the model draft's tree (a hybrid draft; default 0)")
-
-
-def _spec_from(args, S: int, G: int, ngram_only: bool = False):
-    from jaxspec.config import SpecConfig
-
-    K = args.topk
-    if args.num_draft_tokens is not None:
-        n = args.num_draft_tokens
-    elif K == 1:
-        n = S + 1 + G
-    elif ngram_only:
-        n = K * S + 1
-    else:
-        n = min(2 * S * K, K + (S - 1) * K**2) + 1 + G
-    return SpecConfig(num_steps=S, topk=K, num_draft_tokens=n, ngram_tokens=G)
-
-
-def _draft_from(args, target, draft_path, ngram_tokens: int | None = None):
-    """``--draft``: a checkpoint directory, ``ngram`` (model-free) or ``none``; ``--ngram-tokens``
-    (or ``ngram_tokens``) grafts n-gram tokens onto a checkpoint's tree (``HybridDraft``)."""
-    import jaxspec as js
-
-    G = args.ngram_tokens if ngram_tokens is None else ngram_tokens
-    ngram = js.NgramDraft(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
-    if draft_path == NGRAM:
-        if G:
-            raise ValueError("--ngram-tokens grafts n-gram tokens onto a model draft's tree; --draft ngram drafts "
-                             "with n-grams alone (give a checkpoint as --draft for a hybrid)")
-        return ngram
-    if not draft_path or draft_path == "none":
-        if G:
-            raise ValueError("--ngram-tokens needs a model draft (--draft DIR) to graft onto")
-        return None
-    draft = js.load_draft(draft_path, target)
-    return js.HybridDraft(draft, ngram) if G else draft
+from jaxspec.spec_options import NGRAM, add_spec_args, draft_from, spec_from
 
 
 def _json_schema(value: str | None):
@@ -126,8 +76,8 @@ def cmd_generate(args) -> int:
 
     runs = []  # (name, draft, spec, draft path)
     for name, path, S, G in _methods(args):
-        draft = _draft_from(args, target, path, G)
-        spec = None if draft is None else _spec_from(args, S, G, ngram_only=path == NGRAM)
+        draft = draft_from(args, target, path, G)
+        spec = None if draft is None else spec_from(args, S, G, ngram_only=path == NGRAM)
         runs.append((name, draft, spec, path))
 
     def run(d, s):
@@ -255,13 +205,15 @@ def main(argv=None) -> int:
                    help="also run every other method (demo: plain, EAGLE-3, n-gram, hybrid, block drafter; else plain, "
                         "n-gram and the draft's hybrid) and print one line each, from the same rounds")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median is printed)")
-    _add_spec_args(g)
+    add_spec_args(g)
     g.set_defaults(func=cmd_generate)
 
     from jaxspec import bench
+    from jaxspec.serve import command as serve_command
     from jaxspec.train import cli as train_cli
 
     bench.add_parser(sub)
+    serve_command.add_parsers(sub)
     train_cli.add_parser(sub)
 
     args = parser.parse_args(argv)

@@ -37,8 +37,8 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >&2
-  extras="test"
-  [ "${JAXSPEC_CUDA:-0}" = "1" ] && extras="test,cuda12"
+  extras="test,serve"
+  [ "${JAXSPEC_CUDA:-0}" = "1" ] && extras="test,serve,cuda12"
   .venv/bin/python -m pip install -q -c requirements.lock -e ".[$extras]" >&2
   touch "$stamp"
 fi

@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxspec"
 # Top to bottom; a module may import its own layer or any layer below it.
 LAYERS = [
     ("jaxspec.cli", "jaxspec.__main__"),
-    ("jaxspec.bench",),
+    ("jaxspec.serve",),  # the HTTP server (the only importer of the web stack) and its load benchmark
+    ("jaxspec.bench", "jaxspec.spec_options"),  # spec_options: the speculative options the commands share
     ("jaxspec.train",),
     ("jaxspec", "jaxspec.generate"),  # the package root re-exports the public names
     ("jaxspec.engine",),

@@ -16,10 +16,12 @@ state that changes only between calls:
 
 * The decode state has one layout for the core's life: the output buffers for ``max_seq_len``
   tokens, ``max_stop_ids`` stop-id slots, the log-probability buffers for ``MAX_LOGPROBS``.
-* Each round's plan sets the flags of what its rows ask: greedy only, top-k / top-p sorts,
-  controls, log-probabilities (at most 2 x 2 x 2 x 2 variants, each compiled once). The controls'
-  [B, V] arrays are added when a request with a penalty or a logit bias joins and dropped when none
-  runs (rows without controls are exact either way: their values are neutral).
+* The plan has the controls and the log-probabilities always on (rows that use neither are exact
+  under them: neutral penalties and biases change no logit; measured on a CPU their cost is within
+  noise); each decode call samples only when a running row samples, and sorts for top-k / top-p
+  only when a running row filters (3 variants: sampling costs 1.5-2x and the sorts 2-3x per token
+  on a CPU). The prefill always runs the general plan (its token pick over the admitted rows is
+  cheap).
 * The structured-output table (``LiveGrammars``) holds the automata of the requests the core
   holds, in power-of-two buckets: a constraint that needs a larger bucket is one more compiled
   variant; automata no request holds are dropped when the table is rebuilt, every running row's
@@ -53,10 +55,8 @@ from jaxspec.engine.requests import check_sampling_fits, request_keys
 from jaxspec.engine.scheduler import Request
 from jaxspec.engine.scoring import prompt_logprobs
 from jaxspec.engine.state import DecodeState
-from jaxspec.mesh import DATA
 from jaxspec.model.config import padded_vocab_size
 from jaxspec.results import RequestStats, StreamEvent
-from jaxspec.sampling.controls import Controls
 from jaxspec.sampling.grammar_masks import DEAD, FREE, GrammarTable
 from jaxspec.structured import compile_constraint
 from jaxspec.structured.automaton import Automaton, GrammarSet, join_automata
@@ -91,10 +91,11 @@ class RequestHandle:
     handle``) or, when added with an asyncio ``loop``, an async one (``async for``). ``t_added``:
     when ``add`` took it; ``first_token_time``: when its first token was handed out."""
 
-    def __init__(self, core: "EngineCore", id: int, prompt: list[int], sampling: SamplingParams, loop=None):
+    def __init__(self, core: "EngineCore", id: int, prompt: list[int], sampling: SamplingParams, loop=None,
+                 shared=None):
         self.core, self.id, self.prompt, self.sampling = core, id, prompt, sampling
         self.loop = loop
-        self._queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        self._queue = shared if shared is not None else asyncio.Queue() if loop is not None else queue.SimpleQueue()
         self.t_added = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished = False
@@ -130,6 +131,44 @@ class RequestHandle:
     def result(self) -> "RequestResult":
         """Waits for the request's end (a blocking handle) and returns what it produced."""
         return collect(self)
+
+
+class RequestGroup:
+    """Requests added together (``add_group``): their events in arrival order from one queue,
+    until every one has finished (``for event in group`` / ``async for``; ``position(event)``:
+    which item it belongs to)."""
+
+    def __init__(self, handles: list[RequestHandle], shared):
+        self.handles, self._queue = handles, shared
+        self._position = {h.id: i for i, h in enumerate(handles)}
+
+    def position(self, event: CoreEvent) -> int:
+        return self._position[event.index]
+
+    def __iter__(self):
+        left = len(self.handles)
+        while left:
+            event = self._queue.get()
+            left -= event.finished
+            yield event
+
+    async def __aiter__(self):
+        left = len(self.handles)
+        while left:
+            event = await self._queue.get()
+            left -= event.finished
+            yield event
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+    def results(self) -> list["RequestResult"]:
+        """Waits for every request (a blocking group); their results in item order."""
+        out = [RequestResult(token_ids=[], text=None, finish_reason=None) for _ in self.handles]
+        for e in self:
+            accumulate(out[self.position(e)], e)
+        return out
 
 
 @dataclasses.dataclass
@@ -229,9 +268,11 @@ class _CoreLoop(HostLoop):
         target = eng.target
         self.eng, self.spec, self.engine = eng, eng.spec, eng.config
         self.k = min(MAX_LOGPROBS, target.config.vocab_size)
-        # The layout plan: log-probability buffers always there; the flags are set per round.
-        self.plan = dataclasses.replace(eng.plan, greedy_only=True, filtering=False, controls=False,
+        # Controls and log-probabilities always compiled in (their cost is within noise on a CPU, and
+        # rows that use neither are exact under them); sampling and the top-k / top-p sorts are per round.
+        self.plan = dataclasses.replace(eng.plan, greedy_only=True, filtering=False, controls=True,
                                         logprobs=self.k)
+        self.prefill_plan = dataclasses.replace(self.plan, greedy_only=False, filtering=True)
         self.num_stop = next_pow2(max(1, max_stop_ids))
         self.out_width = next_pow2(eng.config.max_seq_len + self.plan.max_accept)
         self.vocab = padded_vocab_size(target.config)  # the logits' width (controls, grammar)
@@ -250,7 +291,7 @@ class _CoreLoop(HostLoop):
             eng.batch, dtype=eng.dtype, max_len=eng.width * eng.config.page_size)
         self.state = create_state(lambda: DecodeState.empty(
             batch=eng.batch, out_width=self.out_width, num_stop=self.num_stop, seed=draft_seed,
-            hidden_dtype=eng.dtype, control_vocab=0, top_logprobs=self.k), eng.target.mesh)
+            hidden_dtype=eng.dtype, control_vocab=self.vocab, top_logprobs=self.k), eng.target.mesh)
         self.grammars = LiveGrammars(self.vocab)
         self._start_rounds()
 
@@ -258,29 +299,16 @@ class _CoreLoop(HostLoop):
     def idle(self) -> bool:
         return self.sched.finished
 
-    def _round_plan(self, admitted):
+    def _round_plans(self, admitted):
+        """The prefill runs the general plan (its token pick over the admitted rows is cheap); the
+        decode call samples and sorts only when a running row needs it."""
         rows = [r.sampling for r in self.sched.rows if r is not None]
-        flags = dict(greedy_only=all(s.is_greedy for s in rows), filtering=any(s.filters for s in rows),
-                     controls=any(s.uses_penalties for s in rows),
-                     logprobs=self.k if any(s.logprobs is not None for s in rows) else None)
-        self._set_controls(flags["controls"])
-        key = tuple(flags.values())
+        key = (all(s.is_greedy for s in rows), any(s.filters for s in rows))
         if key not in self._plans:
-            self._plans[key] = dataclasses.replace(self.plan, **flags)
+            self._plans[key] = dataclasses.replace(self.plan, greedy_only=key[0], filtering=key[1])
         if self.adaptive and len(self.adaptive.history) > 2 * ADAPTIVE_HISTORY:
             del self.adaptive.history[:-ADAPTIVE_HISTORY]
-        return self._plans[key]
-
-    def _set_controls(self, on: bool) -> None:
-        """The controls' [B, V] arrays in the state iff a running row uses them (neutral rows are
-        exact either way: no penalty, no bias, so their counts are never read)."""
-        width = self.state.controls.bias.shape[-1]
-        if on == (width > 0):
-            return
-        B, V = len(self.sched.rows), self.vocab if on else 0
-        make = lambda: Controls.empty(B, V)  # noqa: E731
-        specs = jax.tree.map(lambda _: P(DATA), jax.eval_shape(make))
-        self.state = dataclasses.replace(self.state, controls=create(make, specs, self.eng.target.mesh))
+        return self.prefill_plan, self._plans[key]
 
     def set_grammar(self, states: np.ndarray | None) -> None:
         """The current table into the state (none: compiled out); ``states`` renumbers the rows'
@@ -356,10 +384,16 @@ class EngineCore:
         engine cannot serve (before any device work) and ``QueueFull`` when ``max_waiting``
         requests wait. ``prompt_logprobs``: also score the prompt, with that many top tokens per
         position (the first event carries them). ``loop``: deliver events to this asyncio loop."""
-        return self.add_group([(prompt, sampling)], prompt_logprobs=prompt_logprobs, loop=loop)[0]
+        return self._queue_requests([(prompt, sampling)], [prompt_logprobs], loop, None)[0]
 
-    def add_group(self, items, *, prompt_logprobs: int | None = None, loop=None) -> list[RequestHandle]:
-        """``add`` for several (prompt, sampling) pairs at once: all are queued, or none."""
+    def add_group(self, items, *, prompt_logprobs=None, loop: asyncio.AbstractEventLoop | None = None) -> RequestGroup:
+        """``add`` for several (prompt, sampling) pairs at once: all are queued, or none; their events
+        come from one queue (``RequestGroup``). ``prompt_logprobs``: one per item (or None)."""
+        shared = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        scores = list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(items)
+        return RequestGroup(self._queue_requests(items, scores, loop, shared), shared)
+
+    def _queue_requests(self, items, scores, loop, shared) -> list[RequestHandle]:
         checked = [self.check(p, s) for p, s in items]
         with self._cv:
             if self._closed:
@@ -367,9 +401,9 @@ class EngineCore:
             if self.max_waiting is not None and self.waiting + len(items) > self.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting})")
             handles = []
-            for (p, s), automaton in checked:
-                h = RequestHandle(self, next(self._ids), p, s, loop)
-                self._inbox.append(_Arrival(h, automaton, prompt_logprobs if not handles else None))
+            for ((p, s), automaton), k in zip(checked, scores):
+                h = RequestHandle(self, next(self._ids), p, s, loop, shared)
+                self._inbox.append(_Arrival(h, automaton, k))
                 handles.append(h)
             self._cv.notify()
         return handles

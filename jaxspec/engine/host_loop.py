@@ -85,9 +85,9 @@ class HostLoop:
     def dpool(self, value):
         self.eng.dpool = value
 
-    def _round_plan(self, admitted: list[Request]):
-        """The plan of this round's prefill and decode call (a call's is fixed)."""
-        return self.plan
+    def _round_plans(self, admitted: list[Request]):
+        """The plans of this round's prefill and decode call (a call's are its one plan)."""
+        return self.plan, self.plan
 
     def _depth_plan(self, plan):
         """``plan`` at the adaptive chain's current depth (``plan`` itself for a fixed shape)."""
@@ -109,9 +109,9 @@ class HostLoop:
         if victims:
             self._preempt(victims)
         admitted = sched.admit(seq_lens)
-        plan = self._round_plan(admitted)
+        prefill_plan, plan = self._round_plans(admitted)
         if admitted:
-            self.state, self.tpool, self.dpool = _prefill(plan, target, self.dparams, self.state, self.tpool,
+            self.state, self.tpool, self.dpool = _prefill(prefill_plan, target, self.dparams, self.state, self.tpool,
                                                           self.dpool, sched, admitted, self.num_stop, engine,
                                                           self.grammars)
             sched.cache_prompts(admitted)

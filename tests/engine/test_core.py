@@ -61,7 +61,7 @@ def test_sampled_requests_keep_their_tokens_beside_anything(core, tiny_target):
     """A seeded sampled request gives the same tokens alone, beside a mixed batch, and as
     ``generate`` of it alone; greedy neighbours with controls keep theirs; streamed logprobs match."""
     alone = core.add(PROMPTS_4[1], HOT).result()
-    mixed = [h.result() for h in [core.add(p, s) for p, s in zip(PROMPTS_4, MIXED)]]
+    mixed = core.add_group(list(zip(PROMPTS_4, MIXED))).results()
     assert mixed[1].token_ids == alone.token_ids
     assert mixed[0].token_ids == plain_greedy(tiny_target, 16, 4)[0]
     out = js.generate(tiny_target, [PROMPTS_4[1]], draft=drafts(tiny_target)["perturbed"], spec=SPEC,
@@ -106,6 +106,8 @@ def test_bad_requests_and_a_full_queue_are_refused_before_the_device(core, tiny_
         core.add([1], js.SamplingParams(max_new_tokens=8, stop_token_ids=tuple(range(20))))
     with pytest.raises(QueueFull):
         core.add_group([(PROMPTS_4[0], GREEDY)] * 7)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add_group([(PROMPTS_4[0], GREEDY), ([999], GREEDY)])
     assert core.snapshot()["waiting"] == 0  # all or nothing
 
 

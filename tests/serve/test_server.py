@@ -1,0 +1,421 @@
+"""``jaxspec serve`` on the demo pair (EAGLE-3 chain, float32), through the official ``openai``
+client and raw HTTP: completions and chats, streamed and not, with controls, logprobs, echo, stop
+strings, ``n`` and a JSON schema; concurrent clients whose greedy output equals ``jaxspec.generate``
+of each request alone; bad input answered with its status while a good request completes; a client
+that disconnects; no new compiles under a steady load.
+
+One server for the module (a subprocess on 127.0.0.1 at a free port, with an API key and a small
+queue), sharing the suite's compilation cache through the environment.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+import jaxspec as js
+from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
+from tests.background import ROOT
+
+KEY = "test-key"
+MODEL = "jaxspec-demo"
+MAX_SEQ_LEN = 256
+MAX_QUEUE = 4
+TEMPLATE = os.path.join(ROOT, "tests", "data", "chat", "jinja_file", "chat_template.jinja")
+PROMPTS = ["def read_lines(path):\n    with open(path) as f:", "import os\n\n\ndef walk(top):",
+           "class Stack:\n    def __init__(self):"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "size"], "additionalProperties": False}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    args = [sys.executable, "-m", "jaxspec", "serve", "--draft", DEMO_DRAFT, "--steps", "3", "--max-seq-len",
+            str(MAX_SEQ_LEN), "--max-batch", "4", "--steps-per-call", "4", "--max-queue", str(MAX_QUEUE),
+            "--api-key", KEY, "--port", str(port), "--chat-template", TEMPLATE]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the server did not start:\n" + log.read_text()[-4000:])
+        time.sleep(0.25)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@functools.cache
+def target():
+    return js.load_model(DEMO_TARGET, dtype="float32", progress=False)
+
+
+def alone(ids: tuple[int, ...], max_new: int, stop: tuple[str, ...] | None = None) -> str:
+    """``jaxspec.generate`` of one request alone, plain greedy (lossless: what the speculative server
+    must give): its text."""
+    return alone_out(ids, max_new, stop).texts[0]
+
+
+@functools.cache
+def alone_out(ids: tuple[int, ...], max_new: int, stop: tuple[str, ...] | None = None) -> js.GenerateOutput:
+    return js.generate(target(), [list(ids)], sampling=js.SamplingParams(max_new_tokens=max_new, stop=stop),
+                       engine=js.EngineConfig(max_batch=1, max_seq_len=MAX_SEQ_LEN), progress=False)
+
+
+def encode(text: str) -> tuple[int, ...]:
+    return tuple(target().tokenizer.encode(text))
+
+
+def chat_ids(messages) -> tuple[int, ...]:
+    with open(TEMPLATE) as f:
+        template = f.read()
+    return tuple(target().tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True))
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+# ----------------------------------------------------------------------------- completions and chats
+
+
+def test_completion_streamed_and_not_equals_generate_alone(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    choice = whole.choices[0]
+    assert choice.text == alone(encode(PROMPTS[0]), 24)
+    assert choice.finish_reason in ("length", "stop")
+    assert whole.usage.prompt_tokens == len(encode(PROMPTS[0]))
+    assert whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens_details.cached_tokens >= 0
+    spec = choice.model_extra["spec_stats"]
+    assert spec["mean_accept_length"] >= 1 and len(spec["accepted_per_position"]) == 3
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_streamed_and_not(client):
+    full = alone(encode(PROMPTS[1]), 32)
+    stop = full[8:11]  # a piece from the middle of the output
+    expect = alone(encode(PROMPTS[1]), 32, (stop,))
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0, stop=[stop])
+    assert out.choices[0].text == expect == full[:full.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expect
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_streamed_and_not(client):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    expect = alone(chat_ids([messages[0], {"role": "user", "content": "def add(a, b):"}]), 16)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expect
+    assert out.object == "chat.completion" and out.usage.completion_tokens <= 16
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == expect
+    assert [c.choices[0].finish_reason for c in body][-1] == out.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_controls_logprobs_and_echo(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=3)
+    lp = base.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == base.usage.completion_tokens
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value == pytest.approx(max(top.values()), abs=1e-4) and top[token] == pytest.approx(value, abs=1e-5)
+    assert base.choices[0].text == alone(encode(PROMPTS[2]), 12)
+    banned = alone_out(encode(PROMPTS[2]), 12).token_ids[0][0]  # the greedy first token
+    steered = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, logit_bias={str(banned): -100}, logprobs=0,
+        presence_penalty=0.5, frequency_penalty=0.3, extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.1})
+    assert steered.choices[0].text != base.choices[0].text
+    assert steered.choices[0].logprobs.tokens[0] != lp.tokens[0]
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=1, temperature=0, echo=True, logprobs=1)
+    e = echo.choices[0]
+    assert e.text.startswith(PROMPTS[2]) and e.logprobs.token_logprobs[0] is None
+    n_prompt = len(encode(PROMPTS[2]))
+    assert len(e.logprobs.tokens) == n_prompt + 1 and all(x < 0 for x in e.logprobs.token_logprobs[1:])
+    assert e.logprobs.text_offset[1] == len(e.logprobs.tokens[0])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = "}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-4) for c in content)
+
+
+def test_n_choices_have_documented_seeds(client):
+    """Choice i of a request with seed s samples with seed s + i: the same as a one-choice request
+    with that seed, whatever runs beside it."""
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0)
+    three = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    one = client.completions.create(n=1, seed=12, **kw)
+    assert one.choices[0].text == three.choices[1].text
+    assert len({c.text for c in three.choices}) > 1
+    again = client.completions.create(n=3, seed=11, **kw)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]
+
+
+def test_json_schema_response_format(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a record"}], max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    text = client.completions.create(model=MODEL, prompt="n = ", max_tokens=8, temperature=0,
+                                     extra_body={"regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", text.choices[0].text) and text.choices[0].finish_reason == "stop"
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_staggered_clients_overlap_and_each_equals_generate_alone(client, server):
+    """A long request, then a middle one when the long one streams, then a short one: they run
+    together (the running gauge reaches 2 or more), the short one finishes first, and each greedy
+    output equals ``jaxspec.generate`` of it alone."""
+    plan = [(PROMPTS[0], 200), (PROMPTS[1], 100), (PROMPTS[2], 4)]
+    started = [threading.Event() for _ in plan]
+    finished_at, texts = [None] * 3, [None] * 3
+
+    def run(i):
+        prompt, n = plan[i]
+        if i:
+            started[i - 1].wait(120)
+        text = ""
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text
+            started[i].set()
+        finished_at[i], texts[i] = time.perf_counter(), text
+
+    running, done = [], threading.Event()
+
+    def watch():  # the running gauge, sampled while the clients run
+        while not done.is_set():
+            running.append(metrics(server)["jaxspec_requests_running"])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        watcher = pool.submit(watch)
+        futures = [pool.submit(run, i) for i in range(3)]
+        for f in futures:
+            f.result(timeout=300)
+        done.set()
+        watcher.result()
+    assert max(running) >= 2
+    assert finished_at[2] < finished_at[0]
+    for (prompt, n), text in zip(plan, texts):
+        ids = encode(prompt)
+        out = js.generate(target(), [list(ids)], sampling=js.SamplingParams(max_new_tokens=n, stop_token_ids=()),
+                          engine=js.EngineConfig(max_batch=1, max_seq_len=MAX_SEQ_LEN), progress=False)
+        assert text == out.texts[0]
+
+
+def test_disconnect_cancels_and_frees_pages(server):
+    idle = metrics(server)["jaxspec_kv_pages_free"]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert metrics(server)["jaxspec_kv_pages_free"] < idle
+    deadline = time.monotonic() + 60
+    while metrics(server)["jaxspec_kv_pages_free"] != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = metrics(server)
+    assert after["jaxspec_kv_pages_free"] == idle and after["jaxspec_requests_running"] == 0
+    time.sleep(1.0)
+    assert metrics(server)["jaxspec_generation_tokens_total"] == after["jaxspec_generation_tokens_total"]
+    assert after["jaxspec_generation_tokens_total"] > 0
+
+
+def test_a_steady_mixed_load_compiles_nothing_new(client, server):
+    """Greedy, sampled, filtered, logprob and penalized requests arriving together: the programs
+    they need form a bounded set (decode: greedy / sampling / sampling with sorts; prefill: rows
+    admitted together, in powers of two), compiled while the load warms up; after that the same
+    load compiles nothing."""
+    kinds = [dict(temperature=0), dict(temperature=0.7, seed=1, top_p=0.9), dict(temperature=0.7, seed=2, logprobs=2),
+             dict(temperature=0, frequency_penalty=0.5)]
+
+    def load():
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda kw: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, **kw),
+                          kinds))
+
+    def compiled():
+        return {k: v for k, v in metrics(server).items() if k.startswith("jaxspec_compiled_programs")}
+
+    seen = [compiled()]
+    for _ in range(5):  # warm-up: until a whole load compiles nothing new
+        load()
+        seen.append(compiled())
+        if seen[-1] == seen[-2]:
+            break
+    for _ in range(3):
+        load()
+    assert compiled() == seen[-1] and seen[-1]
+
+
+# ----------------------------------------------------------------------------- bad input and faults
+
+
+def raw(server, path="/v1/completions", body=None, content=None, headers=None, method="POST"):
+    h = auth() if headers is None else headers
+    return httpx.request(method, server + path, json=body, content=content, headers=h, timeout=60)
+
+
+GOOD = {"model": MODEL, "prompt": "x = 1", "max_tokens": 4, "temperature": 0}
+BAD_BODIES = [  # (path, body or raw bytes, param named, code)
+    ("/v1/completions", b"{not json", None, None),
+    ("/v1/completions", b"[1, 2]", None, None),
+    ("/v1/completions", {**GOOD, "max_tokens": "four"}, "max_tokens", None),
+    ("/v1/completions", {**GOOD, "temperature": 3}, "temperature", None),
+    ("/v1/completions", {**GOOD, "colour": "red"}, "colour", None),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens", None),
+    ("/v1/completions", {**GOOD, "prompt": [5000]}, "prompt", None),
+    ("/v1/completions", {**GOOD, "prompt": []}, "prompt", None),
+    ("/v1/completions", {**GOOD, "suffix": "x"}, "suffix", None),
+    ("/v1/completions", {**GOOD, "best_of": 2}, "best_of", None),
+    ("/v1/completions", {**GOOD, "regex": "a(b"}, "regex", None),
+    ("/v1/completions", {**GOOD, "regex": "(a)\\1"}, "regex", None),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+     "response_format", None),
+    ("/v1/completions", {**GOOD, "max_tokens": MAX_SEQ_LEN}, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {**GOOD, "n": 40, "prompt": ["a", "b"]}, "n", None),
+    ("/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
+    ("/v1/completions", {**GOOD, "logit_bias": {"99999": 1}}, "logit_bias", None),
+    ("/v1/completions", {**GOOD, "stop": [str(i) for i in range(17)]}, "stop", None),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0].type", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "top_logprobs", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}, "messages",
+     "context_length_exceeded"),
+]
+
+
+def test_bad_input_gets_its_status_while_a_good_request_completes(client, server):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(client.completions.create, model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                           extra_body={"ignore_eos": True})
+        for path, body, param, code in BAD_BODIES:
+            r = raw(server, path, **({"content": body} if isinstance(body, bytes) else {"body": body}))
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert err["param"] == param and err["code"] == code, (body, err)
+        r = raw(server, body={**GOOD, "user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"})
+        assert r.status_code == 200  # the ignore list
+        assert raw(server, body=GOOD, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert raw(server, body=GOOD, headers={}).json()["error"]["code"] == "invalid_api_key"
+        missing = raw(server, body={**GOOD, "model": "gpt-4"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        big = raw(server, content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}')
+        assert big.status_code == 413 and "error" in big.json()
+        assert good.result(timeout=300).choices[0].text == alone(encode(PROMPTS[0]), 32)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").status_code == 200  # no key needed
+    assert "jaxspec_time_to_first_token_seconds_bucket" in httpx.get(server + "/metrics").text
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    """4 rows run and MAX_QUEUE wait: the next request is refused at once, and served after."""
+    body = {**GOOD, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=120, headers=auth()) as http:
+        streams = [http.stream("POST", server + "/v1/completions", json=body) for _ in range(4 + MAX_QUEUE)]
+        opened = []
+        try:
+            for s in streams:
+                opened.append(s.__enter__())
+            deadline = time.monotonic() + 60
+            while metrics(server)["jaxspec_requests_waiting"] < MAX_QUEUE and time.monotonic() < deadline:
+                time.sleep(0.1)
+            r = http.post(server + "/v1/completions", json=GOOD)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+        finally:
+            for s in streams[:len(opened)]:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 60
+    while metrics(server)["jaxspec_requests_waiting"] + metrics(server)["jaxspec_requests_running"] > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert raw(server, body=GOOD).status_code == 200
+
+
+def test_sse_framing_and_done(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "stream": True}
+    r = raw(server, "/v1/chat/completions", body=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = r.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(p["object"] == "chat.completion.chunk" and "usage" not in p for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
