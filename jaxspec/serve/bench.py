@@ -6,7 +6,8 @@ its programs are compiled), then ``--requests`` streamed completions of ``--max-
 (eos ignored: equal work) go out from ``--clients`` concurrent clients, over token-id prompts from
 held-out standard-library files. Reported per method: output tokens/s over the run, time to first
 token and inter-token latency (each streamed chunk's gap shared by its tokens), p50 and p99, and the
-mean accept length. Writes OUT.json and OUT.png (the clients speak HTTP with the standard library).
+mean accept length. The prefix cache is off (the timed load repeats the warm-up's prompts). Writes
+OUT.json and OUT.png (the clients speak HTTP with the standard library).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def run_load(port: int, prompts: list[list[int]], *, clients: int, requests: int
 def start_server(args, draft: str, port: int, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxspec", "serve", "--draft", draft, "--port", str(port), "--served-model-name",
            "bench", "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), "--steps-per-call",
-           str(args.steps_per_call), "--dtype", args.dtype, "--max-queue", str(max(64, args.requests))]
+           str(args.steps_per_call), "--dtype", args.dtype, "--max-queue", str(max(64, args.requests)),
+           "--prefix-cache", "off"]  # the timed load repeats the warm-up's prompts: no cache hits, no new programs
     if args.target:
         cmd += ["--target", args.target]
     for flag in ("steps", "num_draft_tokens", "ngram_tokens"):

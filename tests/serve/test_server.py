@@ -88,16 +88,32 @@ def target():
     return js.load_model(DEMO_TARGET, dtype="float32", progress=False)
 
 
-def alone(ids: tuple[int, ...], max_new: int, stop: tuple[str, ...] | None = None) -> str:
-    """``jaxspec.generate`` of one request alone, plain greedy (lossless: what the speculative server
-    must give): its text."""
-    return alone_out(ids, max_new, stop).texts[0]
+ORACLE_TOKENS = 200  # one generation per prompt, as long as any test asks for (shorter ones are its prefixes)
 
 
 @functools.cache
-def alone_out(ids: tuple[int, ...], max_new: int, stop: tuple[str, ...] | None = None) -> js.GenerateOutput:
-    return js.generate(target(), [list(ids)], sampling=js.SamplingParams(max_new_tokens=max_new, stop=stop),
-                       engine=js.EngineConfig(max_batch=1, max_seq_len=MAX_SEQ_LEN), progress=False)
+def greedy_tokens(ids: tuple[int, ...]) -> list[int]:
+    """``jaxspec.generate`` of one request alone, plain greedy, end-of-sequence ignored (lossless:
+    what the speculative server must give; greedy output of n tokens is the first n of a longer one,
+    so one compiled program serves every test)."""
+    out = js.generate(target(), [list(ids)], sampling=js.SamplingParams(max_new_tokens=ORACLE_TOKENS,
+                                                                          stop_token_ids=()),
+                      engine=js.EngineConfig(max_batch=1, max_seq_len=2 * MAX_SEQ_LEN), progress=False)
+    return out.token_ids[0]
+
+
+def alone(ids: tuple[int, ...], max_new: int, stop: tuple[str, ...] | None = None, ignore_eos: bool = False) -> str:
+    """The text of ``jaxspec.generate`` of one request alone, greedy: ``max_new`` tokens, cut at the
+    model's end-of-sequence token (unless ``ignore_eos``) and before the first stop string."""
+    tokens = greedy_tokens(ids)[:max_new]
+    eos = set(target().eos_token_ids)
+    if not ignore_eos and eos & set(tokens):
+        tokens = tokens[:min(tokens.index(e) for e in eos if e in tokens)]
+    text = target().tokenizer.decode(tokens)
+    for s in stop or ():
+        if s in text:
+            text = text[:text.index(s)]
+    return text
 
 
 def encode(text: str) -> tuple[int, ...]:
@@ -147,6 +163,7 @@ def test_stop_strings_streamed_and_not(client):
     full = alone(encode(PROMPTS[1]), 32)
     stop = full[8:11]  # a piece from the middle of the output
     expect = alone(encode(PROMPTS[1]), 32, (stop,))
+    assert expect == full[:full.index(stop)]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0, stop=[stop])
     assert out.choices[0].text == expect == full[:full.index(stop)] and out.choices[0].finish_reason == "stop"
     streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0,
@@ -170,6 +187,8 @@ def test_chat_streamed_and_not(client):
     assert [c.choices[0].finish_reason for c in body][-1] == out.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in body[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == out.usage.total_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # the second time, the prompt's full pages are cached
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16 * ((out.usage.prompt_tokens - 1) // 16)
 
 
 def test_controls_logprobs_and_echo(client):
@@ -179,7 +198,7 @@ def test_controls_logprobs_and_echo(client):
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value == pytest.approx(max(top.values()), abs=1e-4) and top[token] == pytest.approx(value, abs=1e-5)
     assert base.choices[0].text == alone(encode(PROMPTS[2]), 12)
-    banned = alone_out(encode(PROMPTS[2]), 12).token_ids[0][0]  # the greedy first token
+    banned = greedy_tokens(encode(PROMPTS[2]))[0]  # the greedy first token
     steered = client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, logit_bias={str(banned): -100}, logprobs=0,
         presence_penalty=0.5, frequency_penalty=0.3, extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.1})
@@ -260,10 +279,7 @@ def test_staggered_clients_overlap_and_each_equals_generate_alone(client, server
     assert max(running) >= 2
     assert finished_at[2] < finished_at[0]
     for (prompt, n), text in zip(plan, texts):
-        ids = encode(prompt)
-        out = js.generate(target(), [list(ids)], sampling=js.SamplingParams(max_new_tokens=n, stop_token_ids=()),
-                          engine=js.EngineConfig(max_batch=1, max_seq_len=MAX_SEQ_LEN), progress=False)
-        assert text == out.texts[0]
+        assert text == alone(encode(prompt), n, ignore_eos=True)
 
 
 def test_disconnect_cancels_and_frees_pages(server):
@@ -289,29 +305,25 @@ def test_disconnect_cancels_and_frees_pages(server):
 
 def test_a_steady_mixed_load_compiles_nothing_new(client, server):
     """Greedy, sampled, filtered, logprob and penalized requests arriving together: the programs
-    they need form a bounded set (decode: greedy / sampling / sampling with sorts; prefill: rows
-    admitted together, in powers of two), compiled while the load warms up; after that the same
-    load compiles nothing."""
+    they need form a bounded set (decode: greedy, sampling, sampling with sorts; prefill: 1, 2 or 4
+    rows admitted together), compiled by a warm-up that visits each; after it the load, in whatever
+    groups its requests happen to be admitted, compiles nothing."""
     kinds = [dict(temperature=0), dict(temperature=0.7, seed=1, top_p=0.9), dict(temperature=0.7, seed=2, logprobs=2),
              dict(temperature=0, frequency_penalty=0.5)]
-
-    def load():
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda kw: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, **kw),
-                          kinds))
 
     def compiled():
         return {k: v for k, v in metrics(server).items() if k.startswith("jaxspec_compiled_programs")}
 
-    seen = [compiled()]
-    for _ in range(5):  # warm-up: until a whole load compiles nothing new
-        load()
-        seen.append(compiled())
-        if seen[-1] == seen[-2]:
-            break
+    for k in (1, 2, 4):  # k prompts of one request are admitted together
+        client.completions.create(model=MODEL, prompt=[PROMPTS[0]] * k, max_tokens=8, temperature=0)
+    for kw in kinds:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, **kw)
+    before = compiled()
     for _ in range(3):
-        load()
-    assert compiled() == seen[-1] and seen[-1]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda kw: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, **kw),
+                          kinds))
+    assert compiled() == before and before
 
 
 # ----------------------------------------------------------------------------- bad input and faults
