@@ -74,7 +74,7 @@ class _Common(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # taken modulo 2**32
     response_format: ResponseFormat | None = None
     # Extensions, as vLLM and SGLang name them.
     top_k: int | None = Field(default=None, ge=-1)
