@@ -45,7 +45,10 @@ def build_app(core: EngineCore, config: ServerConfig) -> FastAPI:
     depth = 0 if core.eng.spec is None else core.eng.spec.depth
     metrics = Metrics(core, depth)
     workers = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxspec-prepare")
-    server = _Server(core, config, metrics, workers)
+    # Constraints compile on threads of their own: one that runs past its time limit (and finishes in
+    # the background) never holds up tokenizing the other requests.
+    compilers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxspec-constraint")
+    server = _Server(core, config, metrics, workers, compilers)
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -90,8 +93,8 @@ def build_app(core: EngineCore, config: ServerConfig) -> FastAPI:
 
 
 class _Server:
-    def __init__(self, core: EngineCore, config: ServerConfig, metrics: Metrics, workers):
-        self.core, self.config, self.metrics, self.workers = core, config, metrics, workers
+    def __init__(self, core: EngineCore, config: ServerConfig, metrics: Metrics, workers, compilers):
+        self.core, self.config, self.metrics, self.workers, self.compilers = core, config, metrics, workers, compilers
         self.tokenizer = config.limits.tokenizer
         self._token_text: dict[int, str] = {}
 
@@ -154,7 +157,7 @@ class _Server:
         vocab = self.core._loop.vocab
         for kind, text in prepared.constraints:
             param = "regex" if kind == "regex" else "response_format"
-            future = loop.run_in_executor(self.workers, compile_constraint, self.tokenizer, vocab, kind, text)
+            future = loop.run_in_executor(self.compilers, compile_constraint, self.tokenizer, vocab, kind, text)
             try:
                 await asyncio.wait_for(asyncio.shield(future), CONSTRAINT_SECONDS)
             except TimeoutError:
@@ -235,8 +238,10 @@ class _Response:
         if e.logprobs is not None:
             c.logprobs += e.logprobs
             c.top += e.top_logprobs
-        if e.prompt_logprobs is not None:
-            c.prompt_scores = e.prompt_logprobs
+        if e.prompt_logprobs is not None:  # scored once per prompt: every choice of it echoes them
+            for other in self.choices:
+                if other.prompt == c.prompt:
+                    other.prompt_scores = e.prompt_logprobs
         if e.finished:
             c.finish_reason, c.stats = e.finish_reason, e.stats
             if e.finish_reason in ("stop", "length"):
