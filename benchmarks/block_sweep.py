@@ -150,7 +150,8 @@ def sweep(out_dir: Path, *, dry_run: bool, deadline, write_table: bool = False) 
                 try:
                     fn = s.run(blocks, interpret)
                     got = np.asarray(fn(*a), np.float32)
-                    np.testing.assert_allclose(got, want, atol=kbench.TOL[s.shape.dtype], rtol=kbench.TOL[s.shape.dtype])
+                    tol = kbench.TOL[s.shape.dtype]
+                    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
                     t = kbench.median_seconds(fn, a, **timing)
                     row["tried"].append(dict(blocks=dataclasses.asdict(blocks), us=t * 1e6))
                     return t

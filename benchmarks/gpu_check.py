@@ -23,8 +23,11 @@ What each call measures, in priority order
 ------------------------------------------
 Each call works through its items in order and stops starting new work when its deadline
 (``--deadline-minutes``, default 7.5) is near, skipping what would not finish, so a partial table
-always comes back. After every timed row it rewrites ``OUT/gpu_check.json`` (every number, with what
-was timed and with which XLA options) and ``OUT/gpu_check.md``; at the end it prints the Markdown.
+always comes back (in call 1 the items before ``compare`` leave it 100 s). After every timed row it
+rewrites ``OUT/gpu_check.json`` (every number, with what was timed and with which XLA options, and how
+long its compile and first call took) and ``OUT/gpu_check.md``; at the end it prints the Markdown. A
+row that fails is recorded with its error and the item goes on. Compiled programs are kept in
+``/tmp/jaxspec-jax-cache`` (a second call on the same machine reuses them and XLA's autotuning).
 
 Call 1:
   env          Python, jax / jaxlib / CUDA plugin / triton / torch versions, the device, nvidia-smi.
@@ -100,7 +103,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import kernels as kbench  # noqa: E402  (benchmarks/kernels.py)
 import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
@@ -128,7 +130,7 @@ VARIANTS = [
     ("cuBLAS, XLA attention", TRITON_OFF, "xla"),
 ]
 # Seconds the demo pair's comparison is given in call 1 (its compile and runs took 55 s on an H200).
-COMPARE_RESERVE_S = 110
+COMPARE_RESERVE_S = 100
 
 
 class Deadline:
@@ -360,15 +362,16 @@ def item_copy(check: Check, sizes, models, deadline, args):
     iters = 2 if sizes.dry_run else 20
     x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
 
-    @jax.jit
+    # Donated, so the loop updates the array in place (no copy of the input into the loop).
+    @jax.jit(donate_argnums=0)
     def passes(x):
         return jax.lax.fori_loop(0, iters, lambda i, y: y + jnp.bfloat16(1), x)
 
-    jax.block_until_ready(passes(x))
+    x = jax.block_until_ready(passes(x))
     times = []
     for _ in range(5):
         t = time.perf_counter()
-        jax.block_until_ready(passes(x))
+        x = jax.block_until_ready(passes(x))
         times.append(time.perf_counter() - t)
     sec = statistics.median(times)
     moved = 2 * n * 2 * iters
@@ -462,7 +465,8 @@ def item_compare(check: Check, sizes, models, deadline, args):
     if sizes.dry_run:  # two methods (the n-gram draft given: it and plain), few tokens
         cmd += ["--draft", "ngram", "--max-new-tokens", "8", "--repeats", "1"]
     timeout = max(20.0, deadline.left() - 5)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     try:
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
         out, err, rc = run.stdout, run.stderr, run.returncode
@@ -599,7 +603,7 @@ def item_v4(check: Check, sizes, models, deadline, args):
                f"({cfg.num_experts_per_tok} routed experts of {cfg.num_experts}, no embedding table)")
     bb = sizes.batch(1)
     r = st.engine_step_seconds(target, batch=bb, context=sizes.context, steps=sizes.steps,
-                               calls=1 if sizes.dry_run else 4)
+                               calls=1 if sizes.dry_run else 4, repeats=1 if sizes.dry_run else 3)
     measured, sheet = bandwidths(check)
     extra = {f"weights_bound_ms_{n}": active / bw * 1e3 for n, bw in (("measured", measured), ("datasheet", sheet))
              if bw}
@@ -635,6 +639,8 @@ def item_check(check: Check, sizes, models, deadline, args):
 
 
 def item_pytest(check: Check, sizes, models, deadline, args):
+    if importlib.util.find_spec("pytest") is None:
+        raise Skip("pytest is not installed")
     runs = [["-m", "gpu", "tests/pallas"], ["tests/spec/test_lossless_pallas.py"]]
     for i, sel in enumerate(runs):
         need(deadline, 30, "pytest " + " ".join(sel))
@@ -677,6 +683,9 @@ RUNNERS = dict(
     hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, check=item_check, pytest=item_pytest, sweep=item_sweep,
 )
 assert set(RUNNERS) == set(ITEMS)
+# Items whose rows are decode-step timings (one Markdown table layout).
+STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "batch64", "controls", "constraint",
+              "spec_controls", "hybrid", "v4"}
 
 
 # --------------------------------------------------------------------------- Markdown
@@ -693,7 +702,8 @@ def _fmt(x, digits=2):
 def markdown(summary: dict) -> str:
     env = summary.get("env", {})
     out = [f"# gpu_check on {summary.get('device')}", "",
-           f"Pallas {summary.get('pallas_mode')}{' (dry run: tiny shapes, times mean nothing)' if summary.get('dry_run') else ''}; "
+           f"Pallas {summary.get('pallas_mode')}"
+           f"{' (dry run: tiny shapes, times mean nothing)' if summary.get('dry_run') else ''}; "
            f"{env.get('nvidia_smi', '')}; packages {env.get('packages', {})}", ""]
     for name, item in summary.get("items", {}).items():
         rows = item.get("rows", [])
@@ -702,11 +712,15 @@ def markdown(summary: dict) -> str:
         out += [f"- {n}" for n in item.get("notes", [])]
         if item.get("error"):
             out += ["", "```", item["error"][-2500:], "```"]
-        if rows and "ms_per_step" in rows[0]:
+        if rows and name in STEP_ITEMS:
             out += ["", "| batch | config | timed | XLA options | ms/step | vs plain | verified/step | "
                     "share of bound (measured / datasheet) | bound ms (measured / datasheet) |",
                     "|---:|---|---|---|---:|---:|---:|---:|---:|"]
             for r in rows:
+                if "ms_per_step" not in r:  # a failed row
+                    why = (r.get("error") or "").strip().splitlines()[-1:] or [""]
+                    out.append(f"| {r.get('batch', '')} | {r.get('config', '')} | ERROR: {why[0][:200]} | | | | | | |")
+                    continue
                 share = " / ".join(f"{r[k] * 100:.0f}%" for k in ("share_of_bound_measured", "share_of_bound_datasheet")
                                    if r.get(k) is not None)
                 bound = " / ".join(f"{r[k]:.2f}" for k in ("bound_ms_measured", "bound_ms_datasheet")
@@ -739,7 +753,8 @@ def markdown(summary: dict) -> str:
             for r in rows:
                 b = r.get("best")
                 tiles = "" if not b else ", ".join(f"{k}={v}" for k, v in b["blocks"].items())
-                out.append(f"| {r.get('shape')} | {r.get('class', '')} | {tiles or r.get('error') or r.get('skipped', '')} "
+                why = tiles or r.get("error") or r.get("skipped", "")
+                out.append(f"| {r.get('shape')} | {r.get('class', '')} | {why} "
                            f"| {_fmt(b and b['us'], 1)} | {_fmt(r.get('xla_us'), 1)} |")
         elif name == "env" and rows:
             r = rows[0]
@@ -753,14 +768,17 @@ def markdown(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json / .md (and compare.txt, ...)")
     ap.add_argument("--call", default="1", help="1, 2 or 1,2: which call's items to run, in order")
     ap.add_argument("--items", default=None, help=f"comma-separated items instead of the call's: {','.join(ITEMS)}")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes, Pallas in interpret mode, pytest only collects")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes, Pallas in interpret mode, pytest only collects")
     ap.add_argument("--deadline-minutes", type=float, default=7.5)
     ap.add_argument("--no-compile-cache", action="store_true",
-                    help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine reuses them)")
+                    help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "
+                         "reuses them)")
     args = ap.parse_args(argv)
     calls = [int(c) for c in args.call.split(",") if c.strip()]
     if args.items:

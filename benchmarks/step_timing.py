@@ -126,7 +126,7 @@ def v4_shape(tiny: bool = False, *, layers: int = 10, experts: int = 32) -> Deep
             vocab_size=256, hidden_size=32, moe_intermediate_size=32, num_layers=layers, num_heads=4, head_dim=32,
             q_lora_rank=16, rope_dim=8, layer_kinds=kinds, mlp_kinds=mlp, csa_rate=2, hca_rate=4, hc_mult=2,
             hc_sinkhorn_iters=4, num_experts=4, num_experts_per_tok=2, sliding_window=8, o_groups=2, o_lora_rank=16,
-            index_n_heads=2, index_head_dim=16, index_topk=4)
+            index_n_heads=2, index_head_dim=16, index_topk=32)  # > a short context's CSA entries, as at full size
     return DeepseekV4Config(
         vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_layers=layers, num_heads=64,
         head_dim=512, q_lora_rank=1024, rope_dim=64, layer_kinds=kinds, mlp_kinds=mlp, csa_rate=4, hca_rate=128,
@@ -451,12 +451,13 @@ def time_pair(target, draft, spec, *, batch: int, context: int, steps: int, repe
 
 
 def engine_step_seconds(target: Model, draft=None, spec=None, *, batch: int, context: int, steps: int = 16,
-                        calls: int = 4, page_size: int = 16) -> dict:
+                        calls: int = 4, repeats: int = 3, page_size: int = 16) -> dict:
     """Seconds per decode step through ``js.Engine`` (any target family, with its own pools and page
     tables): after a warm-up generation (which compiles), two generations of the same random prompts
-    whose lengths differ by about ``calls`` decode calls of ``steps`` steps; the difference of their
-    wall times over the difference of their steps (the prefill and the work before the first step
-    cancel; the host's work between calls, one round trip per ``steps`` steps, is counted)."""
+    whose lengths differ by about ``calls`` decode calls of ``steps`` steps, ``repeats`` times each,
+    alternated; the difference of their median wall times over the difference of their steps (the
+    prefill and the work before the first step cancel; the host's work between calls, one round trip
+    per ``steps`` steps, is counted)."""
     short_new, long_new = 1 + 2 * steps, 1 + (2 + calls) * steps
     accept = 1 if spec is None else spec.max_accept
     eng = js.Engine(target, draft=draft, spec=spec, engine=js.EngineConfig(
@@ -473,9 +474,12 @@ def engine_step_seconds(target: Model, draft=None, spec=None, *, batch: int, con
     t0 = time.perf_counter()
     run(short_new)
     compile_s = time.perf_counter() - t0
-    t_short, n_short, _ = run(short_new)
-    t_long, n_long, out = run(long_new)
-    verified = [v for s in out.stats for v in s.verify_lens]
+    shorts, longs = [], []
+    for _ in range(repeats):  # alternated, so both see the same machine load
+        shorts.append(run(short_new))
+        longs.append(run(long_new))
+    (t_short, n_short), (t_long, n_long) = ((statistics.median(r[0] for r in rs), rs[0][1]) for rs in (shorts, longs))
+    verified = [v for s in longs[-1][2].stats for v in s.verify_lens]
     return dict(seconds=(t_long - t_short) / max(n_long - n_short, 1.0), compile_s=compile_s,
                 steps_timed=n_long - n_short, positions=context + n_long / 2,
                 verified_mean=float(np.mean(verified)) if verified else 1.0)
@@ -557,10 +561,11 @@ def main(argv=None) -> int:
             plain = plain or runs[0]["seconds"]
             for j, r in enumerate(runs):
                 config = m.name + ((" + constraint" if grammars is not None else " + controls") if j else "")
-                read = weight_bytes_read(target.params, batch) + kv_bytes_read(cfg, batch, r.get("positions", args.context), dtype)
+                positions = r.get("positions", args.context)
+                read = weight_bytes_read(target.params, batch) + kv_bytes_read(cfg, batch, positions, dtype)
                 bound = read / bw * 1e3 if bw else float("nan")
-                row = dict(batch=batch, config=config, ms_per_step=r["seconds"] * 1e3, ratio_to_plain=r["seconds"] / plain,
-                           verified=r["verified_mean"], bound_ms=bound)
+                row = dict(batch=batch, config=config, ms_per_step=r["seconds"] * 1e3,
+                           ratio_to_plain=r["seconds"] / plain, verified=r["verified_mean"], bound_ms=bound)
                 if j:
                     row["on_vs_off"] = r["seconds"] / runs[0]["seconds"]
                 results["rows"].append(row)
