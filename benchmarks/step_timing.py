@@ -9,7 +9,9 @@ speculative or plain steps in one compiled call, every row active), called ``--r
 one warm-up call (which compiles), ``block_until_ready`` around each call, the median divided by the
 steps the call ran. The decode state is built directly, not by a prefill: every row at ``--context``
 committed positions whose KV (and the draft's) holds random values, so only the decode program is
-compiled. Each timed row reports the nodes its steps verified per row (root included).
+compiled; its page table is as wide as the engine's would be (a power of two covering the positions in
+reach: 2048 slots at a 1024-token context, whatever the method). Each timed row reports the nodes its
+steps verified per row (root included).
 
 Methods (``METHODS``), at the Llama-3-8B shape with drafts shaped as published: EAGLE-3 (one layer at
 the target's width, a 32k draft vocabulary) as a chain of 5 and as a tree (S=5, k=4, n=8); DFlash
@@ -276,6 +278,8 @@ METHODS = [
     Method("n-gram chain 5 (full length)", js.SpecConfig.chain(5), lambda t, tiny: full_length_ngram()),
 ]
 PLAIN = Method("plain", None)
+# Tokens a step emits on average that the page tables leave room for (random drafts accept about one).
+ACCEPT_ROOM = 2
 
 
 # --------------------------------------------------------------------------- the timed decode
@@ -319,8 +323,12 @@ class Stepper:
                                 page_size=page_size, steps_per_call=steps, implementation=implementation,
                                 greedy_only=temperature == 0, controls=controls,
                                 logprobs=min(MAX_LOGPROBS, V) if controls else None)
-        growth = (repeats + 2) * steps * plan.max_accept
-        width = next_pow2(pages_needed(context + growth + plan.lookahead, page_size))
+        # The page table as the engine sizes it (a power of two covering the positions in reach), for
+        # rows that emit up to ACCEPT_ROOM tokens a step on average (random drafts: about 1); a row that
+        # would outgrow it stops (max_new), and a call in which every row stopped is an error.
+        calls = repeats + 1
+        width = next_pow2(pages_needed(context + ACCEPT_ROOM * calls * steps + plan.lookahead + plan.max_accept,
+                                       page_size))
         num_pages = batch * width + 1
         dtype = jnp.dtype(target.dtype)
         tshapes = jax.eval_shape(lambda: create_target_pool(cfg, num_pages=num_pages, page_size=page_size,
@@ -333,9 +341,11 @@ class Stepper:
                                                                       dtype=dtype))
             self.dpool = random_like(dshapes, seed + 1)
         self.table = jnp.asarray((1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width))
-        out_width = next_pow2(growth + 2)
+        out_width = next_pow2(calls * steps * plan.max_accept + 2)
+        max_new = min(out_width, width * page_size - context - plan.lookahead) - plan.max_accept
         self.state = ready_state(plan, target, draft, batch=batch, context=context, out_width=out_width,
-                                 max_len=width * page_size, grammars=grammars, temperature=temperature, seed=seed)
+                                 max_new=max_new, max_len=width * page_size, grammars=grammars,
+                                 temperature=temperature, seed=seed)
         self.target, self.dparams = target, None if draft is None else draft.params
         self.fn = decode_fn(options)
         self.batch, self.context = batch, context
@@ -347,7 +357,11 @@ class Stepper:
         self.state, self.tpool, self.dpool, n = self.fn(self.plan, self.target.params, self.dparams, self.state,
                                                         self.tpool, self.dpool, self.table)
         jax.block_until_ready((self.state, self.tpool, self.dpool))
-        return (time.perf_counter() - t) / max(int(n), 1)
+        seconds = time.perf_counter() - t
+        if int(n) < self.plan.steps_per_call:
+            raise RuntimeError(f"a decode call ran {int(n)} of {self.plan.steps_per_call} steps: rows reached the "
+                               f"end of their page tables (more than {ACCEPT_ROOM} tokens a step on average)")
+        return seconds / int(n)
 
     def positions(self) -> float:
         return float(np.mean(np.asarray(self.state.seq_lens)))
@@ -367,8 +381,8 @@ class Stepper:
             x.delete()
 
 
-def ready_state(plan: Plan, target: Model, draft, *, batch: int, context: int, out_width: int, max_len: int,
-                grammars=None, temperature: float = 0.0, seed: int = 0) -> DecodeState:
+def ready_state(plan: Plan, target: Model, draft, *, batch: int, context: int, out_width: int, max_new: int,
+                max_len: int, grammars=None, temperature: float = 0.0, seed: int = 0) -> DecodeState:
     """The decode state a prefill of ``context`` random tokens per row would leave (every row active,
     never reaching its token limit), built on the host: the prompt's tokens in an n-gram history, the
     controls' prompt counts, each row's automaton at its start."""
@@ -402,7 +416,7 @@ def ready_state(plan: Plan, target: Model, draft, *, batch: int, context: int, o
     return dataclasses.replace(
         state, seq_lens=jnp.full((batch,), context, jnp.int32), bonus=first, active=jnp.ones((batch,), bool),
         out_tokens=out_tokens, out_lens=jnp.ones((batch,), jnp.int32),
-        max_new=jnp.full((batch,), out_width - plan.max_accept, jnp.int32),
+        max_new=jnp.full((batch,), max_new, jnp.int32),
         sampling=jax.tree.map(jnp.asarray, sampling), controls=controls,
         keys=jnp.asarray(rng.integers(0, 2**32, (batch, 2), dtype=np.uint32)), steps=jnp.ones((batch,), jnp.int32),
         grammar=(state.grammar if grammars is None else jnp.full((batch,), grammars.initial(0), jnp.int32)))
