@@ -59,6 +59,12 @@ Call 2:
                min-p, 20 top log-probabilities), alternated.
   constraint   a greedy plain step at batch 16 without and with a JSON-schema constraint on every row
                (needs outlines-core; skipped, saying so, without it).
+  kernels      each Pallas kernel against the XLA path in device time (N calls in one program,
+               ``benchmarks/kernels.py``) and its HBM floor: paged attention decode, verify n=8 and
+               n=64 and an 8-token draft extend (B=16, ctx 8192); MLA decode and verify n=8 (B=32,
+               ctx 4096); the DSA indexer; KV moves; the gather of accepted extras; the exact mode's
+               fixed-tile product against cuBLAS and its row-by-row attention against the default
+               paged kernel.
   hybrid       a Qwen3.5-9B-shaped hybrid target (8 x (3 Gated DeltaNet + 1 gated attention layer),
                published widths, weight bytes printed): plain step at batch 1 and 16 against its bound
                (weights, KV of its attention layers, recurrent state read and written), and its MTP
@@ -66,10 +72,6 @@ Call 2:
   v4           a DeepSeek-V4-Flash-shaped target (its layer kinds and widths, 10 layers and 32 experts,
                weight bytes printed): plain step at batch 1 through ``jaxspec.Engine`` (wall-time
                difference of two generations).
-  kernels      each Pallas kernel against the XLA path in device time (N calls in one program,
-               ``benchmarks/kernels.py``) and its HBM floor: paged attention decode, verify n=8 and
-               n=64 and an 8-token draft extend (B=16, ctx 8192); MLA decode and verify n=8 (B=32,
-               ctx 4096); the DSA indexer; KV moves; the gather of accepted extras.
   spec_controls  EAGLE-3 chain 5 at batch 16 with every control and with the constraint.
   check        every kernel natively against its f32 reference (``kernels.py --check``).
   pytest       ``pytest -m gpu tests/pallas`` and ``tests/spec/test_lossless_pallas.py`` natively.
@@ -110,7 +112,7 @@ from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
     1: ["env", "copy", "plain", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
-    2: ["env", "copy", "batch64", "controls", "constraint", "hybrid", "v4", "kernels", "spec_controls", "check",
+    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "hybrid", "v4", "spec_controls", "check",
         "pytest", "sweep"],
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))

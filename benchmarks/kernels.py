@@ -49,7 +49,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from jaxspec.pallas import dispatch  # noqa: E402
+from jaxspec.xla_options import compiler_options  # noqa: E402
 from jaxspec.pallas.dsa_indexer import index_scores, index_scores_reference  # noqa: E402
+from jaxspec.pallas.exact_attention import exact_attention  # noqa: E402
+from jaxspec.pallas.fixed_matmul import fixed_matmul_pallas  # noqa: E402
 from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
@@ -109,7 +112,8 @@ def tie(args: tuple, out, feed_back: bool = False) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _looped(fn, feed_back: bool):
-    @jax.jit
+    # The engine's XLA options (cuBLAS for the products on a GPU), so the XLA column is what the engine runs.
+    @functools.partial(jax.jit, compiler_options=compiler_options() or None)
     def run(n, args):
         return jax.lax.fori_loop(0, n, lambda i, a: tie(a, fn(*a), feed_back), args)
 
@@ -405,6 +409,35 @@ class KernelCase:
     feed_back: bool = False  # the first argument is a buffer the call returns updated
 
 
+def matmul_shapes(smoke: bool) -> list[tuple[str, int, int, int]]:
+    """(name, rows, K, N) of the exact mode's fixed-tile product at Llama-3-8B widths."""
+    if smoke:
+        return [("fixed matmul smoke", 3, 64, 96)]
+    return [("llama3-8b q/k/v 1 row", 1, 4096, 6144), ("llama3-8b q/k/v 16 rows", 16, 4096, 6144),
+            ("llama3-8b down 16 rows", 16, 14336, 4096), ("llama3-8b lm_head 1 row", 1, 4096, 128256)]
+
+
+def matmul_problem(rows: int, k: int, n: int, seed: int = 0):
+    ka, kb = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(ka, (rows, k), jnp.bfloat16)
+    w = (jax.random.normal(kb, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    return (x, w), 2 * (k * n + rows * (k + n))  # floor: the weight read once, x read, the output written
+
+
+def matmul_fn(implementation: str):
+    if implementation == "pallas":
+        return functools.partial(fixed_matmul_pallas, interpret=dispatch.interpret_mode())
+    return lambda x, w: x @ w
+
+
+def exact_attention_fn(s: "AttnShape", implementation: str):
+    """The exact mode's attention in the Pallas column; the default paged kernel in the XLA column."""
+    if implementation == "pallas":
+        return functools.partial(exact_attention, page_size=s.page_size, sm_scale=s.head_dim ** -0.5)
+    return functools.partial(paged_attention, page_size=s.page_size, sm_scale=s.head_dim ** -0.5,
+                             implementation="pallas")
+
+
 def kernel_cases(smoke: bool) -> list[KernelCase]:
     cases = []
     for s in attention_shapes(smoke):
@@ -429,6 +462,17 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
     for s in gather_shapes(smoke):
         cases.append(KernelCase("gather", s.name, functools.partial(gather_problem, s),
                                 lambda impl: functools.partial(gather_spec_extras, implementation=impl)))
+    # The exact mode: the fixed-tile product against XLA's (cuBLAS on a GPU), the row-by-row attention
+    # against the default paged kernel (in the XLA column).
+    for name, rows, k, n in matmul_shapes(smoke):
+        cases.append(KernelCase("exact_matmul", name, functools.partial(matmul_problem, rows, k, n), matmul_fn))
+    for s in attention_shapes(smoke)[:1]:
+        def problem(s=s):
+            a, floor = attention_problem(s)
+            return a[:6] + (None,), floor
+
+        cases.append(KernelCase("exact_attention", f"{s.name} (XLA column: the default kernel)", problem,
+                                lambda impl, s=s: exact_attention_fn(s, impl)))
     return cases
 
 
