@@ -475,8 +475,9 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
     process's devices' shards: model shard k of n of a split entry is read alone (exactly its
     checkpoint bytes, ``_shard_of``) onto one device holding it and copied to the others (its
     replicas over data); a replicated entry is read once per process. An entry whose shards
-    cannot be read alone (a fused tensor without ``shard_rows``, FP8 scale blocks straddling a
-    shard bound: decided alike on every process) is read whole, in one program over the mesh."""
+    cannot be read alone (a ``SplitParam`` without ``shard_rows``, FP8 scale blocks straddling a
+    shard bound: decided alike on every process) is read whole, in one program over the mesh. A
+    ``FusedParam``'s shard k is the shard's slice of each part, read alone and written side by side."""
     sharding = shardings[0]
     mesh = sharding.mesh
     n = mesh.shape[MODEL]

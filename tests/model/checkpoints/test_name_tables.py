@@ -1,5 +1,6 @@
 """The parameter-name tables: loading in pieces equals loading whole tensors (transposed,
-cast, KV heads repeated, FP8 dequantized), and a table round-trips through export."""
+cast, KV heads repeated, FP8 dequantized), joined arrays hold each model shard's parts together,
+and a table round-trips through export (the checkpoint's own tensors written back)."""
 
 from __future__ import annotations
 
