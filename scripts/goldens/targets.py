@@ -142,11 +142,11 @@ def check_reload(case_dir: Path, arrays: dict[str, np.ndarray], prompts, extra_c
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4,
               max_position_embeddings=512)
 
-TARGET_NAMES = ("llama3", "llama2", "qwen2", "qwen3", "qwen2_yarn", "mistral")
+TARGET_NAMES = ("llama3", "llama2", "qwen2", "qwen2_yarn", "qwen3", "mistral")  # the manifest's order
 
 
 def targets() -> dict:
-    """The Llama-family target cases, in TARGET_NAMES' order.
+    """The Llama-family target cases, in TARGET_NAMES' order (each case draws from its own seeds).
 
     The llama3 case is the EAGLE target and gets 7 layers, so that its EAGLE-3 taps (2, 3, 4) are distinct.
     The other Llama-family targets use 2 layers to keep tests/data/golden near 6 MB; with L < 4 the taps
@@ -188,15 +188,6 @@ def targets() -> dict:
             notes=["q/k/v_proj have biases (o_proj none), randomised non-zero.",
                    "config.json rewritten by hand to the classic form (rope_theta 1e6, rope_scaling null, torch_dtype)."],
         ),
-        "qwen3": dict(
-            cls=Qwen3ForCausalLM, seed=4000, rope_form="rope_parameters", shard=None,
-            config=lambda: Qwen3Config(
-                **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-                tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-            notes=["head_dim 32 != hidden/heads (16): q_proj [128, 64], k/v_proj [64, 64], o_proj [64, 128].",
-                   "q_norm/k_norm ([head_dim]) are per-head RMSNorms applied after the head reshape, before RoPE; "
-                   "randomised (not ones). tie_word_embeddings true."],
-        ),
         "qwen2_yarn": dict(
             cls=Qwen2ForCausalLM, seed=3500, rope_form="classic", shard=None,
             config=lambda: Qwen2Config(
@@ -209,6 +200,15 @@ def targets() -> dict:
                    "HF _compute_yarn_parameters: frequencies blended between 1/theta^(2j/D) and that / factor over the "
                    "beta_fast 32 .. beta_slow 1 correction band; cos and sin scaled by attention_factor = "
                    "0.1 ln(4) + 1 = 1.1386."],
+        ),
+        "qwen3": dict(
+            cls=Qwen3ForCausalLM, seed=4000, rope_form="rope_parameters", shard=None,
+            config=lambda: Qwen3Config(
+                **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+            notes=["head_dim 32 != hidden/heads (16): q_proj [128, 64], k/v_proj [64, 64], o_proj [64, 128].",
+                   "q_norm/k_norm ([head_dim]) are per-head RMSNorms applied after the head reshape, before RoPE; "
+                   "randomised (not ones). tie_word_embeddings true."],
         ),
         "mistral": dict(
             cls=MistralForCausalLM, seed=5000, rope_form="rope_parameters", shard="200KB",
