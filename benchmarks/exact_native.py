@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import jax
@@ -65,4 +66,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     raise SystemExit(main())

@@ -5,7 +5,7 @@ and the reference speculative-decoding loop of the draft goldens.
 The makers (one per directory of tests/data/golden, each named after it) are not run in CI; they need
 torch and transformers (see tests/data/golden/README.md for the environments). This module imports only
 the standard library and numpy, and each maker imports torch and transformers where it uses them, so
-that ``python scripts/goldens/MAKER.py --help`` runs without either.
+that every maker answers ``--help`` without either (``python scripts/goldens/targets.py --help``).
 """
 
 from __future__ import annotations
