@@ -496,13 +496,30 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
         key = (entry, _view_key(view, ckpt))
         reads.setdefault(key, (entry, view, []))[2].extend(devices)
     arrays: dict = {}  # device -> its shard of each array
+    parts_read: dict = {}  # a fused entry's part, read once for the shards sharing it (repeated KV heads)
     for entry, view, devices in reads.values():
         first = jax.sharding.SingleDeviceSharding(devices[0])
-        bufs = _load_entry(entry, view, dt, [first] * len(shardings), fp8_block)
+        if isinstance(view, tuple):  # a split FusedParam: one view per part
+            bufs = [_join_parts(entry, view, ckpt, dt, first, fp8_block, parts_read)]
+        else:
+            bufs = _load_entry(entry, view, dt, [first] * len(shardings), fp8_block)
         for d in devices:
             arrays[d] = bufs if d == devices[0] else jax.device_put(bufs, d)
     return [jax.make_array_from_single_device_arrays(shape, sh, [arrays[d][i] for d in sh.addressable_devices])
             for i, ((_, shape), sh) in enumerate(zip(_shapes(e), shardings))]
+
+
+def _join_parts(entry: FusedParam, views: tuple, ckpt, dt, device, fp8_block, parts_read: dict):
+    """One model shard's joined array (``entry`` cut to the shard, in the one-shard order): each
+    part read alone, or taken from ``parts_read`` when another shard of this process read the
+    same bytes (the copies of one KV head), then set side by side on ``device``."""
+    parts = []
+    for m, view in zip(entry.members(), views):
+        key = (m, _view_key(view, ckpt))
+        if key not in parts_read:
+            (parts_read[key],) = _load_entry(m, view, dt, [device], fp8_block)
+        parts.append(jax.device_put(parts_read[key], device))
+    return jax.block_until_ready(jnp.concatenate(parts, axis=-1))
 
 
 def _view_key(view, ckpt):
