@@ -22,6 +22,8 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.fused import shards_of, split_columns
+from jaxspec.pallas.exact import exact_on, matmul, row_sum
+from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
 
 
@@ -30,7 +32,10 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
     arithmetic instead (``pow(ms + eps, -0.5)``, the weight applied in f32 before the cast back);
     ``weight=None`` is a norm without a scale (Gemma 4's v_norm)."""
     xf = x.astype(jnp.float32)
-    ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
+    if exact_on():  # the sum of squares in the fixed-order kernel
+        ms = (row_sum(xf * xf) / x.shape[-1])[..., None] + eps
+    else:
+        ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
     xf = xf * (jnp.power(ms, -0.5) if gemma else jax.lax.rsqrt(ms))
     if weight is None:
         return xf.astype(x.dtype)
@@ -66,8 +71,8 @@ def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int
     and up as one product: ``w_gate_up [H, 2I]`` joined in the column order of ``shards`` model
     shards (``jaxspec.model.fused``)."""
     half = w_gate_up.shape[-1] // 2
-    gate, up = split_columns(x @ w_gate_up, (half, half), shards)
-    return (activation(gate) * up) @ w_down
+    gate, up = split_columns(matmul(x, w_gate_up), (half, half), shards)
+    return matmul(activation(gate) * up, w_down)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -96,10 +101,9 @@ def write_and_attend(
     def local(q, k, v, pool, layer, attn):
         B, T, Hkv, _ = k.shape
         pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-        o = paged_attention(
-            q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-            page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D), implementation=implementation,
-        )
+        attend = exact_attention if exact_on() else functools.partial(paged_attention, implementation=implementation)
+        o = attend(q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+                   page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D))
         return o, pool
 
     return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
@@ -257,7 +261,7 @@ def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, 
 
 def _joined(lp: dict, name: str, cfg, a: jax.Array, sizes) -> tuple:
     """``a @ w{name}`` (+ ``b{name}``), split into its parts of ``sizes`` columns."""
-    y = a @ lp["w" + name]
+    y = matmul(a, lp["w" + name])
     if cfg.attention_bias:
         y = y + lp["b" + name]
     return split_columns(y, sizes, shards_of(cfg))
@@ -267,7 +271,7 @@ def project_q(
     lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
 ) -> jax.Array:  # [B, T, Hq, D] with RoPE
     """The query alone (a layer with ``wq``: a query-only layer, or a DFlash layer's)."""
-    q = a @ lp["wq"]
+    q = matmul(a, lp["wq"])
     if cfg.attention_bias:
         q = q + lp["bq"]
     return _query(q, lp, cfg, positions, inv_freq)
@@ -304,7 +308,7 @@ def layer_tail(
 ) -> jax.Array:  # [B, T, H] residual stream leaving the layer
     """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention."""
     B, T, _ = x.shape
-    x = x + o.reshape(B, T, -1) @ lp["wo"]
+    x = x + matmul(o.reshape(B, T, -1), lp["wo"])
     return x + gated_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate_up"], lp["w_down"], shards_of(cfg))
 
 
@@ -367,6 +371,8 @@ def mask_padded_vocab(logits: jax.Array, vocab_size: int, width: int | None = No
 
 def lm_head(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """Output head in f32: ``params["lm_head"] [H, V]``, or tied to ``params["embed"] [V, H]``."""
+    if exact_on():  # the fixed-tile product, the f32 accumulator unrounded
+        return matmul(hidden, params["lm_head"] if "lm_head" in params else params["embed"].T, out_dtype=jnp.float32)
     if "lm_head" in params:
         return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)

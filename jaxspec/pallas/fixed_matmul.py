@@ -45,10 +45,11 @@ class MatmulTiles:
 DEFAULT_TILES = MatmulTiles()
 
 
-def fixed_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., K] @ [K, N] -> [..., N]
-    """The product in float32, cast to ``x``'s dtype (the kernel's result up to its summation order)."""
+def fixed_matmul_reference(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:  # [..., K] @ [K, N]
+    """The product in float32, cast to ``out_dtype`` (default ``x``'s dtype): the kernel's result up to
+    its summation order."""
     out = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
-    return out.astype(x.dtype)
+    return out.astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, steps: int):
@@ -68,10 +69,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def fixed_matmul_pallas(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFAULT_TILES,
-                        interpret: bool = False) -> jax.Array:  # [..., K] @ [K, N] -> [..., N]
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype"))
+def fixed_matmul_pallas(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFAULT_TILES, interpret: bool = False,
+                        out_dtype=None) -> jax.Array:  # [..., K] @ [K, N] -> [..., N]
     """The Pallas path of :func:`fixed_matmul`."""
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     lead, K = x.shape[:-1], x.shape[-1]
     N = w.shape[1]
     x2 = x.reshape(-1, K)  # [M, K]
@@ -84,7 +86,7 @@ def fixed_matmul_pallas(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFA
         grid=(Mp // tiles.bm, Np // tiles.bn),
         in_specs=[pl.BlockSpec((tiles.bm, Kp), lambda i, j: (i, 0)), pl.BlockSpec((Kp, tiles.bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((tiles.bm, tiles.bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, Np), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="fixed_matmul",
@@ -92,7 +94,8 @@ def fixed_matmul_pallas(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFA
     return out[:M, :N].reshape(*lead, N)
 
 
-def fixed_matmul(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFAULT_TILES) -> jax.Array:
+def fixed_matmul(x: jax.Array, w: jax.Array, *, tiles: MatmulTiles = DEFAULT_TILES, out_dtype=None) -> jax.Array:
     """``x @ w`` with a reduction order fixed per row: natively on a GPU, in interpret mode elsewhere
-    (the guarantee is the kernel's, so there is no XLA path to fall back to)."""
-    return fixed_matmul_pallas(x, w, tiles=tiles, interpret=dispatch.interpret_mode())
+    (the guarantee is the kernel's, so there is no XLA path to fall back to). ``out_dtype``: the
+    result's dtype (default ``x``'s; the float32 accumulator is rounded to it once)."""
+    return fixed_matmul_pallas(x, w, tiles=tiles, interpret=dispatch.interpret_mode(), out_dtype=out_dtype)
