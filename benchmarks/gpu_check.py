@@ -1,41 +1,93 @@
-"""Everything a first GPU session should run, in at most three invocations of < 10 minutes each.
+"""The GPU check: decode-step times at real model shapes against the HBM bound, the speculative
+methods' cost relative to a plain step, XLA option variants, the demo pair end to end, and the Pallas
+kernels against XLA and their floors, in two calls of under 8 minutes each on a fresh H100 or H200
+(compilation included), from a checkout without network.
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --out OUT --stages env,pytest,check   # ~5 min
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --out OUT --stages kernels,sweep      # ~8 min
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --out OUT --stages steps              # ~8 min
-    python benchmarks/gpu_check.py --dry-run --out /tmp/x   # the same code, tiny shapes, interpret mode
+How to run it
+-------------
+Where pip works (here), once: ``scripts/gpu_wheels.sh`` fills the git-ignored ``.whl/`` with the
+wheels the GPU machine lacks (outlines-core, jsonschema and its dependencies, about 3 MB). On the GPU
+machine, from the checkout's root, with ``.whl`` carried along (``$OUT``: the folder whose files come
+back; the check writes there itself, so a run killed by its timeout still leaves its table):
 
-Stages (each one's exceptions are caught and recorded; the run goes on):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit; timeout -k 10 480 python3 benchmarks/gpu_check.py --call 1 --out $OUT 2>&1 | tee $OUT/log.txt
 
-* ``env``: Python, jax / jaxlib / triton versions, devices, ``nvidia-smi``.
-* ``pytest``: ``pytest -m gpu`` (the native twins of the kernel tests), JUnit XML kept.
-* ``check``: every kernel natively against its f32 reference at engine-like shapes
-  (``benchmarks/kernels.py --check``), every failure reported.
-* ``kernels``: kernel timings against the XLA path and the HBM floor (``kernels.py``).
-* ``sweep``: block sizes per shape class (Llama-3-8B decode / verify / draft / prefill, page
-  16 and 64; DeepSeek-V3 MLA; Gemma-like wide heads): times candidate tiles natively, keeps
-  the fastest that matches the reference, and writes ``OUT/block_table.json`` (the repo's
-  table with this GPU's entries merged: copy it to ``jaxspec/pallas/block_table.json``). A
-  class where every candidate fails, or the best loses clearly to XLA, gets an ``"xla"``
-  entry with the reason, so ``implementation=None`` runs XLA there.
-* ``steps``: per-step time at Llama-3-8B shapes (plain, chain S=5, tree S=5 / topk=4 / n=8;
-  batch 1 and 16) against the roofline ``weight bytes / HBM bandwidth``
-  (``benchmarks/step_timing.py``, in a subprocess).
+and the same line with ``--call 2`` for the second call (give the machine's command a limit of 540 s
+or more). Without the wheels: ``PYTHONPATH=. python3 benchmarks/gpu_check.py --call 1 --out OUT``
+(the JSON-schema constraint item then skips and says so). ``--dry-run`` runs every item of the
+calls it is given at tiny shapes, Pallas in interpret mode, on any machine (the test suite runs
+``--dry-run --call 1,2``: ``tests/pallas/test_gpu_check.py``); ``--items a,b`` runs chosen items
+instead of a call's list (e.g. ``--items pytest,sweep`` in a later session).
 
-Every invocation merges its results into ``OUT/gpu_check.json`` and rewrites
-``OUT/gpu_check.md``. ``--deadline-minutes`` (default 9.5) stops starting new work in time
-to write them. ``--dry-run`` runs every stage at tiny shapes with Pallas in interpret mode
-(``pytest`` only collects), so the script is known to work before a GPU sees it (the test
-suite runs it: ``tests/pallas/test_gpu_check.py``).
+What each call measures, in priority order
+------------------------------------------
+Each call works through its items in order and stops starting new work when its deadline
+(``--deadline-minutes``, default 7.5) is near, skipping what would not finish, so a partial table
+always comes back (in call 1 the items before ``compare`` leave it 100 s). After every timed row it
+rewrites ``OUT/gpu_check.json`` (every number, with what was timed and with which XLA options, and how
+long its compile and first call took) and ``OUT/gpu_check.md``; at the end it prints the Markdown. A
+row that fails is recorded with its error and the item goes on. Compiled programs are kept in
+``/tmp/jaxspec-jax-cache`` (a second call on the same machine reuses them and XLA's autotuning).
+
+Call 1:
+  env          Python, jax / jaxlib / CUDA plugin / triton / torch versions, the device, nvidia-smi.
+  copy         device-to-device copy bandwidth: a 1 GiB bf16 array read and written 20 times in one
+               program, median of 5 (bytes read + written over time): the bandwidth of every bound.
+  plain        the Llama-3-8B shape (random bf16 weights; 32 layers, hidden 4096, 32 / 8 heads, MLP
+               14336, vocabulary 128256), context 1024: the engine's decode program, ms per plain step
+               at batch 1 and 16, and its bound: weights read (all but the embedding table) plus KV
+               read, over the measured copy bandwidth and over the datasheet's (H200 4.8 TB/s, H100
+               3.35), with the step's share of each.
+  spec_b1, spec_b16
+               at batch 1, then 16: per-step time of EAGLE-3 chain 5, EAGLE-3 tree S=5 k=4 n=8,
+               DFlash block 16 (chain 15), DSpark chain 8 and n-gram chain 5, each as a ratio to the
+               plain step of its batch, each verifying its whole tree every step (printed: nodes
+               verified per step); random drafts at their published shapes
+               (``benchmarks/step_timing.py``).
+  variants_b1  the plain step at batch 1 compiled with XLA options (``VARIANTS``): none; cuBLAS
+               instead of Triton GEMM fusions; that plus command buffers (CUDA graphs) over WHILE and
+               CONDITIONAL too; that plus dynamic-slice fusion; the XLA attention path instead of
+               Pallas under cuBLAS.
+  compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
+  variants_b16 the variants at batch 16, when time is left.
+
+Call 2:
+  env, copy    as in call 1 (the kernels' floors use this call's copy bandwidth).
+  batch64      plain and EAGLE-3 chain 5 at batch 64 (8B shape).
+  controls     a sampled plain step at batch 16 (temperature 1) without and with every generation
+               control (repetition / presence / frequency penalties, a logit bias on 64 tokens,
+               min-p, 20 top log-probabilities), alternated.
+  constraint   a greedy plain step at batch 16 without and with a JSON-schema constraint on every row
+               (needs outlines-core; skipped, saying so, without it).
+  kernels      each Pallas kernel against the XLA path in device time (N calls in one program,
+               ``benchmarks/kernels.py``) and its HBM floor: paged attention decode, verify n=8 and
+               n=64 and an 8-token draft extend (B=16, ctx 8192); MLA decode and verify n=8 (B=32,
+               ctx 4096); the DSA indexer; KV moves; the gather of accepted extras; the exact mode's
+               fixed-tile product against cuBLAS and its row-by-row attention against the default
+               paged kernel.
+  hybrid       a Qwen3.5-9B-shaped hybrid target (8 x (3 Gated DeltaNet + 1 gated attention layer),
+               published widths, weight bytes printed): plain step at batch 1 and 16 against its bound
+               (weights, KV of its attention layers, recurrent state read and written), and its MTP
+               layer's chain of 3 at batch 1.
+  v4           a DeepSeek-V4-Flash-shaped target (its layer kinds and widths, 10 layers and 32 experts,
+               weight bytes printed): plain step at batch 1 through ``jaxspec.Engine`` (wall-time
+               difference of two generations).
+  spec_controls  EAGLE-3 chain 5 at batch 16 with every control and with the constraint.
+  check        every kernel natively against its f32 reference (``kernels.py --check``).
+  pytest       ``pytest -m gpu tests/pallas`` and ``tests/spec/test_lossless_pallas.py`` natively.
+  sweep        block sizes per shape class (``benchmarks/block_sweep.py``): ``OUT/block_table.json``.
+The last three rarely fit in call 2; they are kept for a session with time to spare.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
+import importlib.util
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -43,27 +95,50 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+# Allocate GPU memory as needed (not 75% up front): the demo pair and pytest run in subprocesses
+# beside this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import kernels as kbench  # noqa: E402  (benchmarks/kernels.py)
-from jaxspec.pallas import block_table, dispatch  # noqa: E402
-from jaxspec.pallas.block_sizes import AttentionBlocks, next_pow2, split_kv  # noqa: E402
-from jaxspec.pallas.mla_attention import mla_attention_pallas, mla_attention_reference  # noqa: E402
-from jaxspec.pallas.paged_attention import paged_attention_pallas, paged_attention_reference  # noqa: E402
+import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
+from jaxspec.pallas import dispatch  # noqa: E402
 
-STAGES = ("env", "pytest", "check", "kernels", "sweep", "steps")
-# Best Pallas time over the XLA path's beyond which a swept class is sent to XLA.
-XLA_FALLBACK_RATIO = 1.25
+CALLS = {
+    1: ["env", "copy", "plain", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
+    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "hybrid", "v4", "spec_controls", "check",
+        "pytest", "sweep"],
+}
+ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
+
+# XLA options of the plain-step variants: (name, options, attention implementation).
+TRITON_OFF = {"xla_gpu_enable_triton_gemm": False}
+# A repeated option replaces XLA's whole list: its defaults (jaxlib 0.11.2) plus WHILE and CONDITIONAL.
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+VARIANTS = [
+    ("no options", {}, None),
+    ("cuBLAS GEMMs", TRITON_OFF, None),
+    ("cuBLAS + command buffers with WHILE, CONDITIONAL",
+     {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS}, None),
+    ("cuBLAS + command buffers + dynamic-slice fusion",
+     {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_dynamic_slice_fusion": True},
+     None),
+    ("cuBLAS, XLA attention", TRITON_OFF, "xla"),
+]
+# Seconds the demo pair's comparison is given in call 1 (its compile and runs took 55 s on an H200).
+COMPARE_RESERVE_S = 100
 
 
 class Deadline:
     def __init__(self, minutes: float):
         self.end = time.monotonic() + 60 * minutes
+        self.reserve = 0.0  # seconds kept for a later item (the demo pair's comparison in call 1)
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -72,10 +147,189 @@ class Deadline:
         return self.left() < reserve_s
 
 
-# --------------------------------------------------------------------------- stages
+class Skip(Exception):
+    """An item (or a row) that cannot run here, with the reason (a missing package, the deadline)."""
 
 
-def stage_env(args, deadline) -> dict:
+@dataclasses.dataclass
+class Sizes:
+    """What the items time: real shapes on a GPU, toy ones in a dry run."""
+
+    dry_run: bool
+
+    @property
+    def target(self):
+        return st.TINY if self.dry_run else st.LLAMA3_8B
+
+    @property
+    def dtype(self):
+        return jnp.float32 if self.dry_run else jnp.bfloat16
+
+    @property
+    def context(self) -> int:
+        return 40 if self.dry_run else 1024
+
+    @property
+    def steps(self) -> int:
+        return 2 if self.dry_run else 16
+
+    @property
+    def repeats(self) -> int:
+        return 1 if self.dry_run else 5
+
+    def batch(self, b: int) -> int:
+        return {1: 1, 16: 2, 64: 4}[b] if self.dry_run else b
+
+    def compile_s(self, big: bool = True) -> float:
+        """A generous guess of one compile and its timed calls (seconds), for the deadline."""
+        return 0.0 if self.dry_run else (45.0 if big else 15.0)
+
+
+class Check:
+    """The run's results: one entry per item, rewritten to JSON and Markdown after every row."""
+
+    def __init__(self, out: Path, args):
+        self.out, self.args = out, args
+        path = out / "gpu_check.json"
+        self.summary = json.loads(path.read_text()) if path.exists() else {"items": {}}
+        self.summary.update(device=kbench.device_name(), dry_run=args.dry_run,
+                            pallas_mode="native" if dispatch.on_gpu() else "interpret")
+        self.summary.setdefault("items", {})
+        self.current = None
+
+    def start(self, name: str, call: int | None):
+        self.current = self.summary["items"][name] = dict(call=call, status="running", rows=[], notes=[])
+        self.t0 = time.perf_counter()
+        self.write()
+
+    def row(self, **row):
+        self.current["rows"].append(row)
+        self.current["seconds"] = time.perf_counter() - self.t0
+        self.write()
+
+    def note(self, text: str):
+        self.current["notes"].append(text)
+        print(f"  note: {text}", flush=True)
+        self.write()
+
+    def finish(self, status: str, error: str | None = None):
+        self.current["status"] = status
+        self.current["seconds"] = time.perf_counter() - self.t0
+        if error:
+            self.current["error"] = error
+        self.write()
+
+    def rows(self, name: str) -> list[dict]:
+        return self.summary["items"].get(name, {}).get("rows", [])
+
+    def write(self):
+        (self.out / "gpu_check.json").write_text(json.dumps(self.summary, indent=1, default=str))
+        (self.out / "gpu_check.md").write_text(markdown(self.summary))
+
+
+# --------------------------------------------------------------------------- shared state
+
+
+class Models:
+    """The models items share, built on first use and freed when another one is needed."""
+
+    def __init__(self, sizes: Sizes):
+        self.sizes, self.cache = sizes, {}
+
+    def get(self, name: str, build):
+        if name not in self.cache:
+            for other in list(self.cache):  # one model at a time: the 8B shape, the hybrid, V4
+                self.free(other)
+            t = time.perf_counter()
+            self.cache[name] = build()
+            jax.block_until_ready(self.cache[name].params)
+            print(f"  built {name} in {time.perf_counter() - t:.1f} s "
+                  f"({st.param_bytes(self.cache[name].params) / 1e9:.2f} GB of weights)", flush=True)
+        return self.cache[name]
+
+    def free(self, name: str):
+        model = self.cache.pop(name, None)
+        if model is not None:
+            for x in jax.tree.leaves(model.params):
+                x.delete()
+
+    def llama(self):
+        return self.get("llama", lambda: st.random_target(self.sizes.target, self.sizes.dtype))
+
+
+def bandwidths(check: Check) -> tuple[float | None, float | None]:
+    """(measured copy bytes/s or None, datasheet bytes/s or None)."""
+    copy = check.rows("copy")
+    return (copy[0]["bytes_per_s"] if copy else None), st.device_bandwidth()[1]
+
+
+def step_row(check: Check, sizes: Sizes, target, r: dict, *, batch: int, config: str, what: str, options: str,
+             plain_s: float | None = None, bound: bool = False, **extra) -> dict:
+    """One timed step row: ms per step, its ratio to the plain step, the nodes it verified, and
+    (``bound``) the bytes a plain step reads over the measured and the datasheet bandwidth."""
+    row = dict(batch=batch, config=config, what=what, options=options, ms_per_step=r["seconds"] * 1e3,
+               verified=round(r.get("verified_mean", 1.0), 2), compile_s=round(r.get("compile_s", 0.0), 1), **extra)
+    if "spread" in r:
+        row["spread"] = round(r["spread"], 3)
+    if plain_s:
+        row["vs_plain"] = r["seconds"] / plain_s
+    if bound:
+        measured, sheet = bandwidths(check)
+        w = st.weight_bytes_read(target.params, batch)
+        kv = st.kv_bytes_read(target.config, batch, r.get("positions", sizes.context), target.dtype)
+        row.update(weight_bytes_read=w, kv_bytes_read=int(kv))
+        for name, bw in (("measured", measured), ("datasheet", sheet)):
+            if bw:
+                row[f"bound_ms_{name}"] = (w + kv) / bw * 1e3
+                row[f"share_of_bound_{name}"] = (w + kv) / bw / r["seconds"]
+    check.row(**row)
+    shares = "".join(f", {row[f'share_of_bound_{n}'] * 100:.0f}% of the {n} bound" for n in ("measured", "datasheet")
+                     if f"share_of_bound_{n}" in row)
+    print(f"  batch {batch} {config}: {row['ms_per_step']:.3f} ms/step"
+          + (f" ({row['vs_plain']:.2f}x plain)" if "vs_plain" in row else "")
+          + f", verified {row['verified']}{shares} [compile+first call {row['compile_s']} s]", flush=True)
+    return row
+
+
+def need(deadline: Deadline, seconds: float, what: str):
+    """Raises ``Skip`` unless ``seconds`` (and the time kept for later items) are left."""
+    if deadline.left() < seconds + deadline.reserve:
+        kept = f", {deadline.reserve:.0f} of them kept for a later item" if deadline.reserve else ""
+        raise Skip(f"{what} and what follows it: not started, {deadline.left():.0f} s left{kept} "
+                   f"(needs about {seconds:.0f})")
+
+
+def guarded(check: "Check", label: str):
+    """A context in which an error fails one row (recorded, printed) and the item goes on."""
+    return _Guard(check, label)
+
+
+class _Guard:
+    def __init__(self, check, label):
+        self.check, self.label = check, label
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None or issubclass(kind, (Skip, KeyboardInterrupt)):
+            return False
+        error = "".join(traceback.format_exception(kind, exc, tb, limit=4))[-2000:]
+        print(f"  {self.label}: ERROR {kind.__name__}: {str(exc)[:300]}", flush=True)
+        self.check.row(config=self.label, error=error)
+        self.check.current["row_errors"] = self.check.current.get("row_errors", 0) + 1
+        return True
+
+
+def dry_subset(sizes: "Sizes", items: list, keep: int = 1) -> list:
+    """All of ``items``, or in a dry run the first ``keep`` (the others' code runs elsewhere in it)."""
+    return items[:keep] if sizes.dry_run else items
+
+
+# --------------------------------------------------------------------------- items
+
+
+def item_env(check: Check, sizes, models, deadline, args):
     import importlib.metadata as md
 
     def version(pkg):
@@ -84,360 +338,494 @@ def stage_env(args, deadline) -> dict:
         except md.PackageNotFoundError:
             return None
 
-    devices = jax.devices()
-    out = dict(
-        python=platform.python_version(), platform=platform.platform(),
-        packages={p: version(p) for p in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "triton",
-                                          "torch", "numpy")},
-        backend=jax.default_backend(), devices=[f"{d.platform}:{d.device_kind}" for d in devices],
-        gpu_key=dispatch.gpu_kind(), pallas_mode="native" if dispatch.on_gpu() else "interpret",
-    )
+    pkgs = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "triton", "torch",
+            "transformers", "numpy", "outlines_core", "jsonschema")
+    row = dict(python=platform.python_version(), platform=platform.platform(), backend=jax.default_backend(),
+               devices=[f"{d.platform}:{d.device_kind}" for d in jax.devices()],
+               packages={p: v for p in pkgs if (v := version(p))}, gpu_key=dispatch.gpu_kind(),
+               xla_flags=os.environ.get("XLA_FLAGS", ""))
     try:
-        out["memory"] = {k: v for k, v in (devices[0].memory_stats() or {}).items() if "bytes" in k}
-    except Exception as e:  # noqa: BLE001 - CPU devices have no memory stats
-        out["memory"] = f"n/a ({type(e).__name__})"
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        out["nvidia_smi"] = f"n/a ({type(e).__name__})"
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                              "clocks.sm,temperature.gpu,power.draw", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        row["nvidia_smi"] = (smi.stdout.strip() or smi.stderr.strip()).splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired, IndexError) as e:
+        row["nvidia_smi"] = f"n/a ({type(e).__name__})"
+    check.summary["env"] = row
+    check.row(**row)
     for k in ("devices", "packages", "nvidia_smi"):
-        print(f"  {k}: {out[k]}", flush=True)
-    return out
+        print(f"  {k}: {row[k]}", flush=True)
 
 
-def stage_pytest(args, deadline) -> dict:
-    junit = args.out / "pytest_gpu.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           str(REPO / "tests")]
-    if args.dry_run:
-        cmd.insert(3, "--collect-only")  # collects the GPU tests; running them needs a GPU
-    timeout = max(30.0, deadline.left() - 60)
+def item_copy(check: Check, sizes, models, deadline, args):
+    """Device-to-device copy bandwidth: x -> x + 1 over a large bf16 array, ``iters`` times in one
+    program (each pass reads and writes the array), median of 5 programs."""
+    n = (1 << 16) if sizes.dry_run else (1 << 29)  # 1 GiB of bf16
+    iters = 2 if sizes.dry_run else 20
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
+
+    # Donated, so the loop updates the array in place (no copy of the input into the loop).
+    @jax.jit(donate_argnums=0)
+    def passes(x):
+        return jax.lax.fori_loop(0, iters, lambda i, y: y + jnp.bfloat16(1), x)
+
+    x = jax.block_until_ready(passes(x))
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x = jax.block_until_ready(passes(x))
+        times.append(time.perf_counter() - t)
+    sec = statistics.median(times)
+    moved = 2 * n * 2 * iters
+    sheet = st.device_bandwidth()[1]
+    check.row(what=f"x + 1 over {n * 2 / 2**30:.2f} GiB bf16, {iters} passes in one program, median of 5",
+              bytes_moved=moved, seconds=sec, bytes_per_s=moved / sec, datasheet_bytes_per_s=sheet,
+              of_datasheet=None if not sheet else moved / sec / sheet)
+    del x
+    print(f"  copy: {moved / sec / 1e12:.2f} TB/s (read + written)"
+          + (f", {moved / sec / sheet * 100:.0f}% of the datasheet's {sheet / 1e12:.2f}" if sheet else ""), flush=True)
+
+
+def _plain_seconds(check: Check, batch: int) -> float | None:
+    for r in check.rows("plain") + check.rows("batch64"):
+        if r["batch"] == batch and r["config"] == "plain":
+            return r["ms_per_step"] / 1e3
+    return None
+
+
+def _time(sizes: Sizes, target, draft, spec, batch: int, **kw) -> dict:
+    return st.time_steps(target, draft, spec, batch=batch, context=sizes.context, steps=sizes.steps,
+                         repeats=sizes.repeats, **kw)
+
+
+ENGINE_PROGRAM = "the engine's decode program"
+
+
+def item_plain(check: Check, sizes, models, deadline, args, batches=(1, 16)):
+    target = models.llama()
+    for b in batches:
+        need(deadline, sizes.compile_s(), f"plain batch {b}")
+        bb = sizes.batch(b)
+        with guarded(check, f"plain batch {bb}"):
+            r = _time(sizes, target, None, None, bb)
+            step_row(check, sizes, target, r, batch=bb, config="plain", what=ENGINE_PROGRAM,
+                     options="engine default", bound=True)
+
+
+def item_spec(check: Check, sizes, models, deadline, args, batch=1):
+    target = models.llama()
+    bb = sizes.batch(batch)
+    plain = _plain_seconds(check, bb)
+    if plain is None:
+        check.note(f"no plain step at batch {bb} in this run: ratios are missing")
+    for m in st.METHODS if batch == 1 else dry_subset(sizes, st.METHODS):
+        need(deadline, sizes.compile_s(), m.name)
+        with guarded(check, m.name):
+            r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb)
+            step_row(check, sizes, target, r, batch=bb, config=m.name, what=ENGINE_PROGRAM,
+                     options="engine default", plain_s=plain, verified_expected=m.spec.num_draft_tokens)
+
+
+def _variant_options_ok(options: dict) -> str | None:
+    """None when this jaxlib accepts ``options`` (compiling a trivial program), else its error."""
     try:
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(command=" ".join(cmd[1:]), returncode=None, summary=f"timed out after {timeout:.0f} s")
-    lines = (run.stdout + run.stderr).strip().splitlines()
-    out = dict(command=" ".join(["python"] + cmd[1:-1] + ["tests"]), returncode=run.returncode,
-               summary=lines[-1] if lines else "", failures=[])
-    if junit.exists():
-        for case in ElementTree.parse(junit).getroot().iter("testcase"):
-            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-            if bad is not None:
-                out["failures"].append(dict(test=f"{case.get('classname')}::{case.get('name')}",
-                                            message=(bad.get("message") or "")[:400]))
-    print(f"  {out['summary']}", flush=True)
-    return out
+        jax.jit(lambda x: x + 1, compiler_options=options or None).lower(jnp.ones(2)).compile()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 
 
-def stage_check(args, deadline) -> dict:
-    rows = kbench.check(args)
-    return dict(results=rows, failed=sum(not r["ok"] for r in rows))
-
-
-def stage_kernels(args, deadline) -> dict:
-    rows = kbench.bench(args)
-    bw = kbench.bandwidth_bytes_per_s(None)
-    return dict(results=rows, bandwidth_tb_s=None if bw is None else bw / 1e12)
-
-
-# --------------------------------------------------------------------------- sweep
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepShape:
-    """One shape class to tune, at one representative launch."""
-
-    op: str  # paged_attention | mla_attention
-    shape: object  # kernels.AttnShape | kernels.MLAShape
-
-    def problem(self):
-        if self.op == "paged_attention":
-            args, _ = kbench.attention_problem(self.shape)
-            return args[:6] + ((None,) if self.shape.nodes == 1 or "prefill" in self.shape.name else (args[6],))
-        args, _ = kbench.mla_problem(self.shape)
-        return args
-
-    @property
-    def head_dim(self) -> int:
-        return self.shape.head_dim if self.op == "paged_attention" else self.shape.latent
-
-    @property
-    def rows(self) -> int:  # folded rows per (request, KV head)
-        s = self.shape
-        return s.nodes * (s.q_heads // s.kv_heads if self.op == "paged_attention" else s.heads)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.shape.kv_heads if self.op == "paged_attention" else 1
-
-    def shape_class(self, args) -> str:
-        return block_table.attention_class_of(self.op, rows=self.shape.nodes, block_mask=args[6],
-                                              head_dim=self.head_dim, page_size=self.shape.page_size)
-
-    def run(self, blocks, interpret):
-        fn = paged_attention_pallas if self.op == "paged_attention" else mla_attention_pallas
-        return jax.jit(functools.partial(fn, page_size=self.shape.page_size, sm_scale=0.088, interpret=interpret,
-                                         blocks=blocks))
-
-    def reference(self):
-        fn = paged_attention_reference if self.op == "paged_attention" else mla_attention_reference
-        return jax.jit(functools.partial(fn, page_size=self.shape.page_size, sm_scale=0.088))
-
-    def xla(self):
-        if self.op == "paged_attention":
-            return kbench.attention_fn(self.shape, "xla")
-        return kbench.mla_fn(self.shape, "xla")
-
-
-def sweep_shapes(dry_run: bool) -> list[SweepShape]:
-    A, M = kbench.AttnShape, kbench.MLAShape
-    if dry_run:
-        return [SweepShape("paged_attention", A("sweep-smoke verify", 2, 40, 4, q_heads=4, kv_heads=2, head_dim=16,
-                                                 dtype="float32")),
-                SweepShape("mla_attention", M("sweep-smoke mla decode", 2, 40, 1, heads=4, latent=32, rope=8,
-                                              dtype="float32"))]
-    ctx = 4096
-    return [
-        SweepShape("paged_attention", A("llama3-8b decode B=32", 32, ctx, 1)),
-        SweepShape("paged_attention", A("llama3-8b decode B=32 p64", 32, ctx, 1, page_size=64)),
-        SweepShape("paged_attention", A("llama3-8b verify n=8 B=16", 16, ctx, 8)),
-        SweepShape("paged_attention", A("llama3-8b verify n=8 B=16 p64", 16, ctx, 8, page_size=64)),
-        SweepShape("paged_attention", A("llama3-8b prefill T=2048", 1, 0, 2048)),
-        SweepShape("mla_attention", M("deepseek-v3 mla decode B=32", 32, ctx, 1)),
-        SweepShape("mla_attention", M("deepseek-v3 mla verify n=8 B=16", 16, ctx, 8)),
-        SweepShape("paged_attention", A("gemma4 sliding D=256 verify n=8 B=16", 16, ctx, 8, q_heads=32, kv_heads=16,
-                                        head_dim=256)),
-        SweepShape("paged_attention", A("gemma4 full D=512 verify n=8 B=16", 16, ctx, 8, q_heads=32, kv_heads=4,
-                                        head_dim=512)),
-    ]
-
-
-def candidates(s: SweepShape, max_kv_len: int, block_width: int, dry_run: bool) -> list[AttentionBlocks]:
-    """Tiles around the heuristic (block_m x block_k x warps at 2 stages; more stages for the
-    best of those are tried separately), each with the KV splits its launch size implies and
-    block_w as the heuristic sets it (the block's width, 16 to block_k)."""
-    wide = s.head_dim > 128
-    block_ms = [16, 32] if wide else [16, 32, 64, 128]
-    block_ks = [16, 32] if wide else [32, 64]
-    warps = [4, 8]
-    if dry_run:
-        block_ms, block_ks, warps = [16], [16, 32], [4]
-    rows = s.rows
-    out = []
-    for bm in block_ms:
-        if bm > max(16, 2 * rows):  # more than half the tile would be padding rows
+def item_variants(check: Check, sizes, models, deadline, args, batch=1):
+    target = models.llama()
+    bb = sizes.batch(batch)
+    plain = _plain_seconds(check, bb)
+    table = importlib.util.find_spec("jaxspec.xla_options") is not None
+    for i, (name, options, impl) in enumerate(VARIANTS):
+        bad = _variant_options_ok(options)
+        if bad:
+            check.note(f"{name}: options refused by this jaxlib: {bad}")
             continue
-        for bk in block_ks:
-            for w in warps:
-                splits = split_kv(programs=s.shape.batch * s.kv_heads * -(-rows // bm), max_kv_len=max_kv_len,
-                                  block_k=bk, interpret=dry_run)
-                block_w = min(bk, max(16, next_pow2(block_width)))
-                out.append(AttentionBlocks(block_m=bm, block_k=bk, block_w=block_w, kv_splits=splits,
-                                           num_warps=w, num_stages=2, reload_q=wide))
-    return out
-
-
-def stage_sweep(args, deadline) -> dict:
-    interpret = not dispatch.on_gpu()
-    gpu = dispatch.gpu_kind() or "cpu-dry-run"
-    timing = dict(warmup=args.warmup, repeats=args.repeats)
-    blocks_entries, xla_entries, rows = {}, {}, []
-    for s in sweep_shapes(args.dry_run):
-        if deadline.passed(reserve_s=90):
-            rows.append(dict(shape=s.shape.name, skipped="deadline"))
+        if not options and impl is None and not table and plain is not None:
+            # The engine passes no options: its program is this variant's (the plain row).
+            check.row(batch=bb, config=f"plain, {name}", what=f"{ENGINE_PROGRAM} (the plain row's time)",
+                      options="{}", implementation="default", ms_per_step=plain * 1e3, vs_plain=1.0, verified=1.0)
             continue
-        row = dict(shape=s.shape.name, tried=[])
-        try:
-            a = s.problem()
-            cls = s.shape_class(a)
-            row["class"] = cls
-            want = np.asarray(s.reference()(*a), np.float32)
-            t_xla = kbench.median_seconds(s.xla(), a, **timing)
-            row["xla_us"] = t_xla * 1e6
-            max_kv_len = a[4].shape[1] * s.shape.page_size
-
-            def attempt(blocks):
-                try:
-                    fn = s.run(blocks, interpret)
-                    got = np.asarray(fn(*a), np.float32)
-                    np.testing.assert_allclose(got, want, atol=kbench.TOL[s.shape.dtype], rtol=kbench.TOL[s.shape.dtype])
-                    t = kbench.median_seconds(fn, a, **timing)
-                    row["tried"].append(dict(blocks=dataclasses.asdict(blocks), us=t * 1e6))
-                    return t
-                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-                    row["tried"].append(dict(blocks=dataclasses.asdict(blocks), error=f"{type(e).__name__}: "
-                                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]))
-                    return None
-
-            best, best_t = None, None
-            width = s.shape.nodes if a[6] is None else a[6].shape[2]
-            for blocks in candidates(s, max_kv_len, width, args.dry_run):
-                if deadline.passed(reserve_s=60):
-                    break
-                t = attempt(blocks)
-                if t is not None and (best_t is None or t < best_t):
-                    best, best_t = blocks, t
-            if best is not None and not args.dry_run:  # deeper pipelines for the winner
-                for stages in (3, 4):
-                    t = attempt(dataclasses.replace(best, num_stages=stages))
-                    if t is not None and t < best_t:
-                        best, best_t = dataclasses.replace(best, num_stages=stages), t
-            if best is None:
-                errors = {t.get("error") for t in row["tried"]} - {None}
-                xla_entries[cls] = f"no tile configuration ran natively ({'; '.join(sorted(errors))[:300]})"
-            else:
-                row["best"] = dict(blocks=dataclasses.asdict(best), us=best_t * 1e6, xla_over_pallas=t_xla / best_t)
-                blocks_entries[cls] = {k: getattr(best, k) for k in block_table.ATTENTION_FIELDS}
-                if best_t > XLA_FALLBACK_RATIO * t_xla:
-                    xla_entries[cls] = (f"Pallas {best_t * 1e6:.0f} us vs XLA {t_xla * 1e6:.0f} us at "
-                                        f"{s.shape.name} (gpu_check sweep)")
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        rows.append(row)
-        best = row.get("best")
-        print(f"  {s.shape.name}: " + (f"best {best['blocks']} {best['us']:.1f} us (XLA {row['xla_us']:.1f} us)"
-                                       if best else row.get("error", row.get("skipped", "no candidate ran"))),
-              flush=True)
-    table_path = args.out / "block_table.json"
-    table_path.write_text(block_table.TABLE_PATH.read_text())  # start from the repo's table
-    block_table.write_entries(gpu, "blocks", blocks_entries, table_path)
-    block_table.write_entries(gpu, "xla", xla_entries, table_path)
-    if args.write_table:
-        block_table.write_entries(gpu, "blocks", blocks_entries)
-        block_table.write_entries(gpu, "xla", xla_entries)
-    return dict(gpu=gpu, results=rows, table=str(table_path), blocks=blocks_entries, xla=xla_entries)
+        if sizes.dry_run and 0 < i < len(VARIANTS) - 1:
+            check.note(f"{name}: options accepted (dry run: not compiled into the decode program)")
+            continue
+        need(deadline, sizes.compile_s(), name)
+        with guarded(check, f"plain, {name}"):
+            r = _time(sizes, target, None, None, bb, options=options, implementation=impl)
+            step_row(check, sizes, target, r, batch=bb, config=f"plain, {name}",
+                     what="decode_steps under jax.jit(compiler_options=...)", options=json.dumps(options),
+                     implementation=impl or "default", plain_s=plain, bound=True)
 
 
-# --------------------------------------------------------------------------- steps
-
-
-def stage_steps(args, deadline) -> dict:
-    """``benchmarks/step_timing.py`` in a subprocess (its own memory; a timeout keeps the rows
-    printed so far): plain, chain S=5 and tree S=5 / topk=4 / n=8 at batch 1 and 16, each also with
-    every generation control on (its cost per step)."""
-    out_json = args.out / "step_timing.json"
-    out_json.unlink(missing_ok=True)
-    cmd = [sys.executable, str(REPO / "benchmarks" / "step_timing.py"), "--out", str(out_json), "--controls"]
-    cmd += (["--tiny", "--batches", "1", "--context", "16", "--steps", "2", "--repeats", "1"] if args.dry_run else
-            ["--batches", "1,16", "--context", "1024", "--steps", "16", "--repeats", "5"])
-    timeout = max(30.0, deadline.left() - 30)
+def item_compare(check: Check, sizes, models, deadline, args):
+    """``jaxspec generate --compare`` on the demo pair, in a subprocess (its own memory and compiles)."""
+    cmd = [sys.executable, "-m", "jaxspec", "generate", "--compare"]
+    if sizes.dry_run:  # two methods (the n-gram draft given: it and plain), few tokens
+        cmd += ["--draft", "ngram", "--max-new-tokens", "8", "--repeats", "1"]
+    timeout = max(20.0, deadline.left() - 5)
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     try:
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        stdout, returncode = run.stdout, run.returncode
-        stderr = run.stderr
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+        out, err, rc = run.stdout, run.stderr, run.returncode
     except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr, returncode = f"timed out after {timeout:.0f} s", None
-    result = dict(command=" ".join(["python"] + cmd[1:]), returncode=returncode)
-    if out_json.exists():
-        result.update(json.loads(out_json.read_text()))
-    else:  # the table rows printed before a timeout or a crash
-        result["rows"] = [dict(zip(("device", "batch", "config", "ms_per_step"), (c.strip() for c in line.strip("|").split("|"))))
-                          for line in stdout.splitlines() if line.startswith("| ") and "ms/step" not in line]
-    if returncode != 0:
-        result["error"] = stderr.strip()[-2000:]
-    for line in stdout.splitlines():
-        print(f"  {line}", flush=True)
-    if returncode != 0:
-        raise RuntimeError(f"step_timing.py failed (rc={returncode}): {result['error'][-800:]}")
-    return result
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, rc = f"timed out after {timeout:.0f} s", None
+    (check.out / "compare.txt").write_text(out + "\n--- stderr ---\n" + err[-6000:])
+    rows = parse_compare(out)
+    for r in rows:
+        check.row(command="python3 -m jaxspec " + " ".join(cmd[3:]), **r)
+        print(f"  {r['method']:<10} {r['shape']:<16} accept {r['accept']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
+              f"{r['speedup']}", flush=True)
+    warm = next((line for line in err.splitlines() if "compiled and warmed" in line), None)
+    if warm:
+        check.note(warm.strip("()"))
+    if rc != 0 or not rows:
+        raise RuntimeError(f"jaxspec generate --compare: exit {rc}; {err.strip()[-1500:]}")
 
 
-# --------------------------------------------------------------------------- summary
+def parse_compare(stdout: str) -> list[dict]:
+    """The rows of ``--compare``'s table: method, draft, shape, accept, tokens/s, speedup."""
+    lines = stdout.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("method")), None)
+    rows = []
+    for line in ([] if head is None else lines[head + 1:]):
+        parts = line.split()
+        if len(parts) < 6 or line.startswith("tokens:"):
+            break
+        try:
+            rows.append(dict(method=parts[0], draft=parts[1], shape=" ".join(parts[2:-3]), accept=float(parts[-3]),
+                             tokens_per_s=float(parts[-2]), speedup=parts[-1]))
+        except ValueError:
+            break
+    return rows
+
+
+def item_batch64(check: Check, sizes, models, deadline, args):
+    item_plain(check, sizes, models, deadline, args, batches=(64,))
+    target = models.llama()
+    bb = sizes.batch(64)
+    for m in dry_subset(sizes, st.METHODS[:1], keep=0):  # EAGLE-3 chain 5
+        need(deadline, sizes.compile_s(), m.name)
+        with guarded(check, m.name):
+            r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb)
+            step_row(check, sizes, target, r, batch=bb, config=m.name, what=ENGINE_PROGRAM, options="engine default",
+                     plain_s=_plain_seconds(check, bb), verified_expected=m.spec.num_draft_tokens)
+
+
+def _pair(check, sizes, models, deadline, method, *, grammars=None, temperature=0.0, label: str):
+    target = models.llama()
+    bb = sizes.batch(16)
+    need(deadline, 2 * sizes.compile_s(), f"{method.name} {label}")
+    with guarded(check, f"{method.name} + {label}"):
+        draft = None if method.make is None else method.make(target, sizes.dry_run)
+        off, on = st.time_pair(target, draft, method.spec, batch=bb, context=sizes.context, steps=sizes.steps,
+                               repeats=sizes.repeats, grammars=grammars, temperature=temperature)
+        mode = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
+        for r, suffix in ((off, ""), (on, f" + {label}")):
+            step_row(check, sizes, target, r, batch=bb, config=method.name + suffix,
+                     what=f"{ENGINE_PROGRAM}, {mode}, off and on alternated", options="engine default",
+                     plain_s=off["seconds"], verified_expected=method.spec and method.spec.num_draft_tokens)
+
+
+CONTROLS = "every control (penalties, logit bias on 64 tokens, min-p 0.05, 20 logprobs)"
+
+
+def _grammars(sizes: Sizes):
+    if importlib.util.find_spec("outlines_core") is None:
+        raise Skip("outlines-core is not installed: the JSON-schema constraint cannot be compiled "
+                   "(carry its wheel: scripts/gpu_wheels.sh)")
+    return st.timing_grammar(None, sizes.target.vocab_size)
+
+
+def item_controls(check: Check, sizes, models, deadline, args):
+    _pair(check, sizes, models, deadline, st.PLAIN, temperature=1.0, label=CONTROLS)
+
+
+def item_constraint(check: Check, sizes, models, deadline, args):
+    _pair(check, sizes, models, deadline, st.PLAIN, grammars=_grammars(sizes), label="JSON-schema constraint")
+
+
+def item_spec_controls(check: Check, sizes, models, deadline, args):
+    if sizes.dry_run:  # the same code as the controls and constraint items, with a draft: not compiled again
+        check.note("dry run: the pairs run in the controls and constraint items")
+        return
+    m = st.METHODS[0]
+    _pair(check, sizes, models, deadline, m, temperature=1.0, label=CONTROLS)
+    _pair(check, sizes, models, deadline, m, grammars=_grammars(sizes), label="JSON-schema constraint")
+
+
+def item_hybrid(check: Check, sizes, models, deadline, args):
+    cfg = st.qwen35_shape(tiny=sizes.dry_run)
+    need(deadline, 20 + sizes.compile_s(), "the hybrid target")
+    target = models.get("hybrid", lambda: st.random_target(cfg, sizes.dtype))
+    check.note(f"Qwen3.5-9B shape: {st.param_bytes(target.params) / 1e9:.2f} GB of weights "
+               f"({sum(x.size for x in jax.tree.leaves(target.params)) / 1e9:.2f}B parameters), "
+               f"{cfg.num_linear_layers} Gated DeltaNet + {cfg.num_full_layers} attention layers")
+    plain = {}
+    for b in dry_subset(sizes, [1, 16]):
+        need(deadline, sizes.compile_s(), f"hybrid plain batch {b}")
+        bb = sizes.batch(b)
+        with guarded(check, f"hybrid plain batch {bb}"):
+            r = _time(sizes, target, None, None, bb)
+            plain[bb] = r["seconds"]
+            step_row(check, sizes, target, r, batch=bb, config="hybrid plain", what=ENGINE_PROGRAM,
+                     options="engine default", bound=True, weight_bytes=st.param_bytes(target.params))
+    need(deadline, sizes.compile_s(), "hybrid MTP chain 3")
+    bb = sizes.batch(1)
+    spec = js_chain(3)
+    with guarded(check, "hybrid MTP chain 3"):
+        r = _time(sizes, target, st.mtp_for(target), spec, bb)
+        step_row(check, sizes, target, r, batch=bb, config="hybrid MTP chain 3", what=ENGINE_PROGRAM,
+                 options="engine default", plain_s=plain.get(bb), verified_expected=spec.num_draft_tokens)
+
+
+def js_chain(n: int):
+    import jaxspec as js
+
+    return js.SpecConfig.chain(n)
+
+
+def item_v4(check: Check, sizes, models, deadline, args):
+    cfg = st.v4_shape(tiny=sizes.dry_run)
+    need(deadline, 30 + 2 * sizes.compile_s(), "the V4-shaped target")
+    target = models.get("v4", lambda: st.random_target(cfg, sizes.dtype))
+    total = st.param_bytes(target.params)
+    experts = sum(x.size * x.dtype.itemsize for k in ("experts_gate", "experts_up", "experts_down")
+                  for x in [target.params["layers"].get(k)] if x is not None)
+    active = total - experts + experts * cfg.num_experts_per_tok / cfg.num_experts \
+        - target.params["embed"].size * target.params["embed"].dtype.itemsize
+    check.note(f"DeepSeek-V4-Flash shape with {cfg.num_layers} layers ({cfg.layer_kinds.count('sliding')} sliding, "
+               f"{cfg.num_csa_layers} CSA, {cfg.num_hca_layers} HCA) and {cfg.num_experts} experts: "
+               f"{total / 1e9:.2f} GB of weights, about {active / 1e9:.2f} GB read by a batch-1 step "
+               f"({cfg.num_experts_per_tok} routed experts of {cfg.num_experts}, no embedding table)")
+    bb = sizes.batch(1)
+    r = st.engine_step_seconds(target, batch=bb, context=sizes.context, steps=sizes.steps,
+                               calls=1 if sizes.dry_run else 4, repeats=1 if sizes.dry_run else 3)
+    measured, sheet = bandwidths(check)
+    extra = {f"weights_bound_ms_{n}": active / bw * 1e3 for n, bw in (("measured", measured), ("datasheet", sheet))
+             if bw}
+    step_row(check, sizes, target, r, batch=bb, config="V4-shaped plain",
+             what="jaxspec.Engine.generate, difference of two generations", options="engine default",
+             weight_bytes=total, active_weight_bytes_b1=int(active), **extra)
+
+
+def item_kernels(check: Check, sizes, models, deadline, args):
+    for name in list(models.cache):
+        models.free(name)
+    measured, _ = bandwidths(check)
+    kargs = argparse.Namespace(smoke=sizes.dry_run, bandwidth=None, repeats=1 if sizes.dry_run else 5)
+    seen = [0]
+
+    def on_row(rows):
+        for r in rows[seen[0]:]:
+            check.row(**r)
+        seen[0] = len(rows)
+
+    kbench.bench(kargs, measured_bw=measured, deadline=lambda: deadline.left() < sizes.compile_s(big=False),
+                 on_row=on_row)
+
+
+def item_check(check: Check, sizes, models, deadline, args):
+    kargs = argparse.Namespace(smoke=sizes.dry_run)
+    for r in kbench.check(kargs):
+        check.row(**r)
+    failed = [r for r in check.current["rows"] if not r["ok"]]
+    if failed:
+        raise RuntimeError(f"{len(failed)} kernel checks failed: " + "; ".join(f"{r['name']}: {r['error']}"
+                                                                               for r in failed)[:1500])
+
+
+def item_pytest(check: Check, sizes, models, deadline, args):
+    if importlib.util.find_spec("pytest") is None:
+        raise Skip("pytest is not installed")
+    runs = [["-m", "gpu", "tests/pallas"], ["tests/spec/test_lossless_pallas.py"]]
+    for i, sel in enumerate(runs):
+        need(deadline, 30, "pytest " + " ".join(sel))
+        junit = check.out / f"pytest_{i}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *sel]
+        if sizes.dry_run:
+            cmd.insert(3, "--collect-only")  # collects; running them needs a GPU
+        timeout = max(30.0, deadline.left() - 10)
+        try:
+            run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            lines, rc = (run.stdout + run.stderr).strip().splitlines(), run.returncode
+        except subprocess.TimeoutExpired:
+            lines, rc = [f"timed out after {timeout:.0f} s"], None
+        failures = []
+        if junit.exists():
+            for case in ElementTree.parse(junit).getroot().iter("testcase"):
+                bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+                if bad is not None:
+                    failures.append(f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:300]}")
+        check.row(command="python3 -m pytest " + " ".join(cmd[3:]), returncode=rc, summary=lines[-1] if lines else "",
+                  failures=failures)
+        print(f"  {' '.join(sel)}: {lines[-1] if lines else ''}", flush=True)
+
+
+def item_sweep(check: Check, sizes, models, deadline, args):
+    import block_sweep
+
+    out = block_sweep.sweep(check.out, dry_run=sizes.dry_run, deadline=deadline)
+    for r in out["results"]:
+        check.row(**r)
+    check.note(f"block table written to {out['table']} (GPU key {out['gpu']}); XLA entries: {out['xla']}")
+
+
+RUNNERS = dict(
+    env=item_env, copy=item_copy, plain=item_plain,
+    spec_b1=lambda *a: item_spec(*a, batch=1), spec_b16=lambda *a: item_spec(*a, batch=16),
+    variants_b1=lambda *a: item_variants(*a, batch=1), compare=item_compare,
+    variants_b16=lambda *a: item_variants(*a, batch=16),
+    batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
+    hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, check=item_check, pytest=item_pytest, sweep=item_sweep,
+)
+assert set(RUNNERS) == set(ITEMS)
+# Items whose rows are decode-step timings (one Markdown table layout).
+STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "batch64", "controls", "constraint",
+              "spec_controls", "hybrid", "v4"}
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def _fmt(x, digits=2):
+    if x is None or x == "":
+        return ""
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
 
 
 def markdown(summary: dict) -> str:
-    out = ["# gpu_check", "", f"Device: {summary.get('device')}; Pallas {summary.get('pallas_mode')}", ""]
-    st = summary.get("stages", {})
-    for name in STAGES:
-        if name not in st:
-            continue
-        s = st[name]
-        out.append(f"## {name} ({s.get('seconds', 0):.0f} s{', ERROR' if s.get('error') else ''})")
+    env = summary.get("env", {})
+    out = [f"# gpu_check on {summary.get('device')}", "",
+           f"Pallas {summary.get('pallas_mode')}"
+           f"{' (dry run: tiny shapes, times mean nothing)' if summary.get('dry_run') else ''}; "
+           f"{env.get('nvidia_smi', '')}; packages {env.get('packages', {})}", ""]
+    for name, item in summary.get("items", {}).items():
+        rows = item.get("rows", [])
+        out.append(f"## {name} (call {item.get('call')}, {item.get('status')}, {item.get('seconds', 0):.0f} s)")
         out.append("")
-        if s.get("error"):
-            out += ["```", s["error"], "```", ""]
-            continue
-        r = s.get("result", {})
-        if name == "env":
-            out += [f"- {k}: {r.get(k)}" for k in ("devices", "packages", "nvidia_smi", "memory")]
+        out += [f"- {n}" for n in item.get("notes", [])]
+        if item.get("error"):
+            out += ["", "```", item["error"][-2500:], "```"]
+        if rows and name in STEP_ITEMS:
+            out += ["", "| batch | config | timed | XLA options | ms/step | vs plain | verified/step | "
+                    "share of bound (measured / datasheet) | bound ms (measured / datasheet) |",
+                    "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+            for r in rows:
+                if "ms_per_step" not in r:  # a failed row
+                    why = (r.get("error") or "").strip().splitlines()[-1:] or [""]
+                    out.append(f"| {r.get('batch', '')} | {r.get('config', '')} | ERROR: {why[0][:200]} | | | | | | |")
+                    continue
+                share = " / ".join(f"{r[k] * 100:.0f}%" for k in ("share_of_bound_measured", "share_of_bound_datasheet")
+                                   if r.get(k) is not None)
+                bound = " / ".join(f"{r[k]:.2f}" for k in ("bound_ms_measured", "bound_ms_datasheet")
+                                   if r.get(k) is not None)
+                impl = f"; attention {r['implementation']}" if r.get("implementation") not in (None, "default") else ""
+                out.append(f"| {r['batch']} | {r['config']} | {r['what']} | {r['options']}{impl} | "
+                           f"{r['ms_per_step']:.3f} | {_fmt(r.get('vs_plain'))} | {_fmt(r.get('verified'), 1)} | "
+                           f"{share} | {bound} |")
+        elif name == "kernels" and rows:
+            copy = summary.get("items", {}).get("copy", {}).get("rows") or [{}]
+            out += ["", kbench.markdown(rows, summary.get("device"), copy[0].get("datasheet_bytes_per_s"),
+                                        copy[0].get("bytes_per_s"))]
+        elif name == "compare" and rows:
+            out += ["", "| method | draft | shape | accept | tokens/s | vs plain |", "|---|---|---|---:|---:|---:|"]
+            out += [f"| {r['method']} | {r['draft']} | {r['shape']} | {r['accept']:.2f} | {r['tokens_per_s']:.1f} | "
+                    f"{r['speedup']} |" for r in rows]
+        elif name == "copy" and rows:
+            r = rows[0]
+            out.append(f"- {r['what']}: {r['bytes_per_s'] / 1e12:.2f} TB/s (read + written)"
+                       + (f", {r['of_datasheet'] * 100:.0f}% of the datasheet" if r.get("of_datasheet") else ""))
+        elif name == "check" and rows:
+            out += ["| kernel | case | result |", "|---|---|---|"]
+            out += [f"| {r['kind']} | {r['name']} | {'ok' if r['ok'] else 'FAIL: ' + str(r['error'])} |" for r in rows]
         elif name == "pytest":
-            out += [f"`{r.get('command')}`: {r.get('summary')}"] + [f"- FAIL {f['test']}: {f['message']}"
-                                                                   for f in r.get("failures", [])]
-        elif name == "check":
-            out += ["| kernel | case | result | s |", "|---|---|---|---:|"]
-            out += [f"| {x['kind']} | {x['name']} | {'ok' if x['ok'] else 'FAIL: ' + x['error']} | {x['seconds']:.1f} |"
-                    for x in r.get("results", [])]
-        elif name == "kernels":
-            out.append(kbench.markdown(r.get("results", []), summary.get("device"),
-                                       (r.get("bandwidth_tb_s") or 0) * 1e12 or None))
-        elif name == "sweep":
-            out += [f"Table written to `{r.get('table')}` (GPU key `{r.get('gpu')}`); XLA entries: {r.get('xla')}", "",
-                    "| shape | class | best tiles | Pallas (us) | XLA (us) | XLA / Pallas |", "|---|---|---|---:|---:|---:|"]
-            for x in r.get("results", []):
-                b = x.get("best")
-                if b:
-                    tiles = ", ".join(f"{k}={v}" for k, v in b["blocks"].items())
-                    out.append(f"| {x['shape']} | {x['class']} | {tiles} | {b['us']:.1f} | {x['xla_us']:.1f} | "
-                               f"{b['xla_over_pallas']:.2f} |")
-                else:
-                    why = x.get("error") or x.get("skipped") or "no candidate ran"
-                    out.append(f"| {x['shape']} | {x.get('class', '')} | {why} | | | |")
-        elif name == "steps":
-            out += [f"`{r.get('command')}`", "", f"device {r.get('device')}, weights {r.get('weight_bytes', 0) / 1e9:.2f} GB, "
-                    f"bandwidth {r.get('bandwidth')} B/s, context {r.get('context')}", "",
-                    "| batch | config | ms/step | vs plain | roofline ms |", "|---|---|---:|---:|---:|"]
-            for x in r.get("rows", []):
-                out.append(f"| {x.get('batch')} | {x.get('config')} | {x.get('ms_per_step')} | "
-                           f"{x.get('ratio_to_plain', '')} | {x.get('roofline_ms', '')} |")
+            for r in rows:
+                out.append(f"- `{r['command']}`: {r['summary']}")
+                out += [f"  - FAIL {f}" for f in r.get("failures", [])]
+        elif name == "sweep" and rows:
+            out += ["| shape | class | best tiles | Pallas (us) | XLA (us) |", "|---|---|---|---:|---:|"]
+            for r in rows:
+                b = r.get("best")
+                tiles = "" if not b else ", ".join(f"{k}={v}" for k, v in b["blocks"].items())
+                why = tiles or r.get("error") or r.get("skipped", "")
+                out.append(f"| {r.get('shape')} | {r.get('class', '')} | {why} "
+                           f"| {_fmt(b and b['us'], 1)} | {_fmt(r.get('xla_us'), 1)} |")
+        elif name == "env" and rows:
+            r = rows[0]
+            out.append(f"- devices {r['devices']}, backend {r['backend']}, Python {r['python']}, XLA_FLAGS "
+                       f"'{r['xla_flags']}'")
         out.append("")
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json / .md and the block table")
-    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, pytest only collects")
-    ap.add_argument("--deadline-minutes", type=float, default=9.5)
-    ap.add_argument("--write-table", action="store_true", help="also merge the sweep into jaxspec/pallas/block_table.json")
-    args = ap.parse_args(argv)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if unknown := set(stages) - set(STAGES):
-        ap.error(f"unknown stages {sorted(unknown)}; choose from {STAGES}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    # kernels.py's knobs: tiny shapes and few repeats in a dry run
-    args.smoke, args.bandwidth = args.dry_run, None
-    args.warmup, args.repeats = (1, 2) if args.dry_run else (3, 20)
-    deadline = Deadline(args.deadline_minutes)
+# --------------------------------------------------------------------------- main
 
-    summary_path = args.out / "gpu_check.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": {}}
-    summary.update(device=kbench.device_name(), pallas_mode="native" if dispatch.on_gpu() else "interpret",
-                   dry_run=args.dry_run)
-    runners = dict(env=stage_env, pytest=stage_pytest, check=stage_check, kernels=stage_kernels, sweep=stage_sweep,
-                   steps=stage_steps)
-    for name in stages:
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        entry = {}
-        if deadline.passed(reserve_s=30):
-            entry["error"] = "not started: deadline"
-        else:
-            try:
-                entry["result"] = runners[name](args, deadline)
-            except Exception:  # noqa: BLE001 - one stage failing must not lose the others
-                entry["error"] = traceback.format_exc(limit=8)[-3000:]
-                print(entry["error"], flush=True)
-        entry["seconds"] = time.perf_counter() - t0
-        summary["stages"][name] = entry
-        summary_path.write_text(json.dumps(summary, indent=1, default=str))  # after every stage
-        (args.out / "gpu_check.md").write_text(markdown(summary))
-    print(f"wrote {summary_path} and {args.out / 'gpu_check.md'}", flush=True)
-    return 1 if any(e.get("error") for e in summary["stages"].values()) else 0
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json / .md (and compare.txt, ...)")
+    ap.add_argument("--call", default="1", help="1, 2 or 1,2: which call's items to run, in order")
+    ap.add_argument("--items", default=None, help=f"comma-separated items instead of the call's: {','.join(ITEMS)}")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes, Pallas in interpret mode, pytest only collects")
+    ap.add_argument("--deadline-minutes", type=float, default=None,
+                    help="stop starting new work this long after the start (default 7.5; a dry run 60: its times "
+                         "do not matter, only that every item runs)")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "
+                         "reuses them)")
+    args = ap.parse_args(argv)
+    calls = [int(c) for c in args.call.split(",") if c.strip()]
+    if args.items:
+        plan = [(i.strip(), None) for i in args.items.split(",") if i.strip()]
+    else:
+        plan = [(i, c) for c in calls for i in CALLS[c]]
+    if unknown := {i for i, _ in plan} - set(ITEMS):
+        ap.error(f"unknown items {sorted(unknown)}; choose from {ITEMS}")
+    args.item_list = [i for i, _ in plan]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not args.no_compile_cache:
+        jax.config.update("jax_compilation_cache_dir", "/tmp/jaxspec-jax-cache")
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec-jax-cache")
+    deadline = Deadline(args.deadline_minutes or (60.0 if args.dry_run else 7.5))
+    sizes = Sizes(dry_run=args.dry_run)
+    check, models = Check(args.out, args), Models(sizes)
+    failed = False
+    for name, call in plan:
+        print(f"== {name} ({deadline.left():.0f} s left)", flush=True)
+        check.start(name, call)
+        try:
+            if deadline.passed(reserve_s=10):
+                raise Skip(f"not started: {deadline.left():.0f} s left")
+            deadline.reserve = COMPARE_RESERVE_S if (not args.dry_run and "compare" in args.item_list[
+                args.item_list.index(name) + 1:] and name != "compare") else 0.0
+            RUNNERS[name](check, sizes, models, deadline, args)
+            errors = check.current.get("row_errors", 0)
+            check.finish("done" if not errors else f"done, {errors} rows failed")
+            failed = failed or bool(errors)
+        except Skip as e:
+            check.note(str(e))
+            check.finish("partial" if check.current["rows"] else "skipped")
+            failed = failed or bool(check.current.get("row_errors"))
+        except Exception:  # noqa: BLE001 - one item failing must not lose the others
+            error = traceback.format_exc(limit=6)[-3000:]
+            print(error, flush=True)
+            check.finish("error", error)
+            failed = True
+    for name in list(models.cache):
+        models.free(name)
+    print(f"wrote {args.out / 'gpu_check.json'} and {args.out / 'gpu_check.md'}\n", flush=True)
+    print(markdown(check.summary), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,18 +5,27 @@
     python benchmarks/kernels.py --smoke         # tiny shapes (runs anywhere; interpret mode off-GPU)
     python benchmarks/kernels.py --xla-vs-reference   # the lean XLA path vs the f32 reference (any device)
 
-Method (docs/architecture.md#measuring-performance): jit each path once, warm up, then time ``repeats`` calls, each
-followed by ``block_until_ready``, and report the median. The floor of a kernel is the bytes it
-must move (unique reads + writes) over the HBM bandwidth of the device (datasheet: H100 SXM
-3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides). Times include the launch, as in the
-engine. The verify-step attention is timed at the Llama-3-8B shape (32 q heads, 8 KV heads,
-D = 128, bf16) for batch 1 and 16, context 1k and 8k, n = 8 and 64 tree nodes; MLA at the
-DeepSeek-V3 shape (128 heads, latent 512 + rope 64); the DSA indexer scores at DeepSeek-V3.2's
-(64 heads x 128, page 64) for decode and an 8-node verify at 16k and 64k context.
+Device time (``device_seconds``): N calls of a path inside one compiled program, a ``lax.fori_loop``
+whose body feeds an output of each call into the next call's inputs (a zero XLA cannot prove is zero
+is added to the queries and to every index array, a moved KV buffer is carried whole), so that XLA can
+neither hoist a call (or a gather of KV pages) out of the loop nor merge two calls. The program is
+timed at N and at 1 calls (medians of ``repeats`` runs each, ``block_until_ready``) and the
+difference divided by N - 1: the launch of the program and the host's dispatch cancel, so a small
+shape reports its kernel, not the ~65 us a dispatched call costs. N is chosen so that the N calls take
+about 20 ms.
+
+The floor of a kernel is the bytes it must move (unique reads + writes) over an HBM bandwidth: the
+datasheet's (H100 SXM 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides) and, where a measured
+device-to-device copy bandwidth is given (``benchmarks/gpu_check.py`` measures one), that one. Shapes:
+paged attention at the Llama-3-8B shape (32 q heads, 8 KV heads, D = 128, bf16) at B = 16 and context
+8192 for decode, an 8- and a 64-node verify and a causal 8-token draft extend; MLA at the
+DeepSeek-V3 shape (128 heads, latent 512 + rope 64) at B = 32 and context 4096, decode and an 8-node
+verify; the DSA indexer scores at DeepSeek-V3.2's (64 heads x 128, page 64); KV moves of accepted
+paths; the gather of the accepted rows' extras.
 
 ``--xla-vs-reference`` times, in one run on any device, the XLA path users run
 (``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
-accumulation) against the f32 HIGHEST reference the tests use as their oracle.
+accumulation) against the f32 HIGHEST reference the tests use as their oracle (dispatched calls).
 
 Absolute numbers only mean something on a GPU, with the device named (it is printed and
 stored in the JSON).
@@ -40,7 +49,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from jaxspec.pallas import dispatch  # noqa: E402
+from jaxspec.xla_options import compiler_options  # noqa: E402
 from jaxspec.pallas.dsa_indexer import index_scores, index_scores_reference  # noqa: E402
+from jaxspec.pallas.exact_attention import exact_attention  # noqa: E402
+from jaxspec.pallas.fixed_matmul import fixed_matmul_pallas  # noqa: E402
 from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
@@ -69,6 +81,72 @@ def median_seconds(fn, args, *, warmup: int, repeats: int, feed_back: bool = Fal
         if feed_back:
             args = (out,) + tuple(args[1:])
     return statistics.median(times)
+
+
+def _zero_from(out) -> jax.Array:
+    """f32 zero computed from the first element of ``out``: XLA cannot prove it is zero (it depends
+    on data), so whatever adds it waits for ``out``."""
+    d = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+    return jnp.where(jnp.isnan(d), 0.0, jnp.minimum(jnp.abs(d), 0.0))
+
+
+def tie(args: tuple, out, feed_back: bool = False) -> tuple:
+    """The next call's inputs: ``out`` itself for the first argument when ``feed_back`` (a buffer the
+    call updates), else the first floating argument plus a data-dependent zero at one element; and
+    every integer index array plus that zero, so that no index computation or gather is loop-invariant."""
+    zero = _zero_from(out)
+    args = list(args)
+    if feed_back:
+        args[0] = out
+    done = feed_back
+    for i, a in enumerate(args):
+        if not isinstance(a, jax.Array) or a.ndim == 0 or (feed_back and i == 0):
+            continue
+        if jnp.issubdtype(a.dtype, jnp.floating) and not done:
+            args[i] = a.at[(0,) * a.ndim].add(zero.astype(a.dtype))
+            done = True
+        elif jnp.issubdtype(a.dtype, jnp.integer):
+            args[i] = a + zero.astype(a.dtype)
+    return tuple(args)
+
+
+@functools.lru_cache(maxsize=None)
+def _looped(fn, feed_back: bool):
+    # The engine's XLA options (cuBLAS for the products on a GPU), so the XLA column is what the engine runs.
+    @functools.partial(jax.jit, compiler_options=compiler_options() or None)
+    def run(n, args):
+        return jax.lax.fori_loop(0, n, lambda i, a: tie(a, fn(*a), feed_back), args)
+
+    return run
+
+
+def device_seconds(fn, args, *, repeats: int = 5, feed_back: bool = False, target_s: float = 0.02,
+                   n_max: int = 4000, n_fixed: int | None = None) -> tuple[float, int]:
+    """Device seconds of one call of ``fn(*args)`` (``fn`` traceable, not jitted itself): N calls in one
+    compiled while loop, each fed the previous one's output (``tie``), timed at N and at 1 call; returns
+    (the difference over N - 1, N). ``n_fixed`` fixes N (dry runs); else N makes the loop about
+    ``target_s`` long."""
+    run = _looped(fn, feed_back)
+    args = tuple(args)
+
+    def timed(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(jnp.int32(n), args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    jax.block_until_ready(run(jnp.int32(1), args))  # compiles (n is traced: one program for every N)
+    t1 = timed(1)
+    if n_fixed is None:
+        t8 = timed(8)
+        per = max((t8 - t1) / 7, 1e-7)
+        n = int(min(n_max, max(8, target_s / per)))
+    else:
+        n = max(2, n_fixed)
+    tn = timed(n)
+    return max(tn - t1, 0.0) / (n - 1), n
 
 
 def device_name() -> str:
@@ -280,24 +358,25 @@ def gather_fn(implementation: str):
 
 
 def verify_shapes(smoke: bool) -> list[AttnShape]:
+    """The verify-step attention of the Llama-3-8B shape at B = 16, context 8192."""
     if smoke:
         return [AttnShape("verify-smoke", 2, 40, 4, q_heads=4, kv_heads=2, head_dim=16, dtype="float32")]
-    return [AttnShape(f"llama3-8b verify B={b} ctx={c} n={n}", b, c, n)
-            for b in (1, 16) for c in (1024, 8192) for n in (8, 64)]
+    return [AttnShape(f"llama3-8b verify B=16 ctx=8192 n={n}", 16, 8192, n) for n in (8, 64)]
 
 
-def other_attention_shapes(smoke: bool) -> list[AttnShape]:
+def attention_shapes(smoke: bool) -> list[AttnShape]:
+    """Decode, verify n = 8 and 64, and a causal 8-token draft extend (Llama-3-8B, B = 16, ctx 8192)."""
     if smoke:
-        return []
-    return [AttnShape("llama3-8b decode B=16 ctx=8192", 16, 8192, 1),
-            AttnShape("llama3-8b draft-extend B=16 ctx=8192 T=8 causal", 16, 8192, 8)]
+        return verify_shapes(True)
+    return ([AttnShape("llama3-8b decode B=16 ctx=8192", 16, 8192, 1)] + verify_shapes(False)
+            + [AttnShape("llama3-8b draft-extend B=16 ctx=8192 T=8 causal", 16, 8192, 8)])
 
 
 def mla_shapes(smoke: bool) -> list[MLAShape]:
     if smoke:
         return [MLAShape("mla-smoke", 2, 40, 4, heads=4, latent=32, rope=8, dtype="float32")]
-    return [MLAShape(f"deepseek-v3 mla {'decode' if n == 1 else f'verify n={n}'} B={b} ctx=4096", b, 4096, n)
-            for b in (1, 32) for n in (1, 8)]
+    return [MLAShape(f"deepseek-v3 mla {'decode' if n == 1 else f'verify n={n}'} B=32 ctx=4096", 32, 4096, n)
+            for n in (1, 8)]
 
 
 def move_shapes(smoke: bool) -> list[MoveShape]:
@@ -319,63 +398,134 @@ def gather_shapes(smoke: bool) -> list[GatherShape]:
 # --------------------------------------------------------------------------- runs
 
 
-def bench(args) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """One timed shape: its problem (args, floor bytes) and each path as a traceable function."""
+
+    kind: str
+    name: str
+    problem: object  # () -> (args, floor_bytes)
+    path: object  # implementation -> traceable fn(*args)
+    feed_back: bool = False  # the first argument is a buffer the call returns updated
+
+
+def matmul_shapes(smoke: bool) -> list[tuple[str, int, int, int]]:
+    """(name, rows, K, N) of the exact mode's fixed-tile product at Llama-3-8B widths."""
+    if smoke:
+        return [("fixed matmul smoke", 3, 64, 96)]
+    return [("llama3-8b q/k/v 1 row", 1, 4096, 6144), ("llama3-8b q/k/v 16 rows", 16, 4096, 6144),
+            ("llama3-8b down 16 rows", 16, 14336, 4096), ("llama3-8b lm_head 1 row", 1, 4096, 128256)]
+
+
+def matmul_problem(rows: int, k: int, n: int, seed: int = 0):
+    ka, kb = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(ka, (rows, k), jnp.bfloat16)
+    w = (jax.random.normal(kb, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    return (x, w), 2 * (k * n + rows * (k + n))  # floor: the weight read once, x read, the output written
+
+
+def matmul_fn(implementation: str):
+    if implementation == "pallas":
+        return functools.partial(fixed_matmul_pallas, interpret=dispatch.interpret_mode())
+    return lambda x, w: x @ w
+
+
+def exact_attention_fn(s: "AttnShape", implementation: str):
+    """The exact mode's attention in the Pallas column; the default paged kernel in the XLA column."""
+    if implementation == "pallas":
+        return functools.partial(exact_attention, page_size=s.page_size, sm_scale=s.head_dim ** -0.5)
+    return functools.partial(paged_attention, page_size=s.page_size, sm_scale=s.head_dim ** -0.5,
+                             implementation="pallas")
+
+
+def kernel_cases(smoke: bool) -> list[KernelCase]:
+    cases = []
+    for s in attention_shapes(smoke):
+        causal = s.nodes == 1 or "causal" in s.name
+
+        def problem(s=s, causal=causal):
+            a, floor = attention_problem(s)
+            return (a[:6] + (None,) if causal else a), floor
+
+        cases.append(KernelCase("attention", s.name, problem, lambda impl, s=s: functools.partial(
+            paged_attention, page_size=s.page_size, sm_scale=s.head_dim ** -0.5, implementation=impl)))
+    for s in mla_shapes(smoke):
+        cases.append(KernelCase("mla", s.name, functools.partial(mla_problem, s), lambda impl, s=s: functools.partial(
+            mla_attention, page_size=s.page_size, sm_scale=(128 + s.rope) ** -0.5, implementation=impl)))
+    for s in indexer_shapes(smoke):
+        cases.append(KernelCase("indexer", s.name, functools.partial(indexer_problem, s),
+                                lambda impl, s=s: functools.partial(index_scores, page_size=s.page_size,
+                                                                    implementation=impl)))
+    for s in move_shapes(smoke):
+        cases.append(KernelCase("kv_move", s.name, functools.partial(move_problem, s),
+                                lambda impl: functools.partial(kv_move, implementation=impl), feed_back=True))
+    for s in gather_shapes(smoke):
+        cases.append(KernelCase("gather", s.name, functools.partial(gather_problem, s),
+                                lambda impl: functools.partial(gather_spec_extras, implementation=impl)))
+    # The exact mode: the fixed-tile product against XLA's (cuBLAS on a GPU), the row-by-row attention
+    # against the default paged kernel (in the XLA column).
+    for name, rows, k, n in matmul_shapes(smoke):
+        cases.append(KernelCase("exact_matmul", name, functools.partial(matmul_problem, rows, k, n), matmul_fn))
+    for s in attention_shapes(smoke)[:1]:
+        def problem(s=s):
+            a, floor = attention_problem(s)
+            return a[:6] + (None,), floor
+
+        cases.append(KernelCase("exact_attention", f"{s.name} (XLA column: the default kernel)", problem,
+                                lambda impl, s=s: exact_attention_fn(s, impl)))
+    return cases
+
+
+def bench(args, *, measured_bw: float | None = None, deadline=None, on_row=None) -> list[dict]:
+    """Every ``kernel_cases`` shape, Pallas and XLA, in device time (``device_seconds``); ``deadline()``
+    True stops before the next shape; ``on_row(row)`` is called after each."""
     bw = bandwidth_bytes_per_s(args.bandwidth)
+    smoke = args.smoke
+    timing = dict(repeats=args.repeats, n_fixed=3 if smoke else None)
     rows = []
-
-    def record(kind, name, floor_bytes, t_pallas, t_xla):
-        floor_s = floor_bytes / bw if bw else None
-        rows.append(dict(
-            kind=kind, name=name, bytes=int(floor_bytes), pallas_us=t_pallas * 1e6, xla_us=t_xla * 1e6,
-            floor_us=None if floor_s is None else floor_s * 1e6,
-            speedup_vs_xla=t_xla / t_pallas,
-            pallas_over_floor=None if floor_s is None else t_pallas / floor_s,
-        ))
-        print(f"  {kind:9s} {name}: pallas {t_pallas * 1e6:9.1f} us, xla {t_xla * 1e6:9.1f} us", flush=True)
-
-    timing = dict(warmup=args.warmup, repeats=args.repeats)
-    for s in verify_shapes(args.smoke) + other_attention_shapes(args.smoke):
-        a, floor = attention_problem(s)
-        if s.nodes == 1 or "causal" in s.name:
-            a = a[:6] + (None,)
-        t_p = median_seconds(attention_fn(s, "pallas"), a, **timing)
-        t_x = median_seconds(attention_fn(s, "xla"), a, **timing)
-        record("attention", s.name, floor, t_p, t_x)
-    for s in mla_shapes(args.smoke):
-        a, floor = mla_problem(s)
-        t_p = median_seconds(mla_fn(s, "pallas"), a, **timing)
-        t_x = median_seconds(mla_fn(s, "xla"), a, **timing)
-        record("mla", s.name, floor, t_p, t_x)
-    for s in indexer_shapes(args.smoke):
-        a, floor = indexer_problem(s)
-        t_p = median_seconds(indexer_fn(s, "pallas"), a, **timing)
-        t_x = median_seconds(indexer_fn(s, "xla"), a, **timing)
-        record("indexer", s.name, floor, t_p, t_x)
-    for s in move_shapes(args.smoke):
-        (bufs, src, dst), floor = move_problem(s)
-        t_p = median_seconds(move_fn("pallas"), (bufs, src, dst), feed_back=True, **timing)
-        del bufs
-        (bufs, src, dst), _ = move_problem(s)
-        t_x = median_seconds(move_fn("xla"), (bufs, src, dst), feed_back=True, **timing)
-        del bufs
-        record("kv_move", s.name, floor, t_p, t_x)
-    for s in gather_shapes(args.smoke):
-        a, floor = gather_problem(s)
-        t_p = median_seconds(gather_fn("pallas"), a, **timing)
-        t_x = median_seconds(gather_fn("xla"), a, **timing)
-        record("gather", s.name, floor, t_p, t_x)
+    for case in kernel_cases(smoke):
+        if deadline is not None and deadline():
+            rows.append(dict(kind=case.kind, name=case.name, skipped="deadline"))
+            continue
+        row = dict(kind=case.kind, name=case.name)
+        try:
+            a, floor = case.problem()
+            row["bytes"] = int(floor)
+            for impl in ("pallas", "xla"):
+                t, n = device_seconds(case.path(impl), a, feed_back=case.feed_back, **timing)
+                row[f"{impl}_us"], row[f"{impl}_calls"] = t * 1e6, n
+            del a
+            row["floor_us"] = None if bw is None else floor / bw * 1e6
+            row["floor_measured_us"] = None if not measured_bw else floor / measured_bw * 1e6
+            row["xla_over_pallas"] = row["xla_us"] / row["pallas_us"] if row["pallas_us"] > 0 else None
+            best = row["floor_measured_us"] or row["floor_us"]
+            row["pallas_over_floor"] = None if best is None else row["pallas_us"] / best
+        except Exception as e:  # noqa: BLE001 - a failing kernel is a result
+            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        rows.append(row)
+        print(f"  {case.kind:9s} {case.name}: " + (row.get("error") or
+              f"pallas {row['pallas_us']:9.1f} us, xla {row['xla_us']:9.1f} us (device time)"), flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
-def markdown(rows: list[dict], device: str, bw: float | None) -> str:
-    lines = [f"Device: {device}; floor bandwidth: {'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s'}", "",
-             "| kernel | shape | Pallas (us) | XLA (us) | floor (us) | XLA / Pallas | Pallas / floor |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+def markdown(rows: list[dict], device: str, bw: float | None, measured_bw: float | None = None) -> str:
+    lines = [f"Device: {device}; device time per call (N calls in one program); floors at "
+             f"{'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s (datasheet)'}"
+             + ("" if not measured_bw else f" and {measured_bw / 1e12:.2f} TB/s (measured copy)"), "",
+             "| kernel | shape | Pallas (us) | XLA (us) | floor (us) datasheet / measured | XLA / Pallas | "
+             "Pallas / floor |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        floor = "n/a" if r["floor_us"] is None else f"{r['floor_us']:.1f}"
-        over = "n/a" if r["pallas_over_floor"] is None else f"{r['pallas_over_floor']:.2f}"
-        lines.append(f"| {r['kind']} | {r['name']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {floor} | "
-                     f"{r['speedup_vs_xla']:.2f} | {over} |")
+        if "pallas_us" not in r:
+            lines.append(f"| {r['kind']} | {r['name']} | {r.get('error') or r.get('skipped', '')} | | | | |")
+            continue
+        f1 = "n/a" if r.get("floor_us") is None else f"{r['floor_us']:.1f}"
+        f2 = "" if r.get("floor_measured_us") is None else f" / {r['floor_measured_us']:.1f}"
+        over = "n/a" if r.get("pallas_over_floor") is None else f"{r['pallas_over_floor']:.2f}"
+        ratio = "n/a" if r.get("xla_over_pallas") is None else f"{r['xla_over_pallas']:.2f}"
+        lines.append(f"| {r['kind']} | {r['name']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {f1}{f2} | "
+                     f"{ratio} | {over} |")
     return "\n".join(lines)
 
 
@@ -518,8 +668,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (any backend)")
     p.add_argument("--xla-vs-reference", action="store_true",
                    help="time the lean XLA path against the f32 reference (any device), then exit")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="--xla-vs-reference: dispatched warm-up calls")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of each timed program (device time) or dispatched calls (--xla-vs-reference)")
     p.add_argument("--bandwidth", type=float, default=None, help="HBM TB/s for the floor (default: by device)")
     p.add_argument("--json", default="kernels.json", help="where to write the results")
     args = p.parse_args(argv)

@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 
-from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET
+from jaxspec.demo import DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET, demo_default
 from jaxspec.spec_options import NGRAM, add_spec_args, draft_from, spec_from
 
 
@@ -20,15 +20,16 @@ def _json_schema(value: str | None):
     return value
 
 
-def _methods(args) -> list[tuple[str, str | None, int, int]]:
+def _methods(args, backend: str) -> list[tuple[str, str | None, int, int]]:
     """The runs of one ``jaxspec generate``, the shown one first: (name, draft: a directory, "ngram"
     or None, S, grafted n-gram tokens). Without --compare: the asked draft (no --target and no
-    --draft: the demo's fastest method, ``DEMO_DEFAULT``) and, unless --no-compare, plain decoding.
-    With --compare: every method (the demo's ``DEMO_METHODS``; else the given draft, n-gram lookup,
-    and their hybrid when the draft is a checkpoint)."""
+    --draft: the demo's fastest method on ``backend``, ``demo_default``) and, unless --no-compare,
+    plain decoding. With --compare: every method (the demo's ``DEMO_METHODS``; else the given draft,
+    n-gram lookup, and their hybrid when the draft is a checkpoint)."""
     demo = args.target is None
     if demo and args.draft is None:
-        main = (DEMO_DEFAULT, *DEMO_METHODS[DEMO_DEFAULT])
+        default = demo_default(backend)
+        main = (default, *DEMO_METHODS[default])
         if args.steps is not None or args.ngram_tokens is not None:  # the user's shape for the default draft
             main = (main[0], main[1], args.steps or main[2], args.ngram_tokens or 0)
     else:
@@ -74,8 +75,10 @@ def cmd_generate(args) -> int:
     else:
         prompts = [prompt] if target.tokenizer is not None else [[int(t) for t in prompt.split()]]
 
+    import jax
+
     runs = []  # (name, draft, spec, draft path)
-    for name, path, S, G in _methods(args):
+    for name, path, S, G in _methods(args, jax.default_backend()):
         draft = draft_from(args, target, path, G)
         spec = None if draft is None else spec_from(args, S, G, ngram_only=path == NGRAM)
         runs.append((name, draft, spec, path))
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
     g.add_argument("--target", default=None, help="HF checkpoint directory (default: the demo target)")
     g.add_argument("--draft", default=None,
                    help="draft checkpoint directory, 'ngram' (model-free n-gram lookup; a directory named ngram is "
-                        "./ngram) or 'none' (default on the demo pair: its fastest method on a CPU, DEMO_DEFAULT)")
+                        "./ngram) or 'none' (default on the demo pair: its fastest method on this backend, n-gram on a CPU, "
+                        "the DSpark block drafter on a GPU)")
     g.add_argument("--prompt", default=None, help="prompt text (token ids separated by spaces if there is no tokenizer)")
     g.add_argument("--chat", default=None,
                    help="a user message, rendered with the checkpoint's chat template (instead of --prompt)")

@@ -409,6 +409,13 @@ class EngineConfig:
         not know, or a value it refuses, raises a ValueError naming it here (checked by compiling a
         one-op program once per new option). Stored as sorted (name, value) pairs, so
         ``EngineConfig(compiler_options={"xla_gpu_enable_command_buffer": ""})`` is hashable.
+      exact: every row of the target computed with reductions in a fixed order (products through a
+        fixed-tile kernel, attention over fixed KV tiles from position 0), so a row's logits are bit
+        for bit the same in a decode step, in any row of a verify, in a prefill, in a batch of any
+        size and order: greedy speculative output equals plain greedy output bit for bit in bf16
+        too, tokens and log-probabilities. Off by default (it costs time: docs/architecture.md#the-
+        exact-mode). Refused, naming why, for a mesh and for targets whose layers the mode does
+        not cover yet.
     """
 
     page_size: int = 16
@@ -424,6 +431,7 @@ class EngineConfig:
     check_pages: bool = False
     prefix_cache: bool | None = None
     compiler_options: Mapping[str, bool | int | float | str | None] | tuple | bool | None = None
+    exact: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
@@ -436,6 +444,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.preempt_every must be an int >= 0, got {self.preempt_every!r}")
         if not isinstance(self.check_pages, bool):
             raise ValueError(f"EngineConfig.check_pages must be a bool, got {self.check_pages!r}")
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"EngineConfig.exact must be a bool, got {self.exact!r}")
         if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
             raise ValueError(f"EngineConfig.prefix_cache must be None, True or False, got {self.prefix_cache!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):

@@ -25,6 +25,14 @@ DEMO_METHODS = {
     "hybrid": (DEMO_DRAFT, 3, 8),
     "block": (DEMO_BLOCK, 8, 0),
 }
-# What ``jaxspec generate`` runs with no arguments: the method that measured fastest on the demo
-# prompt on a 2-core CPU (``jaxspec generate --compare``; benchmarks/RESULTS.md has the run).
-DEMO_DEFAULT = "n-gram"
+# What ``jaxspec generate`` runs with no arguments, by JAX backend: the method that measured fastest on
+# the demo prompt there (``jaxspec generate --compare``; benchmarks/RESULTS.md has the runs). CPU (2
+# cores): n-gram 2.0x plain, the block drafter 1.4x (a verify of n tokens costs nearly n decode steps,
+# so the cheapest draft wins). GPU (one H200, the only card measured so far): the block drafter 2.81x,
+# n-gram 2.08x. A backend not measured yet takes the CPU's choice.
+DEMO_DEFAULTS = {"cpu": "n-gram", "gpu": "block"}
+
+
+def demo_default(backend: str) -> str:
+    """The demo's default method on JAX backend ``backend`` (``jax.default_backend()``)."""
+    return DEMO_DEFAULTS.get(backend, DEMO_DEFAULTS["cpu"])

@@ -36,7 +36,9 @@ TABLE: dict[str, dict[str, bool | int | float | str]] = {
         # cuBLAS instead of Triton GEMM fusions for the products (a decode step's are skinny: a
         # few rows against each weight). NVIDIA H200, Llama-3-8B shape with random bf16 weights,
         # plain decode step, context 1024, 16 steps a call (benchmarks/step_timing.py, main at
-        # 4e430e3): batch 1 12.35 -> 6.93 ms a step, batch 16 12.55 -> 6.39 ms.
+        # 4e430e3): batch 1 12.35 -> 6.93 ms a step, batch 16 12.55 -> 6.39 ms. Again on an H200
+        # with q/k/v and gate/up joined (benchmarks/gpu_check.py --call 1, benchmarks/RESULTS.md):
+        # batch 1 11.58 -> 5.94 ms, batch 16 12.07 -> 5.47 ms.
         "xla_gpu_enable_triton_gemm": False,
     },
     # CPU: nothing. Measured against XLA's defaults (plain decode step, random f32 weights, context
@@ -59,14 +61,17 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # CUDA graphs over the loops too: XLA's default command buffers hold fusions and library calls
     # but not WHILE / CONDITIONAL, so the layer loop, the draft loops and the step loop are
     # launched kernel by kernel (what the optimized HLO of the decode program shows on an H200).
-    # Not measured yet. The list replaces XLA's: its five kinds, then the two loop kinds.
+    # The list replaces XLA's: its five kinds, then the two loop kinds. Measured on an H200 over
+    # cuBLAS (gpu_check --call 1, one run): batch 1 5.94 -> 5.85 ms, batch 16 5.47 -> 5.43 ms, a
+    # gain within what one run can tell from noise: not in the table yet.
     "command_buffer_loops": {"xla_gpu_enable_command_buffer": f"{_XLA_COMMAND_BUFFER},WHILE,CONDITIONAL"},
     # The same, with loops of a known trip count (the layer loop) unrolled inside the graph.
     "command_buffer_unrolled_loops": {"xla_gpu_enable_command_buffer": f"{_XLA_COMMAND_BUFFER},WHILE,CONDITIONAL",
                                       "xla_gpu_command_buffer_unroll_loops": True},
     # Per-layer weights read through dynamic-slice fusions instead of copied out of the stacked
     # arrays. Measured on the H200 above: no change (batch 1 / 16: 12.44 / 12.51 ms with Triton
-    # GEMMs, 6.91 / 6.41 ms with cuBLAS).
+    # GEMMs, 6.91 / 6.41 ms with cuBLAS; with the joined products, over cuBLAS and command buffers:
+    # 5.85 / 5.51 against 5.85 / 5.43 ms).
     "dynamic_slice_fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
     # XLA unrolls loops of a known trip count (the layer loop): each layer's weight slice has a
     # static offset and may be read where it lies. Not measured (an unrolled lax.scan, unroll=32,

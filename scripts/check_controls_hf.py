@@ -7,7 +7,7 @@
 
 1. Greedy output with controls (logit bias, repetition / presence / frequency penalties, min-p) equals an
    oracle built from HF's own forward and torch processing in vLLM's order
-   (``scripts/make_controls_golden.py::process``), for plain decoding, the demo EAGLE-3 head as a chain and as
+   (``scripts/goldens/controls.py::process``), for plain decoding, the demo EAGLE-3 head as a chain and as
    a tree, and n-gram drafting; per prompt, with the smallest processed top-1 margin reported.
 2. The raw log-probabilities of every emitted token, and the top 5, equal HF's log-softmax.
 3. Sampled output: the joint distribution of the first two tokens (temperature 0.9, top-k 6, min-p, strong
@@ -29,7 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from scripts.make_controls_golden import process  # noqa: E402  (the oracle's processing, one copy)
+from scripts.goldens.controls import process  # noqa: E402  (the oracle's processing, one copy)
 
 PROMPTS = [
     'import os\n\n\ndef read_config(path):\n    """Read a JSON config file."""\n',

@@ -111,7 +111,7 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int):
     """HF's greedy continuations, the smallest top-1 minus top-2 logit margin over their steps, and the
     index-score probe of every sparse row (teacher-forced over prompt + continuation)."""
     import torch
-    from scripts.make_golden_dsa import IndexProbe
+    from scripts.goldens.deepseek_v32 import IndexProbe
 
     greedy, margin = [], float("inf")
     probe = IndexProbe(list(model.modules()))

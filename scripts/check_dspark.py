@@ -3,10 +3,10 @@
 Qwen3 targets, random drafts built with the ``speculators`` library's classes (every Markov head,
 either ``sample_from_anchor``, with and without a confidence head, full and reduced draft
 vocabularies, random taps and block sizes), trained briefly so acceptance varies, then the reference
-drafting loop of ``scripts/make_dspark_golden.py`` against jaxspec: greedy tokens and per-step accept
+drafting loop of ``scripts/goldens/dspark.py`` against jaxspec: greedy tokens and per-step accept
 lengths, pages 1 and 16, the whole block and a confidence-scheduled chain (same tokens).
 
-Runs in the torch venv of ``make_dspark_golden.py`` (torch, transformers, speculators); the jaxspec
+Runs in the torch venv of ``scripts/goldens/dspark.py`` (torch, transformers, speculators); the jaxspec
 side runs in the project's venv:
 
     VENV/bin/python scripts/check_dspark.py --jaxspec-python .venv/bin/python --cases 6
@@ -29,7 +29,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from scripts import make_dspark_golden as ref  # noqa: E402  (the reference loop and training)
+from scripts.goldens import dspark as ref  # noqa: E402  (the reference loop and training)
 
 JAXSPEC_SIDE = r"""
 import json, os, sys
@@ -98,9 +98,9 @@ def build(case_dir: Path, case: dict, seed: int, log) -> dict:
         kw.update(markov_rank=case["rank"], markov_head_type=case["markov"],
                   enable_confidence_head=case["confidence"],
                   confidence_head_with_markov=case["confidence"] and case["with_markov"])
-        cls = ref.DSparkDraftModel
+        cls = ref.draft_class("DSparkDraftModel")
     else:
-        cls = ref.DFlashDraftModel
+        cls = ref.draft_class("DFlashDraftModel")
     vocab = int(case["vocab"] * 0.75) if case["reduced"] else case["vocab"]
     t2d = d2t = None
     if vocab != case["vocab"]:

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts.goldens: the goldens' weight draws
 from hf_check import arguments, make_and_run, prompts_differing, speculative_equals_plain  # noqa: E402
 
 MIN_LOGIT_MARGIN = 1e-4
@@ -127,10 +128,12 @@ def build(family: str, cfg, seed: int):
     """An HF causal LM for ``cfg`` with the goldens' weight draws (peaky logits, non-trivial norms)."""
     import torch
     import transformers as tf
-    from make_golden import reinit_
-    from make_golden_sliding import gemma_reinit_
+    from scripts.goldens.common import reinit_, start
+    from scripts.goldens.hybrid import reinit_ as hybrid_reinit_
+    from scripts.goldens.sliding_window import gemma_reinit_, patch_kv_sharing
 
-    from make_golden_hybrid import reinit_ as hybrid_reinit_
+    start()  # autograd off, as in the golden makers
+    patch_kv_sharing()  # the goldens' Gemma 4 patch: targets store their last layers' K/V for an assistant
 
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
@@ -162,7 +165,8 @@ def add_mtp_layer(case_dir: Path, model, seed: int) -> None:
     """Appends a random DeepSeek MTP (NextN) layer after the main layers of the saved checkpoint (HF's
     model holds none), weights drawn as the goldens' are; ``load_draft(case_dir, target)`` loads it."""
     import torch
-    from make_golden import ds_block_state_for_disk, reinit_
+    from scripts.goldens.common import reinit_
+    from scripts.goldens.targets import ds_block_state_for_disk
     from safetensors.torch import load_file, save_file
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
@@ -188,7 +192,7 @@ def add_hybrid_mtp(case_dir: Path, model, seed: int) -> None:
     """Appends a random MTP layer (``mtp.*``, weights drawn as the hybrid goldens' are) to the saved
     Qwen3-Next / Qwen3.5 checkpoint and names it in its config."""
     import torch
-    from make_golden_hybrid import make_mtp
+    from scripts.goldens.hybrid import make_mtp
     from safetensors.torch import load_file, save_file
 
     cfg = model.config
@@ -207,7 +211,9 @@ def build_assistant(target, rng: random.Random, seed: int):
     target's per-type K/V shapes, its hidden size and depth are drawn, ordered embeddings or not."""
     import torch
     import transformers as tf
-    from make_golden_sliding import gemma_reinit_  # also lets HF build an all-shared assistant
+    from scripts.goldens.sliding_window import gemma_reinit_, patch_kv_sharing
+
+    patch_kv_sharing()  # lets HF build an all-shared assistant
 
     tc = target.config
     shape = {t: tc.per_layer_config[tc.layer_types.index(t)] for t in set(tc.layer_types)}
@@ -253,7 +259,7 @@ def make_case(case_dir: Path, family: str, seed: int, vocab: int | None = None, 
     ``vocab``: the vocabulary size (default 256 or 512, drawn); ``shards``: a model axis it must split over."""
     import torch
     import transformers
-    from make_golden import greedy
+    from scripts.goldens.common import greedy
 
     transformers.utils.logging.disable_progress_bar()
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Independent check of DeepSeek's V4 DSpark layout outside the suite: random draft shapes (1-3 stages,
 blocks of 2-5 slots, 1-3 tapped layers among the tiny V4 golden target's 4, Markov rank 16-64, with and
-without a confidence head) built and decoded by the reference of ``scripts/make_golden_v4_dspark.py``,
+without a confidence head) built and decoded by the reference of ``scripts/goldens/deepseek_v4_dspark.py``,
 then jaxspec on the same checkpoints: greedy tokens and per-step accept lengths of the three golden prompts
 (a ragged batch), pages 1 and 16, the whole block and (with a confidence head) a confidence-scheduled chain.
 
-Runs in the torch venv of ``make_golden.py``; the jaxspec side in the project's venv:
+Runs in the torch venv of ``scripts/goldens/deepseek_v4.py``; the jaxspec side in the project's venv:
 
     VENV/bin/python scripts/check_v4_dspark.py --jaxspec-python .venv/bin/python --cases 6 [--seed 0]
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from scripts import make_golden_v4_dspark as ref  # noqa: E402
+from scripts.goldens import deepseek_v4_dspark as ref  # noqa: E402
+from scripts.goldens.common import start  # noqa: E402
 
 JAXSPEC_SIDE = r"""
 import json, sys
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    start()  # autograd off, as in the golden makers
     rng = random.Random(args.seed)
     model, golden = ref.load_target()
     with tempfile.TemporaryDirectory() as tmp:

@@ -69,7 +69,10 @@ def make_case(case_dir: Path, seed: int) -> dict:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
     sys.path.insert(0, str(REPO))
-    from scripts.make_golden_v4 import Mtp, Probes, greedy, randomize_
+    from scripts.goldens.common import start
+    from scripts.goldens.deepseek_v4 import Mtp, Probes, greedy, randomize_
+
+    start()  # autograd off, as in the golden makers
 
     rng = random.Random(seed)
     cfg = draw_config(rng)

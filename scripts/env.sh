@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv with Python 3.12 and jaxspec installed from this checkout.
 # Usage: scripts/env.sh            (then run .venv/bin/jaxspec ... or .venv/bin/python -m pytest)
-# Set JAXSPEC_CUDA=1 to install the CUDA 12 build of jaxlib instead of the CPU one.
+# JAXSPEC_CUDA=1 installs the CUDA 13 build of jaxlib (the one the GPU measurements were taken with)
+# instead of the CPU one; JAXSPEC_CUDA=12 the CUDA 12 build (drivers older than CUDA 13's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +39,12 @@ fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >&2
   extras="test,serve"
-  [ "${JAXSPEC_CUDA:-0}" = "1" ] && extras="test,serve,cuda12"
+  case "${JAXSPEC_CUDA:-0}" in
+    0) ;;
+    1|13) extras="test,serve,cuda13" ;;
+    12) extras="test,serve,cuda12" ;;
+    *) echo "error: JAXSPEC_CUDA must be 1 (CUDA 13), 13 or 12, got '${JAXSPEC_CUDA}'" >&2; exit 1 ;;
+  esac
   .venv/bin/python -m pip install -q -c requirements.lock -e ".[$extras]" >&2
   touch "$stamp"
 fi

@@ -1,15 +1,20 @@
 """``jaxspec generate``: the README's main command on the shipped demo pair."""
 
+import argparse
 import json
 import os
 import re
 
-from jaxspec.cli import main
-from jaxspec.demo import DEMO_BLOCK, DEMO_DEFAULT, DEMO_METHODS, DEMO_PROMPT
+import jax
+
+from jaxspec.cli import _methods, main
+from jaxspec.demo import DEMO_BLOCK, DEMO_DEFAULTS, DEMO_METHODS, DEMO_PROMPT, demo_default
+
+DEMO_DEFAULT = demo_default(jax.default_backend())
 
 
 def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsys):
-    """No arguments: the demo's default method (DEMO_DEFAULT); --compare adds one line per method,
+    """No arguments: the demo's default method on this backend; --compare adds one line per method,
     from the same rounds, the default's first."""
     assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--compare"]) == 0
     captured = capsys.readouterr()
@@ -26,6 +31,23 @@ def test_generate_on_demo_pair_prints_completion_accept_length_and_speedup(capsy
     assert rows["plain"][-1] == "1.00x" and float(rows[DEMO_DEFAULT][-3]) == accept
     assert all(float(r[-3]) >= 1.0 and r[-1].endswith("x") for r in rows.values())
     assert rows["hybrid"][1:5] == ["eagle3", "chain", "3", "+"] and rows["block"][1] == os.path.basename(DEMO_BLOCK)
+
+
+def test_the_default_method_follows_the_backend():
+    """No --target and no --draft: n-gram on a CPU (and on a backend not measured), the DSpark block
+    drafter's chain of 8 on a GPU; --steps reshapes the default draft; a given draft is never replaced."""
+    def args(**kw):
+        base = dict(target=None, draft=None, steps=None, ngram_tokens=None, compare=False, no_compare=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert DEMO_DEFAULTS == {"cpu": "n-gram", "gpu": "block"}
+    assert _methods(args(), "cpu") == [("n-gram", "ngram", 5, 0), ("plain", None, 0, 0)]
+    assert _methods(args(), "tpu")[0] == ("n-gram", "ngram", 5, 0)
+    assert _methods(args(), "gpu") == [("block", DEMO_BLOCK, 8, 0), ("plain", None, 0, 0)]
+    assert _methods(args(steps=6, no_compare=True), "gpu") == [("block", DEMO_BLOCK, 6, 0)]
+    assert _methods(args(draft="ngram"), "gpu")[0] == ("draft", "ngram", 5, 0)
+    compare = _methods(args(compare=True), "gpu")
+    assert [m[0] for m in compare] == ["block"] + [m for m in DEMO_METHODS if m != "block"]
 
 
 def test_generate_ignore_eos_runs_to_max_new_tokens(capsys):

@@ -281,14 +281,10 @@ def test_doc_examples_pass_known_arguments():
 
 # Packages some scripts need to run, not to be imported by the test suite's environment.
 OPTIONAL = ("torch", "transformers", "speculators", "dflash")
-# Scripts that run as __main__ but parse no arguments, so they have no --help to answer: golden
-# makers without a command line yet. Run, each would rewrite its goldens, so here they are only
-# imported. (Any other script that runs without a parser fails the test below.)
-NO_ARGUMENTS = {
-    "make_chat_golden.py", "make_controls_golden.py", "make_dflash_gemma4_golden.py", "make_dflash_golden.py",
-    "make_dspark_golden.py", "make_golden_hybrid.py", "make_golden_v4_dspark.py", "make_pard_golden.py",
-    "make_peagle_golden.py",
-}
+# Scripts that run as __main__ but parse no arguments, so they have no --help to answer (run, such a
+# golden maker would rewrite its goldens, so it is only imported). Every maker has a command line now;
+# any script that runs without a parser fails the test below.
+NO_ARGUMENTS: set[str] = set()
 
 # Run in one subprocess: each file by runpy, as ``__main__`` with ``--help`` when it has a command
 # line, else imported under another name. One JSON line per file on the real stdout.

@@ -16,7 +16,7 @@ from jaxspec.engine.placement import create_pool
 from jaxspec.engine.requests import check_models, check_seed, sampling_list, tokenize
 from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
-from jaxspec.model.targets import Model, create_target_pool, kv_layout
+from jaxspec.model.targets import Model, create_target_pool, exact_support, kv_layout
 from jaxspec.results import GenerateOutput, StreamEvent
 from jaxspec.spec.plan import Plan
 from jaxspec.xla_options import program_backend, resolve_options
@@ -57,7 +57,10 @@ class Engine:
             implementation=engine.implementation,
             data_shards=axis_size(mesh, DATA),
             compiler_options=resolve_options(engine.compiler_options, program_backend(mesh)),
+            exact=engine.exact,
         )
+        if engine.exact:
+            _check_exact(target, mesh)
         draft_layout = None if draft is None else draft.config.kv_layout
         geo = engine_geometry(plan, engine, kv_layout(target.config), draft_layout, requests=_batch, longest=_longest)
         self.uncacheable = geo.uncacheable  # why prompts are not cached (None: they are, when the engine caches)
@@ -105,3 +108,14 @@ class Engine:
         check_seed(seed)
         ids = tokenize(self.target, prompts)
         return Run(self, ids, sampling_list(sampling, len(ids)), seed=seed, progress=progress)
+
+
+def _check_exact(target: Model, mesh) -> None:
+    """The exact mode's refusals, by name, before any device work."""
+    if mesh is not None and mesh.devices.size > 1:
+        raise ValueError("EngineConfig(exact=True) runs on one device: on a mesh the tensor-parallel all-reduces "
+                         "sum the shards' partial products in whatever order the collective takes")
+    reason = exact_support(target.config)
+    if reason:
+        raise ValueError(f"EngineConfig(exact=True) cannot compute this {type(target.config).__name__} target "
+                         f"exactly: {reason}")

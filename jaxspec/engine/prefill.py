@@ -77,12 +77,12 @@ def prefill(
     write = jnp.where(jnp.arange(Ts)[None, :] < new_lens[:, None], new_pos, -1)
     attn = AttentionInputs.build(pt, start, write, plan.page_size, state_rows=rows)
     out = target_forward(plan.target, tparams, suffix, new_pos, tpool, attn, aux_layers=plan.aux_layers,
-                         implementation=plan.implementation)
+                         implementation=plan.implementation, exact=plan.exact)
     tpool = out.pool
     last = jnp.maximum(new_lens - 1, 0)
     h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [R, H]
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(request["keys"]), jnp.zeros((R,), jnp.int32))
-    logits = target_logits(plan.target, tparams, h_last)  # [R, V]
+    logits = target_logits(plan.target, tparams, h_last, exact=plan.exact)  # [R, V]
     prompt_lens = jnp.minimum(request["prompt_lens"], lens)
     generated = (pos >= prompt_lens[:, None]) & (pos < lens[:, None])  # [R, T] resumed rows' earlier output
     controls = Controls.for_prompts(tokens, prompt_lens, request, request["logit_bias"].shape[-1])
@@ -104,7 +104,7 @@ def prefill(
     logprobs = jax.tree.map(lambda x: jnp.zeros((R,) + x.shape[1:], x.dtype), state.logprobs)
     r_idx = jnp.arange(R)[:, None]
     if plan.logprobs is not None:  # the first token's, in its column (the earlier ones' are the host's)
-        first_lp = token_logprobs(masked[:, None], first[:, None], plan.logprobs)
+        first_lp = token_logprobs(masked[:, None], first[:, None], plan.logprobs, exact=plan.exact)
         logprobs = jax.tree.map(lambda buf, new: buf.at[r_idx, done[:, None]].set(new, mode="drop"), logprobs,
                                 first_lp)
     out_cols = jnp.where(generated, pos - prompt_lens[:, None], out_width)  # earlier output, from column 0

@@ -21,6 +21,9 @@ from jaxspec.kvcache.paging import AttentionInputs, WindowTable
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
+from jaxspec.model.fused import shards_of, split_columns
+from jaxspec.pallas.exact import exact_on, matmul, row_sum
+from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
 
 
@@ -29,7 +32,10 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
     arithmetic instead (``pow(ms + eps, -0.5)``, the weight applied in f32 before the cast back);
     ``weight=None`` is a norm without a scale (Gemma 4's v_norm)."""
     xf = x.astype(jnp.float32)
-    ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
+    if exact_on():  # the sum of squares in the fixed-order kernel
+        ms = (row_sum(xf * xf) / x.shape[-1])[..., None] + eps
+    else:
+        ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
     xf = xf * (jnp.power(ms, -0.5) if gemma else jax.lax.rsqrt(ms))
     if weight is None:
         return xf.astype(x.dtype)
@@ -59,13 +65,14 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, activation=jax.nn.silu):
-    """``down(act(gate(x)) * up(x))``: SwiGLU with ``silu``, Gemma's GeGLU with ``gelu_tanh``."""
-    return (activation(x @ w_gate) * (x @ w_up)) @ w_down
-
-
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return gated_mlp(x, w_gate, w_up, w_down)
+def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int = 1,
+              activation=jax.nn.silu) -> jax.Array:  # x [..., H] -> [..., H]
+    """``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``, Gemma's GeGLU with ``gelu_tanh``), gate
+    and up as one product: ``w_gate_up [H, 2I]`` joined in the column order of ``shards`` model
+    shards (``jaxspec.model.fused``)."""
+    half = w_gate_up.shape[-1] // 2
+    gate, up = split_columns(matmul(x, w_gate_up), (half, half), shards)
+    return matmul(activation(gate) * up, w_down)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -94,10 +101,9 @@ def write_and_attend(
     def local(q, k, v, pool, layer, attn):
         B, T, Hkv, _ = k.shape
         pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-        o = paged_attention(
-            q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-            page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D), implementation=implementation,
-        )
+        attend = exact_attention if exact_on() else functools.partial(paged_attention, implementation=implementation)
+        o = attend(q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+                   page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D))
         return o, pool
 
     return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
@@ -231,42 +237,70 @@ def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs
 # A Llama-family layer (and every head built from one) is
 #     q, k, v = project(norm(x));  o = attention(q, k, v);  x' = layer_tail(x, o)
 # ``cfg`` is any config with num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_bias
-# (Qwen2 q/k/v bias) and qk_norm (Qwen3 per-head RMSNorm before RoPE). Weights ``[in, out]``.
+# (Qwen2 q/k/v bias) and qk_norm (Qwen3 per-head RMSNorm before RoPE), and optionally
+# tensor_parallel (the column order of the joined weights). Weights ``[in, out]``; q/k/v joined
+# as ``wqkv`` (biases ``bqkv``), or q apart from a joined ``wkv`` (a layer that also projects
+# k/v alone: a DFlash draft's context), or ``wq`` alone (a query-only layer); gate/up joined as
+# ``w_gate_up`` (``jaxspec.model.fused``).
 
 
-def project_q(
-    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
-) -> jax.Array:  # [B, T, Hq, D] with RoPE
-    B, T, _ = a.shape
-    q = a @ lp["wq"]
-    if cfg.attention_bias:
-        q = q + lp["bq"]
-    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+def _query(q: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq) -> jax.Array:  # [B, T, Hq*D] -> [B, T, Hq, D]
+    q = q.reshape(q.shape[:2] + (cfg.num_heads, cfg.head_dim))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
     return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale)  # scale: YaRN's attention factor
 
 
-def project_kv(
-    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A]
-) -> tuple[jax.Array, jax.Array]:  # k (RoPE applied), v: [B, T, Hkv, D]
-    B, T, _ = a.shape
-    k, v = a @ lp["wk"], a @ lp["wv"]
-    if cfg.attention_bias:
-        k, v = k + lp["bk"], v + lp["bv"]
-    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq):  # [B, T, Hkv*D] each
+    shape = k.shape[:2] + (cfg.num_kv_heads, cfg.head_dim)
+    k, v = k.reshape(shape), v.reshape(shape)
     if cfg.qk_norm:
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale), v
+
+
+def _joined(lp: dict, name: str, cfg, a: jax.Array, sizes) -> tuple:
+    """``a @ w{name}`` (+ ``b{name}``), split into its parts of ``sizes`` columns."""
+    y = matmul(a, lp["w" + name])
+    if cfg.attention_bias:
+        y = y + lp["b" + name]
+    return split_columns(y, sizes, shards_of(cfg))
+
+
+def project_q(
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
+) -> jax.Array:  # [B, T, Hq, D] with RoPE
+    """The query alone (a layer with ``wq``: a query-only layer, or a DFlash layer's)."""
+    q = matmul(a, lp["wq"])
+    if cfg.attention_bias:
+        q = q + lp["bq"]
+    return _query(q, lp, cfg, positions, inv_freq)
+
+
+def project_kv(
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A]
+) -> tuple[jax.Array, jax.Array]:  # k (RoPE applied), v: [B, T, Hkv, D]
+    """Keys and values alone, one product with the joined ``wkv`` (a DFlash layer's context)."""
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return _key_value(*_joined(lp, "kv", cfg, a, (kv, kv)), lp, cfg, positions, inv_freq)
+
+
+def project_qkv(
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D] (q, k with RoPE)
+    """q, k and v of one input: one product with the joined ``wqkv`` (two with ``wq`` and ``wkv``)."""
+    if "wqkv" not in lp:
+        return (project_q(lp, cfg, a, positions, inv_freq), *project_kv(lp, cfg, a, positions, inv_freq))
+    kv = cfg.num_kv_heads * cfg.head_dim
+    q, k, v = _joined(lp, "qkv", cfg, a, (cfg.num_heads * cfg.head_dim, kv, kv))
+    return (_query(q, lp, cfg, positions, inv_freq), *_key_value(k, v, lp, cfg, positions, inv_freq))
 
 
 def attention_qkv(
     lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq  # x [B, T, H] residual stream
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D]
     """Input norm, then q/k/v projections and RoPE: the part of a layer before attention."""
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    return (project_q(lp, cfg, h, positions, inv_freq), *project_kv(lp, cfg, h, positions, inv_freq))
+    return project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
 
 
 def layer_tail(
@@ -274,8 +308,8 @@ def layer_tail(
 ) -> jax.Array:  # [B, T, H] residual stream leaving the layer
     """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention."""
     B, T, _ = x.shape
-    x = x + o.reshape(B, T, -1) @ lp["wo"]
-    return x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+    x = x + matmul(o.reshape(B, T, -1), lp["wo"])
+    return x + gated_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate_up"], lp["w_down"], shards_of(cfg))
 
 
 def routed_experts(
@@ -337,6 +371,8 @@ def mask_padded_vocab(logits: jax.Array, vocab_size: int, width: int | None = No
 
 def lm_head(params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """Output head in f32: ``params["lm_head"] [H, V]``, or tied to ``params["embed"] [V, H]``."""
+    if exact_on():  # the fixed-tile product, the f32 accumulator unrounded
+        return matmul(hidden, params["lm_head"] if "lm_head" in params else params["embed"].T, out_dtype=jnp.float32)
     if "lm_head" in params:
         return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)

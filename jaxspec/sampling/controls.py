@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec.pallas.exact import exact_mode, row_sum
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +147,26 @@ def token_logprobs(
     logits: jax.Array,  # f32[B, A, V] raw logits each emitted token was chosen from
     tokens: jax.Array,  # i32[B, A] the emitted tokens
     k: int,
+    *,
+    exact: bool = False,
 ) -> TokenLogprobs:
     """log-softmax of the raw logits (temperature 1, before any control): the emitted token's
-    value and the top ``k``."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    value and the top ``k``. ``exact``: the softmax's sum in the exact mode's fixed order."""
+    lp = _exact_log_softmax(logits) if exact else jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     top, top_ids = jax.lax.top_k(lp, k)
     return TokenLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32), top=top)
+
+
+def _exact_log_softmax(logits: jax.Array) -> jax.Array:  # f32[..., V]
+    """``x - max - log(sum(exp(x - max)))`` row by row, the sum in the fixed-tile kernel (the max and
+    the elementwise parts are exact whatever the rows beside)."""
+    x = logits.astype(jnp.float32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    with exact_mode():
+        total = row_sum(jnp.exp(x - m))
+    return x - m - jnp.log(total)[..., None]
 
 
 def steer(

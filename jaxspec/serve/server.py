@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from jaxspec.demo import DEMO_DEFAULT, DEMO_METHODS, DEMO_TARGET
+from jaxspec.demo import DEMO_METHODS, DEMO_TARGET, demo_default
 from jaxspec.spec_options import NGRAM, draft_from, spec_from
 
 API_KEY_ENV = "JAXSPEC_API_KEY"  # the key when --api-key is not given
@@ -29,11 +29,16 @@ def api_key(args) -> str | None:
     return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
 
 
-def method(args) -> tuple[str | None, int, int]:
+def method(args, backend: str | None = None) -> tuple[str | None, int, int]:
     """(draft: a directory, "ngram" or None; S; grafted n-gram tokens) the options name (the demo
-    pair's default method when neither --target nor --draft is given)."""
+    pair's default method on JAX backend ``backend``, ``demo_default``, when neither --target nor
+    --draft is given; ``backend`` defaults to ``jax.default_backend()``)."""
     if args.target is None and args.draft is None:
-        draft, S, G = DEMO_METHODS[DEMO_DEFAULT]
+        if backend is None:
+            import jax
+
+            backend = jax.default_backend()
+        draft, S, G = DEMO_METHODS[demo_default(backend)]
         return draft, args.steps or S, args.ngram_tokens or G
     draft = None if args.draft in (None, "none") else args.draft
     return draft, args.steps or 5, args.ngram_tokens or 0

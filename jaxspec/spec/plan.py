@@ -30,7 +30,8 @@ class Plan:
     (0: none are reported). implementation: kernels ("pallas" | "xla" | None | a per-op
     mapping). data_shards: shards of a mesh's data axis the rows and pool slots are split over.
     compiler_options: the XLA options the engine's programs compile with, resolved for their
-    backend: sorted (name, value) pairs (``jaxspec.xla_options``; empty: XLA's defaults).
+    backend: sorted (name, value) pairs (``jaxspec.xla_options``; empty: XLA's defaults). exact: the
+    target's rows computed with fixed reduction orders (``EngineConfig.exact``).
     """
 
     target: Any
@@ -45,6 +46,7 @@ class Plan:
     implementation: Any = None
     data_shards: int = 1
     compiler_options: tuple[tuple[str, Any], ...] = ()
+    exact: bool = False
 
     def __post_init__(self):
         if (self.draft is None) != (self.spec is None):

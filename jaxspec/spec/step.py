@@ -69,8 +69,8 @@ def target_verify(plan: Plan, tparams: dict, rows: StepRows, tree, tpool, page_t
                                  pending=True)
     positions = rows.seq_lens[:, None] + tree.depth
     out = target_forward(plan.target, tparams, tree.tokens, positions, tpool, attn,
-                         aux_layers=plan.aux_layers, implementation=plan.implementation)
-    return target_logits(plan.target, tparams, out.hidden), out, out.pool
+                         aux_layers=plan.aux_layers, implementation=plan.implementation, exact=plan.exact)
+    return target_logits(plan.target, tparams, out.hidden, exact=plan.exact), out, out.pool
 
 
 def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, tpool, page_table, feature_of,
@@ -92,7 +92,7 @@ def verify_and_accept(plan: Plan, shape, tparams, rows: StepRows, tree, q_all, t
     if plan.logprobs is not None:  # from the raw (grammar-masked) logits of the nodes each emitted token follows
         node = jnp.maximum(accept_index, 0)  # [B, a]
         logprobs = token_logprobs(jnp.take_along_axis(logits, node[:, :, None], axis=1),
-                                  emitted_tokens(predict, accept_index), plan.logprobs)
+                                  emitted_tokens(predict, accept_index), plan.logprobs, exact=plan.exact)
     tpool, predict, feature = shape.compact(plan, tpool, page_table, rows, accept_index, accept_lens, predict,
                                             feature_of(out))
     return accept_lens, predict, feature, logprobs, tpool

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 
-from outlines_core.json_schema import build_regex_from_schema
-
 from jaxspec.structured.ranges import number_range
 from jaxspec.structured.regex import SPLICE_BASE, Splice, parse
 
@@ -257,6 +255,11 @@ def schema_regex(schema) -> tuple[str, dict[int, Splice]]:
         for defs in ("$defs", "definitions"):
             if defs in schema:
                 rewritten[defs] = {k: rewriter.walk(v, f".{defs}.{k}") for k, v in schema[defs].items()}
+    try:  # imported here: ``import jaxspec`` and regex constraints work without outlines-core
+        from outlines_core.json_schema import build_regex_from_schema
+    except ImportError as e:
+        raise ImportError(f"a json_schema constraint needs the package outlines-core (pip install "
+                          f"outlines-core==0.2.14): {e}") from None
     try:
         regex = build_regex_from_schema(json.dumps(rewritten), WHITESPACE)
     except ValueError as e:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.drafts.eagle import EagleConfig, eagle_attention_input, eagle_logits
-from jaxspec.model.layers import layer_tail, project_kv, project_q, rope_inv_freq
+from jaxspec.model.layers import layer_tail, project_qkv, rope_inv_freq
 from jaxspec.train.forward import dense_attention
 
 
@@ -58,8 +58,7 @@ def ttt_forward(
         if k > 0:  # row p continues from the previous step's row p - 1
             h, from_target = jnp.pad(outs[-1][:, :-1], ((0, 0), (1, 0), (0, 0))), False
         a, residual = eagle_attention_input(params, cfg, next_tokens, h, from_target=from_target)  # [B, T, 2H]
-        q = project_q(lp, cfg, a, positions, inv_freq)
-        k_new, v_new = project_kv(lp, cfg, a, positions, inv_freq)
+        q, k_new, v_new = project_qkv(lp, cfg, a, positions, inv_freq)
         keys.append(k_new)
         values.append(v_new)
         o = dense_attention(q, jnp.concatenate(keys, 1), jnp.concatenate(values, 1), jnp.asarray(ttt_mask(T, k)))

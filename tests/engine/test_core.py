@@ -140,3 +140,15 @@ def test_a_row_without_filters_draws_from_the_same_distribution_in_every_plan():
                        top_p=jnp.array([1.0, 1.0, 0.9, 1.0]), min_p=jnp.array([0.0, 0.0, 0.0, 0.1]))
     on, off = (np.asarray(target_probs(logits, rows, filtering=f)) for f in (True, False))
     np.testing.assert_array_equal(on[[0, 3]], off[[0, 3]])
+
+
+def test_the_cores_plans_are_built_like_the_engines(tiny_target):
+    """Every plan of the core (its prefill's, each decode variant's) keeps what the engine's own plan
+    carries beside the per-request flags: the exact mode and the XLA options."""
+    from jaxspec.engine.core import _CoreLoop
+
+    eng = js.Engine(tiny_target, engine=js.EngineConfig(page_size=16, max_batch=2, max_seq_len=64, exact=True))
+    loop = _CoreLoop(eng, 1)
+    prefill_plan, decode_plan = loop._round_plans([])
+    for plan in (loop.plan, prefill_plan, decode_plan):
+        assert plan.exact and plan.compiler_options == eng.plan.compiler_options

@@ -4,7 +4,7 @@ process, gloo collectives), run by ``tests/mesh/test_multiprocess.py`` in the su
     python -m tests.mesh.multiprocess                 # starts both processes, prints their JSON results
     python -m tests.mesh.multiprocess WORKER I PORT   # one of them (process I), what the launcher runs
 
-Each process runs the same script (the README's multi-host example, between the ``README``
+Each process runs the same script (docs/support.md's multi-host example, between the ``docs``
 markers below) and prints one JSON line: its greedy outputs on a TP=2 x DP=2 mesh (data parallel
 across the processes, tensor parallel within each) with an EAGLE-3 draft, chain and tree, and
 plain on a TP=4 mesh (tensor parallel across them); the bytes it read loading each (its own
@@ -61,7 +61,7 @@ def worker(i: int, port: int) -> dict:
     target_dir, draft_dir = TARGET, DRAFT
     result: dict = {"process": i, "want": [golden[f"greedy_{j}"].tolist() for j in range(3)]}
 
-    # --- README: multi-host (tests/mesh/multiprocess.py runs exactly this on each of 2 processes)
+    # --- docs: multi-host (tests/mesh/multiprocess.py runs exactly this on each of 2 processes)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over gloo
@@ -75,7 +75,7 @@ def worker(i: int, port: int) -> dict:
     out = js.generate(target, prompts, draft=draft, spec=js.SpecConfig.chain(3),
                       sampling=js.SamplingParams(max_new_tokens=16, stop_token_ids=()))
     # out.token_ids: every request's tokens, the same on every process
-    # --- README end
+    # --- docs end
 
     sampling = js.SamplingParams(max_new_tokens=16, stop_token_ids=())
     result["chain"] = out.token_ids

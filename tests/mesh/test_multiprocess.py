@@ -1,5 +1,5 @@
 """Several hosts for real: two processes on this machine joined by ``jax.distributed`` (two
-virtual CPU devices each, gloo collectives) run the README's multi-host script on one mesh
+virtual CPU devices each, gloo collectives) run docs/support.md's multi-host script on one mesh
 spanning both (``multiprocess.py``, started in the suite's background). Both get the whole
 result, equal to HF's greedy tokens (which one-device greedy reproduces:
 tests/model/targets/test_golden_targets.py); each reads only its shards' bytes of the checkpoint."""
@@ -76,12 +76,12 @@ def test_bad_multi_process_setups_are_refused(processes):
     assert "process 1 did not report its test value within 3 s" in processes[0]["silent"]
 
 
-def test_readme_shows_what_the_test_runs():
-    """The README's multi-host example is the processes' script, line for line."""
+def test_docs_show_what_the_test_runs():
+    """The multi-host example in docs/support.md is the processes' script, line for line."""
     with open(os.path.join(ROOT, "tests", "mesh", "multiprocess.py")) as f:
         src = f.read()
-    body = src.split("# --- README: multi-host")[1].split("# --- README end")[0]
+    body = src.split("# --- docs: multi-host")[1].split("# --- docs end")[0]
     lines = [line[4:] for line in body.splitlines()[1:] if line.strip()]  # the worker's indent off
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = "\n".join(line for line in f.read().splitlines() if line.strip())
-    assert "\n".join(lines) in readme
+    with open(os.path.join(ROOT, "docs", "support.md")) as f:
+        doc = "\n".join(line for line in f.read().splitlines() if line.strip())
+    assert "\n".join(lines) in doc

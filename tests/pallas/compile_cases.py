@@ -40,6 +40,8 @@ import jax.numpy as jnp
 
 from jaxspec.pallas import block_table
 from jaxspec.pallas.dsa_indexer import index_scores_pallas
+from jaxspec.pallas.exact_attention import exact_attention
+from jaxspec.pallas.fixed_matmul import fixed_matmul_pallas
 from jaxspec.pallas.gather_extras import gather_spec_extras_pallas
 from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
@@ -204,6 +206,24 @@ class CompileCase:
                                            page_size=s.page_size)
 
 
+def exact_attention_case(s: AttentionShape):
+    pool, table, prefix, mask = _attention_args(s, (s.kv_heads, s.head_dim))
+    q = _sds((s.batch, s.rows, s.q_heads, s.head_dim), _BF16)
+
+    def fn(q, k, v, layer, table, prefix, mask):
+        return exact_attention(q, k, v, layer, table, prefix, mask, page_size=s.page_size,
+                               sm_scale=s.head_dim ** -0.5, interpret=False)
+
+    return fn, (q, pool, pool, _sds((), _I32), table, prefix, mask)
+
+
+def fixed_matmul_case(rows: int, k: int, n: int):
+    def fn(x, w):
+        return fixed_matmul_pallas(x, w, interpret=False)
+
+    return fn, (_sds((rows, k), _BF16), _sds((k, n), _BF16))
+
+
 def _attn(id_, s: AttentionShape, **kw) -> CompileCase:
     return CompileCase(id_, "paged_attention", functools.partial(paged_attention_case, s), shape=s, **kw)
 
@@ -290,6 +310,15 @@ CASES: list[CompileCase] = [
                 functools.partial(gather_case, 32, 8, 4096), reads_kv=False),
     CompileCase("gather tokens only B=32 n=8", "gather_spec_extras",
                 functools.partial(gather_case, 32, 8, None), reads_kv=False),
+    # The exact mode's kernels (fixed tiles: the same programs for 1 row as for n)
+    CompileCase("exact attention llama3-8b decode B=32 p16", "exact_attention",
+                functools.partial(exact_attention_case, _decode(32, **LLAMA))),
+    CompileCase("exact attention llama3-8b verify n=8 B=16 p16", "exact_attention",
+                functools.partial(exact_attention_case, _verify(16, **LLAMA))),
+    CompileCase("fixed matmul llama3-8b q/k/v 1 row", "fixed_matmul", functools.partial(fixed_matmul_case, 1, 4096, 6144),
+                reads_kv=False),
+    CompileCase("fixed matmul llama3-8b down 16 rows", "fixed_matmul",
+                functools.partial(fixed_matmul_case, 16, 14336, 4096), reads_kv=False),
     # Gemma-4-31B-like (report rows)
     _attn("gemma4-31b sliding D=256 decode B=32 p16", _decode(32, **GEMMA_SLIDING), must_pass=False),
     _attn("gemma4-31b sliding D=256 verify n=8 B=16 p16", _verify(16, **GEMMA_SLIDING), must_pass=False),

@@ -1,6 +1,8 @@
-"""``benchmarks/gpu_check.py --dry-run``: every stage of the first-GPU-session script runs at
-tiny shapes with Pallas in interpret mode (pytest only collects), and writes its JSON and
-markdown summaries and a block table, so the script is known to work before a GPU sees it."""
+"""``benchmarks/gpu_check.py --dry-run --call 1,2``: every item of both GPU-check calls runs at tiny
+shapes with Pallas in interpret mode (pytest only collects) and writes its JSON and Markdown, so the
+check is known to work before a GPU sees it; and the pieces whose failure would mislead a GPU run
+quietly (the forced full-length verification, the kernel harness's data dependency, the parsing of
+``jaxspec generate --compare``) on their own."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests.background import ROOT, Job
@@ -18,49 +22,109 @@ REPO = Path(ROOT)
 
 # The dry run in a process of its own, started when collection selects this module (tests/conftest.py),
 # so that it runs beside the rest of the suite.
-BACKGROUND_JOB = Job([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", "{tmp}"],
-                     timeout=1200, env=dict(os.environ, PYTHONPATH=ROOT))
+BACKGROUND_JOB = Job([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--call", "1,2",
+                      "--out", "{tmp}"], timeout=1500, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.slow
-def test_dry_run_runs_every_stage():
-    gpu_check = _gpu_check()
+def test_dry_run_runs_every_item_of_both_calls():
+    gpu_check, st = _module("gpu_check"), _module("step_timing")
     proc = BACKGROUND_JOB.result()
     rc, tmp_path = proc.returncode, Path(BACKGROUND_JOB.tmp)
     assert (tmp_path / "gpu_check.json").exists(), f"gpu_check.py wrote no summary (exit {rc}):\n{proc.stderr[-4000:]}"
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    stages = summary["stages"]
-    assert list(stages) == list(gpu_check.STAGES)
-    for name, entry in stages.items():
-        assert not entry.get("error"), f"{name}: {entry.get('error')}"
-    assert rc == 0
-    assert stages["pytest"]["result"]["returncode"] == 0
-    assert "tests collected" in stages["pytest"]["result"]["summary"]
-    check = stages["check"]["result"]
-    assert check["failed"] == 0 and {r["kind"] for r in check["results"]} == {"attention", "mla", "indexer", "kv_move", "gather"}
-    assert {r["kind"] for r in stages["kernels"]["result"]["results"]} == {"attention", "mla", "indexer", "kv_move", "gather"}
-    sweep = stages["sweep"]["result"]
-    table = json.loads((tmp_path / "block_table.json").read_text())
-    assert set(table[sweep["gpu"]]["blocks"]) == {r["class"] for r in sweep["results"]} == {
-        "paged_attention/verify/d16/p16", "mla_attention/decode/d32/p16"}
-    steps = stages["steps"]["result"]
-    assert steps["returncode"] == 0 and "step_timing.py --out" in steps["command"]
-    configs = ["plain", "chain S=5", "tree S=5 k=4 n=8", "dflash chain S=15 (block 16)"]
-    assert [r["config"] for r in steps["rows"]] == [c + extra for c in configs for extra in ("", " + controls")]
-    assert all(r["controls_on_vs_off"] > 0 for r in steps["rows"][1::2])
-    assert all(r["ms_per_step"] > 0 for r in steps["rows"])
-    md = (tmp_path / "gpu_check.md").read_text()
-    for name in gpu_check.STAGES:
-        assert f"## {name}" in md
+    items = summary["items"]
+    assert list(items) == list(dict.fromkeys(gpu_check.CALLS[1] + gpu_check.CALLS[2]))
+    for name, item in items.items():
+        assert item["status"] == "done" and not item.get("error"), f"{name}: {item.get('status')} {item.get('error')}"
+        assert not any(r.get("error") for r in item["rows"]), f"{name}: {item['rows']}"
+    assert rc == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {name: item["rows"] for name, item in items.items()}
 
-    # A later invocation adds its stages to the same summary.
-    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--stages", "env"]) == 0
-    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["stages"]) == list(gpu_check.STAGES)
+    # Plain steps at both batches, with the bound over the measured copy bandwidth.
+    assert rows["copy"][0]["bytes_per_s"] > 0
+    assert [r["batch"] for r in rows["plain"]] == [1, 2]
+    for r in rows["plain"]:
+        assert r["ms_per_step"] > 0 and r["verified"] == 1.0 and r["weight_bytes_read"] > 0 and r["kv_bytes_read"] > 0
+        assert r["bound_ms_measured"] > 0 and r["share_of_bound_measured"] > 0
+    # Every method verifies its whole tree every step (n-gram included, matched or not).
+    methods = [m.name for m in st.METHODS]
+    assert [r["config"] for r in rows["spec_b1"]] == methods and [r["config"] for r in rows["spec_b16"]] == methods[:1]
+    for r in rows["spec_b1"] + rows["spec_b16"] + rows["batch64"][1:]:
+        assert r["verified"] == r["verified_expected"] and r["vs_plain"] > 0, r
+    # XLA option variants: every option accepted by this jaxlib; the first and last compiled.
+    for name in ("variants_b1", "variants_b16"):
+        assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
+        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, cuBLAS, XLA attention"]
+        assert json.loads(rows[name][1]["options"]) == {"xla_gpu_enable_triton_gemm": False}
+    assert {r["method"] for r in rows["compare"]} == {"draft", "plain"}
+    assert next(r for r in rows["compare"] if r["method"] == "plain")["speedup"] == "1.00x"
+    # Call 2.
+    assert [r["batch"] for r in rows["batch64"]] == [4]
+    for name, label in (("controls", "every control"), ("constraint", "JSON-schema constraint")):
+        assert len(rows[name]) == 2 and label in rows[name][1]["config"] and rows[name][1]["vs_plain"] > 0
+    assert [r["config"] for r in rows["hybrid"]] == ["hybrid plain", "hybrid MTP chain 3"]
+    assert rows["hybrid"][1]["verified"] == 4 and rows["hybrid"][0]["bound_ms_measured"] > 0
+    # (a difference of two wall times: at toy sizes on a busy CPU it can come out negative)
+    assert isinstance(rows["v4"][0]["ms_per_step"], float)
+    assert rows["v4"][0]["weight_bytes"] > rows["v4"][0]["active_weight_bytes_b1"] > 0
+    kinds = {"attention", "mla", "indexer", "kv_move", "gather"}
+    assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "exact_attention"}
+    assert all(r["pallas_calls"] >= 2 for r in rows["kernels"])
+    assert {r["kind"] for r in rows["check"]} == kinds and all(r["ok"] for r in rows["check"])
+    assert all(r["returncode"] == 0 and "collected" in r["summary"] for r in rows["pytest"])
+    table = json.loads((tmp_path / "block_table.json").read_text())
+    assert set(table["cpu-dry-run"]["blocks"]) == {r["class"] for r in rows["sweep"]} == {
+        "paged_attention/verify/d16/p16", "mla_attention/decode/d32/p16"}
+
+    md = (tmp_path / "gpu_check.md").read_text()
+    for name in items:
+        assert f"## {name} (call " in md
+    assert proc.stdout.rstrip().endswith(md.rstrip().splitlines()[-1])  # the table is printed last
+
+    # A later invocation adds its items to the same summary.
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--items", "env"]) == 0
+    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["items"]) == list(items)
+
+
+def test_the_kernel_harness_ties_each_call_to_the_last_without_changing_its_inputs():
+    """``tie`` adds a zero computed from the previous output (NaN and inf included) to the first
+    floating input and to every index array, and passes a fed-back buffer on whole."""
+    kernels = _module("kernels")
+    q, table, pool = jnp.arange(6.0).reshape(2, 3), jnp.arange(4, dtype=jnp.int32), jnp.ones(5)
+    for out in (jnp.asarray([jnp.nan]), jnp.asarray([-jnp.inf]), jnp.asarray([3.5]), jnp.asarray([7], jnp.int32)):
+        tq, tt, tp = kernels.tie((q, table, pool), out)
+        np.testing.assert_array_equal(tq, q)
+        np.testing.assert_array_equal(tt, table)
+        assert tp is pool  # only the first floating input carries the dependency
+    buf = (jnp.zeros(3),)
+    assert kernels.tie((buf, table), (jnp.ones(3),), feed_back=True)[0][0].tolist() == [1.0, 1.0, 1.0]
+    # N calls run: a fed-back counter advances once per call.
+    _, n = kernels.device_seconds(lambda x: x + 1, (jnp.zeros(()),), repeats=1, feed_back=True, n_fixed=5)
+    assert n == 5
+    run = kernels._looped(lambda x: x + 1, True)
+    assert float(run(jnp.int32(5), (jnp.zeros(()),))[0]) == 5.0
+
+
+def test_the_comparison_table_is_parsed():
+    gpu_check = _module("gpu_check")
+    out = "\n".join([
+        "finished: length",
+        f"{'method':<10}{'draft':<18}{'shape':<16}{'accept':>8}{'tokens/s':>10}{'speedup':>9}",
+        "block     dspark            chain 8             5.95    5127.0    2.81x",
+        "hybrid    eagle3            chain 3 + 8 ng      5.70    4800.0    2.63x",
+        "plain     -                 -                   1.00    1827.0    1.00x",
+        "tokens: 128   tokens/s: 5127.0   mean accept length: 5.95",
+    ])
+    rows = gpu_check.parse_compare(out)
+    assert [r["method"] for r in rows] == ["block", "hybrid", "plain"]
+    assert rows[1] == dict(method="hybrid", draft="eagle3", shape="chain 3 + 8 ng", accept=5.7, tokens_per_s=4800.0,
+                           speedup="2.63x")

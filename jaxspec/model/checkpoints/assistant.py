@@ -25,6 +25,7 @@ from jaxspec.model.checkpoints.gemma4 import typed_layers
 from jaxspec.model.checkpoints.llama import attention_entries, mlp_entries
 from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, export_params, host_rng, init_params, load_params,
                                     shardings_for, stacked, whole_on)
+from jaxspec.model.fused import shards_of
 from jaxspec.model.targets.gemma4_config import SLIDING, Gemma4Config, attention_shapes, layer_types_of
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -162,7 +163,8 @@ def gemma4_assistant_table(cfg: AssistantConfig, *, tied: bool = True) -> Table:
     table: Table = [
         *_projections(H, cfg.backbone_hidden_size),
         *typed_layers(cfg.layer_types, lambda t: cfg.sliding if t == SLIDING else cfg.full, "model.", hidden=H,
-                      intermediate=cfg.intermediate_size, num_heads=cfg.num_heads, kv=False),
+                      intermediate=cfg.intermediate_size, num_heads=cfg.num_heads, kv=False,
+                      shards=shards_of(cfg)),
         Param("norm", "model.norm.weight", (H,), init="ones"),
         Param("head", "model.embed_tokens.weight" if tied else "lm_head.weight", (V, H)),
     ]

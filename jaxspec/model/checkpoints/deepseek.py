@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, SplitParam, Table, embedding, gate_up, init_params,
+                                                 output_head, row_blocks, stacked)
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
 
@@ -80,8 +81,7 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
     out.append(Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="ones"))
     if not moe:
         I = cfg.intermediate_size
-        return out + [Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR, tp=1),
-                      Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR, tp=1),
+        return out + [gate_up("w_gate_up", "mlp.", H, I, cfg.tensor_parallel),
                       Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR, tp=0)]
     m = cfg.moe
     E = m.num_experts
@@ -91,8 +91,7 @@ def layer_entries(cfg: DeepseekConfig, *, moe: bool, indexer: bool | None = None
     if m.n_shared_experts:
         Is = m.shared_intermediate_size
         s = "mlp.shared_experts."
-        out += [Param("shared_gate", s + "gate_proj.weight", (H, Is), perm=LINEAR, tp=1),
-                Param("shared_up", s + "up_proj.weight", (H, Is), perm=LINEAR, tp=1),
+        out += [gate_up("shared_gate_up", s, H, Is, cfg.tensor_parallel),
                 Param("shared_down", s + "down_proj.weight", (Is, H), perm=LINEAR, tp=0)]
     return out
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, SplitParam, Table, embedding, init_params, output_head, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, SplitParam, Table, embedding, fused, init_params,
+                                                 output_head, stacked)
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, TOPK, DeepseekV4Config
 
 LAYOUTS = ("published", "mixed", "modules")
@@ -136,8 +137,9 @@ def common_entries(cfg: DeepseekV4Config, names: dict, *, fused_experts: bool = 
             Param("sinks", names["sinks"], (Hq,), dtype=f32, tp=0),
             Param("router", names["router"], (H, E), perm=LINEAR),
             *_experts(cfg, names, fused_experts),
-            Param("shared_gate", names["shared_gate"], (H, I), perm=LINEAR, tp=1),
-            Param("shared_up", names["shared_up"], (H, I), perm=LINEAR, tp=1),
+            fused("shared_gate_up", [Param("shared_gate", names["shared_gate"], (H, I), perm=LINEAR, tp=1),
+                                     Param("shared_up", names["shared_up"], (H, I), perm=LINEAR, tp=1)],
+                  cfg.tensor_parallel),
             Param("shared_down", names["shared_down"], (I, H), perm=LINEAR, tp=0)]
     return out
 

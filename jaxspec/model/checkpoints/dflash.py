@@ -163,7 +163,7 @@ def dflash_table(cfg: DFlashConfig, *, codebook_suffix: str = "") -> Table:
     """The draft's own tensors (not the target's embedding or head). ``codebook_suffix``:
     "" (published files) or ".weight" (``save_pretrained``) for DFlash 2's codebooks."""
     H = cfg.hidden_size
-    layer = llama_layer_entries(cfg)
+    layer = llama_layer_entries(cfg, join_q=False)  # q apart: the context projects k/v alone
     if cfg.version == 2:
         K, dyn = cfg.conv_kernel_size, 2 * cfg.conv_kernel_size * cfg.conv_groups
         for ours, theirs in (("attn_conv", "attention_conv"), ("mlp_conv", "mlp_conv")):

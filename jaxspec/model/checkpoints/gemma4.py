@@ -7,37 +7,38 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, embedding, output_head, Table, init_params, stacked
+from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, embedding, fused, gate_up, init_params, output_head, stacked
 from jaxspec.model.targets.gemma4 import GROUPS
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 
 
 def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: int, num_heads: int,
-                         kv: bool = True) -> list[Param]:
+                         kv: bool = True, shards: int = 1) -> list:
     """One Gemma 4 layer of an attention shape (names relative to the layer); ``kv=False``: a
-    query-only layer (a frozen-KV assistant's). Tensor parallel: q/k/v/gate/up column-parallel,
-    o/down row-parallel; each checkpoint KV head repeated ``shape.kv_repeat`` times."""
+    query-only layer (a frozen-KV assistant's). q/k/v (q/k with ``k_eq_v``) read into one joined
+    ``wqkv`` and gate/up into ``w_gate_up``, in the column order of ``shards`` model shards
+    (``jaxspec.model.fused``). Tensor parallel: q/k/v/gate/up column-parallel, o/down
+    row-parallel; each checkpoint KV head repeated ``shape.kv_repeat`` times."""
     H, D = hidden, shape.head_dim
     q, kvs = num_heads * D, shape.num_kv_heads * D
     a = "self_attn."
     rep = dict(repeat=shape.kv_repeat, unit=D)
-    out = [
-        Param("attn_norm", "input_layernorm.weight", (H,), init="ones"),
-        Param("wq", a + "q_proj.weight", (H, q), perm=LINEAR, tp=1),
-        Param("q_norm", a + "q_norm.weight", (D,), init="ones"),
-    ]
+    wq = Param("wq", a + "q_proj.weight", (H, q), perm=LINEAR, tp=1)
+    out: list = [Param("attn_norm", "input_layernorm.weight", (H,), init="ones")]
     if kv:
-        out += [Param("wk", a + "k_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep),
-                Param("k_norm", a + "k_norm.weight", (D,), init="ones")]
+        parts = [wq, Param("wk", a + "k_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep)]
         if not shape.k_eq_v:
-            out.append(Param("wv", a + "v_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep))
+            parts.append(Param("wv", a + "v_proj.weight", (H, kvs), perm=LINEAR, tp=1, **rep))
+        out += [fused("wqkv", parts, shards), Param("q_norm", a + "q_norm.weight", (D,), init="ones"),
+                Param("k_norm", a + "k_norm.weight", (D,), init="ones")]
+    else:
+        out += [wq, Param("q_norm", a + "q_norm.weight", (D,), init="ones")]
     return out + [
         Param("wo", a + "o_proj.weight", (q, H), perm=LINEAR, tp=0),
         Param("post_attn_norm", "post_attention_layernorm.weight", (H,), init="ones"),
         Param("pre_mlp_norm", "pre_feedforward_layernorm.weight", (H,), init="ones"),
         Param("post_mlp_norm", "post_feedforward_layernorm.weight", (H,), init="ones"),
-        Param("w_gate", "mlp.gate_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
-        Param("w_up", "mlp.up_proj.weight", (H, intermediate), perm=LINEAR, tp=1),
+        gate_up("w_gate_up", "mlp.", H, intermediate, shards),
         Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR, tp=0),
         Param("layer_scalar", "layer_scalar", (1,), init="ones"),
     ]
@@ -60,7 +61,7 @@ def gemma4_table(cfg: Gemma4Config) -> Table:
     H, pre = cfg.hidden_size, cfg.prefix
     table: Table = [embedding("embed", pre + "embed_tokens.weight", cfg)]
     table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
-                          num_heads=cfg.num_heads)
+                          num_heads=cfg.num_heads, shards=cfg.tensor_parallel)
     table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
         table.append(output_head("lm_head", "lm_head.weight", cfg))

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, embedding, output_head, SplitParam, embedding, output_head, Table, init_params, row_blocks, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, SplitParam, Table, embedding, fused, gate_up, init_params,
+                                                 output_head, row_blocks, stacked)
 from jaxspec.model.targets.hybrid_config import FULL, HybridConfig
 
 
@@ -99,12 +100,14 @@ def linear_attention_entries(cfg: HybridConfig) -> list:
 
 
 def full_attention_entries(cfg: HybridConfig) -> list:
-    """Gated attention: ``q_proj`` holds [query | gate] per head; zero-centred q/k norms."""
+    """Gated attention: ``q_proj`` holds [query | gate] per head, read with ``k_proj`` and
+    ``v_proj`` into one joined ``wqkv``; zero-centred q/k norms."""
     H, D = cfg.hidden_size, cfg.head_dim
     a = "self_attn."
-    return [Param("wq", a + "q_proj.weight", (H, cfg.num_heads * 2 * D), perm=LINEAR, tp=1),
-            Param("wk", a + "k_proj.weight", (H, cfg.num_kv_heads * D), perm=LINEAR, tp=1),
-            Param("wv", a + "v_proj.weight", (H, cfg.num_kv_heads * D), perm=LINEAR, tp=1),
+    return [fused("wqkv", [Param("wq", a + "q_proj.weight", (H, cfg.num_heads * 2 * D), perm=LINEAR, tp=1),
+                           Param("wk", a + "k_proj.weight", (H, cfg.num_kv_heads * D), perm=LINEAR, tp=1),
+                           Param("wv", a + "v_proj.weight", (H, cfg.num_kv_heads * D), perm=LINEAR, tp=1)],
+                  cfg.tensor_parallel),
             Param("wo", a + "o_proj.weight", (cfg.num_heads * D, H), perm=LINEAR, tp=0),
             Param("q_norm", a + "q_norm.weight", (D,), init="zeros"),
             Param("k_norm", a + "k_norm.weight", (D,), init="zeros")]
@@ -136,16 +139,14 @@ def mlp_entries(cfg: HybridConfig, kind: str, fused_experts: bool) -> list:
     out: list = [Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="zeros")]
     if kind == "dense":
         I = cfg.intermediate_size
-        return out + [Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR, tp=1),
-                      Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR, tp=1),
+        return out + [gate_up("w_gate_up", "mlp.", H, I, cfg.tensor_parallel),
                       Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR, tp=0)]
     m = cfg.moe
     Is = m.shared_intermediate_size
     s = "mlp.shared_expert."
     return out + [Param("router", "mlp.gate.weight", (H, m.num_experts), perm=LINEAR),
                   *_experts(cfg, fused_experts),
-                  Param("shared_gate", s + "gate_proj.weight", (H, Is), perm=LINEAR, tp=1),
-                  Param("shared_up", s + "up_proj.weight", (H, Is), perm=LINEAR, tp=1),
+                  gate_up("shared_gate_up", s, H, Is, cfg.tensor_parallel),
                   Param("shared_down", s + "down_proj.weight", (Is, H), perm=LINEAR, tp=0),
                   Param("shared_expert_gate", "mlp.shared_expert_gate.weight", (H, 1), perm=LINEAR)]
 

@@ -10,28 +10,42 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxspec.model.checkpoints.checkpoint import decoder_fields, resolve_dtype, rope_fields, write_json
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, embedding, output_head, Table, export_params, init_params, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, embedding, export_params, fused, gate_up,
+                                                 init_params, output_head, stacked)
+from jaxspec.model.fused import shards_of
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
-def attention_entries(cfg, in_width: int, *, kv: bool = True, kv_repeat: int = 1) -> list[Param]:
+def attention_entries(cfg, in_width: int, *, kv: bool = True, kv_repeat: int = 1, join_q: bool = True) -> list:
     """q (and k, v) and o projections of one Llama-style layer whose attention input is
     ``in_width`` wide (bias and q/k norms as ``cfg`` says); names relative to the layer.
-    Tensor parallel: q/k/v column-parallel (split by head), o row-parallel. ``kv_repeat``: each
+    q/k/v are read into one joined ``wqkv`` (biases ``bqkv``; ``jaxspec.model.fused``, in the
+    column order of ``cfg.tensor_parallel`` shards), or with ``join_q=False`` q apart from a
+    joined ``wkv`` (a layer that also projects k/v alone); ``kv=False``: ``wq`` alone. Tensor
+    parallel: q/k/v column-parallel (split by head), o row-parallel. ``kv_repeat``: each
     checkpoint KV head appears that many times (``cfg.num_kv_heads`` counts the copies)."""
     D = cfg.head_dim
     q, kvs = cfg.num_heads * D, cfg.num_kv_heads * D
     a = "self_attn."
     rep = dict(repeat=kv_repeat, unit=D)
-    out = [Param("wq", a + "q_proj.weight", (in_width, q), perm=LINEAR, tp=1)]
+    shards = shards_of(cfg)
+
+    def join(name, parts):  # [q,] k, v as one entry; q alone stays as it is
+        return [fused(name, parts, shards)] if len(parts) > 1 else parts
+
+    weights = [Param("wq", a + "q_proj.weight", (in_width, q), perm=LINEAR, tp=1)]
+    biases = [Param("bq", a + "q_proj.bias", (q,), tp=0)]
     if kv:
-        out += [Param("wk", a + "k_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep),
-                Param("wv", a + "v_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep)]
+        weights += [Param("wk", a + "k_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep),
+                    Param("wv", a + "v_proj.weight", (in_width, kvs), perm=LINEAR, tp=1, **rep)]
+        biases += [Param("bk", a + "k_proj.bias", (kvs,), tp=0, **rep), Param("bv", a + "v_proj.bias", (kvs,), tp=0, **rep)]
+    if kv and not join_q:
+        out = weights[:1] + join("wkv", weights[1:])
+    else:
+        out = join("wqkv", weights)
     out.append(Param("wo", a + "o_proj.weight", (q, cfg.hidden_size), perm=LINEAR, tp=0))
     if getattr(cfg, "attention_bias", False):
-        out += [Param("bq", a + "q_proj.bias", (q,), tp=0)]
-        if kv:
-            out += [Param("bk", a + "k_proj.bias", (kvs,), tp=0, **rep), Param("bv", a + "v_proj.bias", (kvs,), tp=0, **rep)]
+        out += biases[:1] + join("bkv", biases[1:]) if kv and not join_q else join("bqkv", biases)
     if getattr(cfg, "qk_norm", False):
         out += [Param("q_norm", a + "q_norm.weight", (D,), init="ones")]
         if kv:
@@ -39,22 +53,21 @@ def attention_entries(cfg, in_width: int, *, kv: bool = True, kv_repeat: int = 1
     return out
 
 
-def mlp_entries(cfg) -> list[Param]:
+def mlp_entries(cfg) -> list:
     """post-attention norm and the SwiGLU MLP of one layer (names relative to the layer);
-    gate/up column-parallel, down row-parallel."""
+    gate/up joined as ``w_gate_up`` and column-parallel, down row-parallel."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     return [
         Param("mlp_norm", "post_attention_layernorm.weight", (H,), init="ones"),
-        Param("w_gate", "mlp.gate_proj.weight", (H, I), perm=LINEAR, tp=1),
-        Param("w_up", "mlp.up_proj.weight", (H, I), perm=LINEAR, tp=1),
+        gate_up("w_gate_up", "mlp.", H, I, shards_of(cfg)),
         Param("w_down", "mlp.down_proj.weight", (I, H), perm=LINEAR, tp=0),
     ]
 
 
-def llama_layer_entries(cfg, kv_repeat: int = 1) -> list[Param]:
+def llama_layer_entries(cfg, kv_repeat: int = 1, join_q: bool = True) -> list:
     H = cfg.hidden_size
     return [Param("attn_norm", "input_layernorm.weight", (H,), init="ones"),
-            *attention_entries(cfg, H, kv_repeat=kv_repeat), *mlp_entries(cfg)]
+            *attention_entries(cfg, H, kv_repeat=kv_repeat, join_q=join_q), *mlp_entries(cfg)]
 
 
 def llama_table(cfg: LlamaConfig, prefix: str = "model.", kv_repeat: int = 1) -> Table:

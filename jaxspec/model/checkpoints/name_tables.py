@@ -11,6 +11,9 @@ its shape in our layout and how to initialize it. Three generic functions walk a
 so a family's names are written once. Stacked entries fill a leading ``[L]`` axis from the
 checkpoint's per-layer tensors (``{i}`` in the name), and optionally an expert axis (``{e}``).
 Linear weights are stored ``[in, out]`` here and ``[out, in]`` (nn.Linear) in checkpoints.
+An entry is one checkpoint tensor as one array (``Param``), one tensor holding several of ours
+(``SplitParam``), or several tensors joined into one of ours (``FusedParam``: projections of
+one input run as one product, ``jaxspec.model.fused``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.mesh import MODEL
 from jaxspec.model.config import padded_vocab_size
+from jaxspec.model.fused import column_shards, fuse_columns, split_columns
 from jaxspec.model.checkpoints.checkpoint import SAFETENSORS_DTYPES, CheckpointError, ShardView
 
 LINEAR = (1, 0)  # nn.Linear [out, in] -> ours [in, out]
@@ -144,8 +148,68 @@ class SplitParam:
         return self.join(*ours)
 
 
-Entry = Param | SplitParam
+@dataclasses.dataclass(frozen=True)
+class FusedParam:
+    """Several checkpoint tensors read into one array of ours, joined on its last axis in the
+    per-shard column order of ``jaxspec.model.fused`` (q/k/v projections as one ``wqkv``,
+    gate/up as one ``w_gate_up``: one product where a layer ran several). Each part is a
+    ``Param`` of its own (checkpoint name, shape, repeated KV heads) whose last axis is where
+    its checkpoint tensor's first axis lands (a linear weight's output axis, a bias's axis);
+    the parts differ only in that axis. Export writes the parts back as separate tensors.
+
+    Attributes:
+      path: where the joined array lives in our pytree.
+      parts: the joined entries in column order (their ``path`` names the part).
+      shards: the shard count of the column order (``column_shards``; 1: parts one after another).
+      tp: the split axis (the last), None to replicate.
+      layers, dtype: as ``Param``'s, for every part.
+    """
+
+    path: str
+    parts: tuple[Param, ...]
+    shards: int = 1
+    tp: int | None = None
+    layers: tuple[int, ...] | None = None
+    dtype: str | None = None
+    experts = None  # no expert axis: routed experts run as grouped products of their own
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path,)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(p.shape[-1] for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.parts[0].shape[:-1]) + (sum(self.widths),)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        return (() if self.layers is None else (len(self.layers),)) + self.shape
+
+    def members(self) -> list[Param]:
+        """The parts as entries of their own (stacked like this one)."""
+        return [dataclasses.replace(p, layers=self.layers, dtype=self.dtype, tp=self.tp) for p in self.parts]
+
+
+Entry = Param | SplitParam | FusedParam
 Table = list[Entry]
+
+
+def fused(path: str, parts: Sequence[Param], shards: int = 1) -> FusedParam:
+    """``parts`` (entries that read one input, split alike over the model axis) as one array
+    ``path``, joined in the column order of ``shards`` model shards (the config's
+    ``tensor_parallel``: the layers split the product with the same count)."""
+    parts = tuple(parts)
+    for p in parts:
+        lands = 0 if p.perm is None else p.perm.index(0)
+        if lands != len(p.shape) - 1 or p.tp not in (None, len(p.shape) - 1) or p.tp != parts[0].tp \
+                or p.shape[:-1] != parts[0].shape[:-1] or p.layers is not None or p.experts is not None:
+            raise ValueError(f"{path}: {p.path} cannot be joined with {[q.path for q in parts]}")
+    return FusedParam(path, parts, column_shards([p.shape[-1] for p in parts], shards), tp=parts[0].tp,
+                      dtype=parts[0].dtype)
 
 
 def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
@@ -175,6 +239,13 @@ def output_head(path: str, hf: str, cfg) -> Param:
     return Param(path, hf, (cfg.hidden_size, Vp), perm=LINEAR, tp=1, pad=Vp - V)
 
 
+def gate_up(path: str, hf_prefix: str, hidden: int, intermediate: int, shards: int = 1) -> FusedParam:
+    """A gated MLP's ``gate_proj`` and ``up_proj`` (``{hf_prefix}gate_proj.weight``, ...) read
+    into one joined ``[H, 2I]`` array (column-parallel, in the column order of ``shards``)."""
+    return fused(path, [Param("w_gate", hf_prefix + "gate_proj.weight", (hidden, intermediate), perm=LINEAR, tp=1),
+                        Param("w_up", hf_prefix + "up_proj.weight", (hidden, intermediate), perm=LINEAR, tp=1)], shards)
+
+
 def stacked(entries: Sequence[Entry], path_prefix: str, hf_prefix: str, layers: Sequence[int]) -> list[Entry]:
     """One layer's entries (checkpoint names relative to the layer) stacked over ``layers``:
     paths under ``path_prefix``, names under ``hf_prefix`` (which holds the ``{i}``)."""
@@ -187,6 +258,8 @@ def under(entries: Sequence[Entry], path_prefix: str, hf_prefix: str) -> list[En
 
 
 def _prefixed(e: Entry, path_prefix: str, hf_prefix: str) -> dict:
+    if isinstance(e, FusedParam):
+        return {"path": path_prefix + e.path, "parts": tuple(dataclasses.replace(p, hf=hf_prefix + p.hf) for p in e.parts)}
     if isinstance(e, SplitParam):
         return {"parts": tuple((path_prefix + p, s) for p, s in e.parts), "hf": hf_prefix + e.hf}
     return {"path": path_prefix + e.path, "hf": hf_prefix + e.hf}
@@ -207,6 +280,10 @@ def _get(tree: dict, path: str):
 
 def _names(e: Entry) -> Iterator[tuple[tuple[int, ...], str]]:
     """(index into the stacked axes, checkpoint name) of every tensor behind an entry."""
+    if isinstance(e, FusedParam):
+        for m in e.members():
+            yield from _names(m)
+        return
     layers = [None] if e.layers is None else list(enumerate(e.layers))
     experts = [None] if e.experts is None else list(range(e.experts))
     for li in layers:
@@ -302,9 +379,17 @@ def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple
 
 
 def _load_entry(e: Entry, ckpt, dt, shards, fp8_block) -> list:
-    """The arrays of one table entry (``_shapes(e)`` order), filled piece by piece."""
-    shapes = _shapes(e)
-    bufs = [_zeros(shape, dt, sh) for (_, shape), sh in zip(shapes, shards)]
+    """The arrays of one table entry (``_shapes(e)`` order), filled piece by piece. ``ckpt``: the
+    checkpoint, or for a ``FusedParam`` one source per part (a model shard's views)."""
+    bufs = [_zeros(shape, dt, sh) for (_, shape), sh in zip(_shapes(e), shards)]
+    if isinstance(e, FusedParam):
+        return [_fill_fused(bufs[0], e, ckpt, dt, fp8_block)]
+    return _fill(bufs, e, ckpt, fp8_block)
+
+
+def _fill(bufs: list, e: Param | SplitParam, ckpt, fp8_block, at: int = 0) -> list:
+    """Writes every checkpoint tensor behind ``e`` into ``bufs`` (its arrays), piece by piece; a
+    ``Param``'s at offset ``at`` of the axis its checkpoint tensor's first axis lands on."""
     in_flight: collections.deque = collections.deque()
     for idx, name in _names(e):
         heads = e.unit if isinstance(e, Param) and e.repeat > 1 else 1  # pieces hold whole repeated heads
@@ -315,11 +400,11 @@ def _load_entry(e: Entry, ckpt, dt, shards, fp8_block) -> list:
                 pieces = [(part, None, _Layout(), 0) for part in e.from_hf(x)]
             else:
                 how = _Layout(e.perm, e.repeat, e.unit, None if scale is None else fp8_block)
-                pieces = [(x, scale, how, rows[0] * e.repeat)]
+                pieces = [(x, scale, how, at + rows[0] * e.repeat)]
             for k, (part, sc, how, offset) in enumerate(pieces):
                 # The checkpoint's first axis lands on our axis perm.index(0).
                 axis = 0 if how.perm is None else how.perm.index(0)
-                start = np.concatenate([np.asarray(idx, np.int32), np.zeros(len(shapes[k][1]) - len(idx), np.int32)])
+                start = np.concatenate([np.asarray(idx, np.int32), np.zeros(bufs[k].ndim - len(idx), np.int32)])
                 start[len(idx) + axis] = offset
                 bufs[k], done = _write(bufs[k], part, sc, start, how)
                 if done is not None:
@@ -331,6 +416,32 @@ def _load_entry(e: Entry, ckpt, dt, shards, fp8_block) -> list:
                 jax.block_until_ready(in_flight.popleft())
             del x, pieces
     return jax.block_until_ready(bufs)
+
+
+def _fill_fused(buf, e: FusedParam, src, dt, fp8_block):
+    """A ``FusedParam``'s array: each part read (and dequantized) as a ``Param`` of its own. In
+    the one-shard order every piece is written straight to its columns; in an n-shard order a
+    part is read whole, then its n column blocks are placed (one part at a time in memory)."""
+    at, stride = 0, sum(e.widths) // e.shards
+    for i, m in enumerate(e.members()):
+        part_src = src[i] if isinstance(src, tuple) else src
+        if e.shards == 1:
+            (buf,) = _fill([buf], m, part_src, fp8_block, at=at)
+        else:
+            (part,) = _fill([_zeros(m.stacked_shape, dt, buf.sharding)], m, part_src, fp8_block)
+            buf = jax.block_until_ready(_place_columns(buf, part, at=at // e.shards, stride=stride, shards=e.shards))
+        at += m.shape[-1]
+    return buf
+
+
+@functools.partial(jax.jit, static_argnames=("at", "stride", "shards"), donate_argnums=0)
+def _place_columns(buf, part, *, at: int, stride: int, shards: int):
+    """``part [..., s]``'s k-th of ``shards`` column blocks written at column ``k * stride + at`` of ``buf``."""
+    w = part.shape[-1] // shards
+    for k in range(shards):
+        block = jax.lax.slice_in_dim(part, k * w, (k + 1) * w, axis=-1)
+        buf = jax.lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), k * stride + at, axis=buf.ndim - 1)
+    return buf
 
 
 def _scale_of(ckpt, name: str) -> str | None:
@@ -364,8 +475,9 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
     process's devices' shards: model shard k of n of a split entry is read alone (exactly its
     checkpoint bytes, ``_shard_of``) onto one device holding it and copied to the others (its
     replicas over data); a replicated entry is read once per process. An entry whose shards
-    cannot be read alone (a fused tensor without ``shard_rows``, FP8 scale blocks straddling a
-    shard bound: decided alike on every process) is read whole, in one program over the mesh."""
+    cannot be read alone (a ``SplitParam`` without ``shard_rows``, FP8 scale blocks straddling a
+    shard bound: decided alike on every process) is read whole, in one program over the mesh. A
+    ``FusedParam``'s shard k is the shard's slice of each part, read alone and written side by side."""
     sharding = shardings[0]
     mesh = sharding.mesh
     n = mesh.shape[MODEL]
@@ -381,21 +493,51 @@ def _load_shards(e: Entry, ckpt, dt, shardings, fp8_block) -> list:
     reads: dict = {}  # what is read (model shards holding copies of one KV head read it once) -> devices
     for k, devices in groups.items():
         entry, view = local[k]
-        key = (entry, None) if view is ckpt else (entry, view.axis, tuple(view.ranges))
+        key = (entry, _view_key(view, ckpt))
         reads.setdefault(key, (entry, view, []))[2].extend(devices)
     arrays: dict = {}  # device -> its shard of each array
+    parts_read: dict = {}  # a fused entry's part, read once for the shards sharing it (repeated KV heads)
     for entry, view, devices in reads.values():
         first = jax.sharding.SingleDeviceSharding(devices[0])
-        bufs = _load_entry(entry, view, dt, [first] * len(shardings), fp8_block)
+        if isinstance(view, tuple):  # a split FusedParam: one view per part
+            bufs = [_join_parts(entry, view, ckpt, dt, first, fp8_block, parts_read)]
+        else:
+            bufs = _load_entry(entry, view, dt, [first] * len(shardings), fp8_block)
         for d in devices:
             arrays[d] = bufs if d == devices[0] else jax.device_put(bufs, d)
     return [jax.make_array_from_single_device_arrays(shape, sh, [arrays[d][i] for d in sh.addressable_devices])
             for i, ((_, shape), sh) in enumerate(zip(_shapes(e), shardings))]
 
 
+def _join_parts(entry: FusedParam, views: tuple, ckpt, dt, device, fp8_block, parts_read: dict):
+    """One model shard's joined array (``entry`` cut to the shard, in the one-shard order): each
+    part read alone, or taken from ``parts_read`` when another shard of this process read the
+    same bytes (the copies of one KV head), then set side by side on ``device``."""
+    parts = []
+    for m, view in zip(entry.members(), views):
+        key = (m, _view_key(view, ckpt))
+        if key not in parts_read:
+            (parts_read[key],) = _load_entry(m, view, dt, [device], fp8_block)
+        parts.append(jax.device_put(parts_read[key], device))
+    return jax.block_until_ready(jnp.concatenate(parts, axis=-1))
+
+
+def _view_key(view, ckpt):
+    """What a shard's view reads (equal for model shards holding copies of the same bytes)."""
+    if isinstance(view, tuple):  # a FusedParam's: one view per part
+        return tuple(_view_key(v, ckpt) for v in view)
+    return None if view is ckpt else (view.axis, tuple(view.ranges))
+
+
 def _shard_of(e: Entry, k: int, n: int, ckpt, fp8_block):
     """(the entry cut to model shard k of n, a view of ``ckpt`` holding just that shard's
-    checkpoint bytes), or None when the shard cannot be read alone."""
+    checkpoint bytes: for a ``FusedParam`` one view per part), or None when the shard cannot be
+    read alone."""
+    if isinstance(e, FusedParam):  # shard k's columns are its slice of each part, one after another
+        cuts = [_shard_of(m, k, n, ckpt, fp8_block) for m in e.members()]
+        if e.shards != n or any(c is None for c in cuts):
+            return None
+        return dataclasses.replace(e, parts=tuple(c[0] for c in cuts), shards=1), tuple(c[1] for c in cuts)
     if e.tp == "experts" and e.experts is not None:  # per-expert tensors: shard k holds experts [k*E/n, ...)
         per = e.experts // n
         return dataclasses.replace(e, experts=per, first_expert=e.first_expert + k * per), ckpt
@@ -577,6 +719,12 @@ def export_params(table: Table, params: dict, dtype) -> dict[str, np.ndarray]:
     out = {}
     for e in table:
         arrays = [np.asarray(_get(params, p), np.float32) for p in e.paths]
+        if isinstance(e, FusedParam):  # the parts back as separate tensors
+            for m, part in zip(e.members(), split_columns(arrays[0], e.widths, e.shards)):
+                one: dict = {}
+                _set(one, m.path, part)
+                out.update(export_params([m], one, dtype))
+            continue
         dt = np.dtype(e.dtype) if e.dtype else np.dtype(dtype)
         for idx, name in _names(e):
             out[name] = np.ascontiguousarray(e.to_hf(*(a[idx] for a in arrays)).astype(dt))
@@ -604,17 +752,23 @@ def init_params(table: Table, seed, *, scale: float = 0.02, dtype=np.float32, on
         key = jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
     out: dict = {}
     count = 0
+
+    def draw(e, shape, dt):
+        nonlocal count
+        count += 1
+        if e.init in ("ones", "zeros"):
+            return (jnp.ones if e.init == "ones" else jnp.zeros)(shape, dt)
+        if on_device:
+            return _device_normal(jax.random.fold_in(key, count - 1), shape, dt, scale)
+        return jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32), dt)
+
     for e in table:
         dt = jnp.dtype(e.dtype) if e.dtype else jnp.dtype(dtype)
+        if isinstance(e, FusedParam):  # each part drawn as its own entry would be, then joined
+            _set(out, e.path, fuse_columns([draw(m, m.stacked_shape, dt) for m in e.members()], e.shards))
+            continue
         for path, shape in _shapes(e):
-            if e.init in ("ones", "zeros"):
-                x = (jnp.ones if e.init == "ones" else jnp.zeros)(shape, dt)
-            elif on_device:
-                x = _device_normal(jax.random.fold_in(key, count), shape, dt, scale)
-            else:
-                x = jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32), dt)
-            count += 1
-            _set(out, path, x)
+            _set(out, path, draw(e, shape, dt))
     return out
 
 

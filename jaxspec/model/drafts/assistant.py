@@ -130,7 +130,7 @@ class AssistantConfig:
     def tail(self, lp: dict, x: jax.Array, o: jax.Array) -> jax.Array:
         if self.style == "llama":
             return layer_tail(lp, self, x, o)
-        return gemma_layer_tail(lp, self.rms_norm_eps, x, o)
+        return gemma_layer_tail(lp, self.rms_norm_eps, x, o, self.tensor_parallel)
 
     def final_norm(self, params: dict, x: jax.Array) -> jax.Array:
         if self.style == "llama":

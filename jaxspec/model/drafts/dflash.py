@@ -22,7 +22,8 @@ low-rank predecessor / successor codebooks (``DFlashDraft.candidates`` / ``sampl
 
 Params (linear weights ``[in, out]``):
     fc [n_sel*H, H]; hidden_norm [H]; norm [H]
-    layers/ (stacked [L]): attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down
+    layers/ (stacked [L]): attn_norm, wq, wkv (k and v joined: the context projects them alone), wo, q_norm,
+        k_norm, mlp_norm, w_gate_up (joined), w_down   (``jaxspec.model.fused``)
     layers/ (DFlash 2): attn_conv_base, mlp_conv_base [L, 2, K, H]; attn_conv_proj, mlp_conv_proj [L, H, 2*K*Ng]
     selector/ (DFlash 2): hidden_proj [H, R]; predecessor, successor [V, R]
     embed [V, H], lm_head [H, V] (absent when tied): the target's own arrays, shared
@@ -46,7 +47,9 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.sampling.grammar_masks import Grammar
-from jaxspec.model.layers import lm_head, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, swiglu, write_and_attend
+from jaxspec.model.fused import shards_of
+from jaxspec.model.layers import (gated_mlp, lm_head, mask_padded_vocab, project_kv, project_qkv, rms_norm, rope_inv_freq,
+                                  write_and_attend)
 from jaxspec.sampling.distributions import RowSampling, sample_with_uniform, target_probs
 
 _MASK_VALUE = -1e30
@@ -216,7 +219,7 @@ def block_qkv(
     """The part of a draft layer before attention, over the block rows."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     x, dyn = _conv_in(lp, "attn_conv", cfg, x)
-    return (project_q(lp, cfg, x, positions, inv_freq), *project_kv(lp, cfg, x, positions, inv_freq), dyn)
+    return (*project_qkv(lp, cfg, x, positions, inv_freq), dyn)
 
 
 def block_tail(
@@ -227,7 +230,7 @@ def block_tail(
     h = h + _conv_out(lp, "attn_conv", cfg, a, dyn)
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     x, dyn = _conv_in(lp, "mlp_conv", cfg, x)
-    return h + _conv_out(lp, "mlp_conv", cfg, swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"]), dyn)
+    return h + _conv_out(lp, "mlp_conv", cfg, gated_mlp(x, lp["w_gate_up"], lp["w_down"], shards_of(cfg)), dyn)
 
 
 def block_embedding(params: dict, cfg: DFlashConfig, tokens: jax.Array) -> jax.Array:  # i32[N, Q] -> [N, Q, H]

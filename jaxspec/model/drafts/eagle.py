@@ -14,7 +14,8 @@ at position ``p`` of the draft pool.
 
 Params (linear weights ``[in, out]``):
     embed [V, H]; fc [F, H] (+ fc_bias [H]); layer/{input_norm, hidden_norm (EAGLE-3),
-    wq [A, Hq*D], wk, wv [A, Hkv*D], wo [Hq*D, H], mlp_norm, w_gate, w_up, w_down};
+    wqkv [A, (Hq + 2 Hkv) * D] (q/k/v joined: ``jaxspec.model.fused``), wo [Hq*D, H], mlp_norm,
+    w_gate_up [H, 2I] (joined), w_down};
     norm [H] + lm_head [H, Vd] + hot_ids i32[Vd] (EAGLE-3); lm_head [H, V] (EAGLE-1, the target's)
 with A = H (EAGLE-1) or 2H (EAGLE-3), F = 2H (EAGLE-1) or num_aux * H_target (EAGLE-3).
 """
@@ -31,7 +32,7 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.model.layers import embed_lookup, layer_tail, mask_padded_vocab, project_qkv, rms_norm, rope_inv_freq, write_and_attend
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -118,8 +119,7 @@ def eagle_forward(
     lp = params["layer"]
     a, residual = eagle_attention_input(params, cfg, tokens, feature, from_target=from_target)
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-    q = project_q(lp, cfg, a, positions, inv_freq)
-    k, v = project_kv(lp, cfg, a, positions, inv_freq)
+    q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
     o, pool = write_and_attend(q, k, v, pool, jnp.int32(0), attn, implementation=implementation)
     return layer_tail(lp, cfg, residual, o), pool
 

@@ -27,9 +27,9 @@ first layer's residual is the normed hidden).
 Params (linear weights ``[in, out]``):
     embed [V, H] (its own, trained; padded on a mesh); mask_hidden [1, 1, F]; fc [F, H];
     fc_in_norm [F] (norm_before_fc) or fc_norm/{j} [H] (fc_norm);
-    layer0/{input_norm, hidden_norm, wq [2H, Hq*D], wk, wv [2H, Hkv*D], wo, (q_norm, k_norm),
-            mlp_norm, w_gate, w_up, w_down};
-    layer{i}/ (i >= 1) {attn_norm, wq [H, Hq*D], wk, wv, wo, (q_norm, k_norm), mlp_norm, ...};
+    layer0/{input_norm, hidden_norm, wqkv [2H, (Hq + 2 Hkv) * D] (q/k/v joined: ``jaxspec.model.fused``),
+            wo, (q_norm, k_norm), mlp_norm, w_gate_up [H, 2I] (joined), w_down};
+    layer{i}/ (i >= 1) {attn_norm, wqkv [H, (Hq + 2 Hkv) * D], wo, (q_norm, k_norm), mlp_norm, ...};
     norm [H]; lm_head [H, Vd]; hot_ids i32[Vd] (reduced vocabulary only)
 
 Glossary: B rows, T rows per request, Q mask rows, S proposals, H width, F = n_aux * H_target
@@ -50,7 +50,7 @@ from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
 from jaxspec.sampling.grammar_masks import Grammar
-from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, mask_padded_vocab, project_kv, project_q,
+from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, mask_padded_vocab, project_qkv,
                                   rms_norm, rope_inv_freq, write_and_attend)
 
 
@@ -130,8 +130,7 @@ def peagle_layers(
     lp = params["layer0"]
     hn = rms_norm(h, lp["hidden_norm"], cfg.rms_norm_eps)
     a = jnp.concatenate([rms_norm(emb.astype(h.dtype), lp["input_norm"], cfg.rms_norm_eps), hn], axis=-1)
-    q = project_q(lp, cfg, a, positions, inv_freq)
-    k, v = project_kv(lp, cfg, a, positions, inv_freq)
+    q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
     o, pool = write_and_attend(q, k, v, pool, jnp.int32(0), attn, implementation=implementation)
     x = layer_tail(lp, cfg, hn if cfg.norm_before_residual else h, o)
     for i in range(1, cfg.num_layers):

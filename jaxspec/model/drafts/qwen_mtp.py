@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, mask_padded_vocab, swiglu
+from jaxspec.model.layers import embed_lookup, gated_mlp, mask_padded_vocab
 from jaxspec.model.targets.hybrid import full_attention, moe_mlp, norm
 from jaxspec.model.targets.hybrid_config import HybridConfig
 
@@ -65,7 +65,7 @@ def _layer(params: dict, cfg: QwenMtpConfig, j: int, x, positions, kv: KVPool, a
                            implementation)
     x = x + o
     h = norm(x, lp["mlp_norm"], t.rms_norm_eps)
-    return x + (moe_mlp(lp, t, h) if cfg.moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])), kv
+    return x + (moe_mlp(lp, t, h) if cfg.moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], t.tensor_parallel)), kv
 
 
 def qwen_mtp_forward(params: dict, cfg: QwenMtpConfig, tokens, feature, positions, kv: KVPool, attn: AttentionInputs,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.layers import lm_head, mask_padded_vocab
+from jaxspec.pallas.exact import exact_mode
 from jaxspec.model.targets.base import ForwardOutput, KVLayout, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
@@ -29,7 +30,8 @@ from jaxspec.model.targets.hybrid import commit_accepted, create_hybrid_pool, hy
 from jaxspec.model.targets.hybrid_config import HybridConfig
 
 __all__ = ["ForwardOutput", "KVLayout", "Model", "create_target_pool", "forward_fresh", "forward_sequence",
-           "has_recurrent_state", "kv_layout", "kv_window", "target_commit", "target_forward", "target_logits"]
+           "exact_support", "has_recurrent_state", "kv_layout", "kv_window", "target_commit", "target_forward",
+           "target_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,8 @@ class _Family:
     # (cfg, pool, pending, accept_index, accept_lens, active) -> pool: a verify's recurrent state committed
     commit: Callable = lambda cfg, pool, pending, accept_index, accept_lens, active: pool  # noqa: E731
     layout: Callable = lambda cfg: KVLayout()  # noqa: E731  (cfg) -> KVLayout: what sizing its pools needs
+    # (cfg) -> why the exact mode cannot compute it, or None (docs/architecture.md#the-exact-mode)
+    inexact: Callable = lambda cfg: "its layers are not built from the exact mode's kernels yet"  # noqa: E731
 
 
 def _mla_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
@@ -61,7 +65,9 @@ def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1)
 
 _FAMILIES: dict[type, _Family] = {
     LlamaConfig: _Family(llama_forward, _paged_only(create_llama_pool),
-                         layout=lambda cfg: KVLayout(window=cfg.sliding_window)),
+                         layout=lambda cfg: KVLayout(window=cfg.sliding_window),
+                         inexact=lambda cfg: "its sliding-window layers attend through the window pool"
+                         if cfg.sliding_window else None),
     DeepseekConfig: _Family(deepseek_forward, _mla_pool),
     Gemma4Config: _Family(gemma4_forward, _paged_only(create_gemma4_pool), logits=gemma4_logits,
                           layout=lambda cfg: KVLayout(window=cfg.sliding_window if cfg.num_sliding_layers else None)),
@@ -91,15 +97,24 @@ def target_forward(
     *,
     aux_layers: tuple[int, ...] = (),
     implementation=None,
+    exact: bool = False,
 ) -> ForwardOutput:
-    """Runs the target over T new tokens per row, writing their KV into ``pool``."""
-    return _family(cfg).forward(params, cfg, tokens, positions, pool, attn, aux_layers=aux_layers,
-                                implementation=implementation)
+    """Runs the target over T new tokens per row, writing their KV into ``pool``. ``exact``: every
+    row's reductions in a fixed order (``exact_support`` says whether the family can)."""
+    with exact_mode(exact):
+        return _family(cfg).forward(params, cfg, tokens, positions, pool, attn, aux_layers=aux_layers,
+                                    implementation=implementation)
 
 
-def target_logits(cfg, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V']
+def target_logits(cfg, params: dict, hidden: jax.Array, *, exact: bool = False) -> jax.Array:  # [..., H] -> f32[..., V']
     """Logits over the padded vocabulary (``padded_vocab_size``), -inf in the padding."""
-    return mask_padded_vocab(_family(cfg).logits(cfg, params, hidden), cfg.vocab_size)
+    with exact_mode(exact):
+        return mask_padded_vocab(_family(cfg).logits(cfg, params, hidden), cfg.vocab_size)
+
+
+def exact_support(cfg) -> str | None:
+    """Why the exact mode cannot compute this target (refused by name), or None when it can."""
+    return _family(cfg).inexact(cfg)
 
 
 def kv_layout(cfg) -> KVLayout:

@@ -35,9 +35,9 @@ Params (linear weights ``[in, out]``; ``[Ls]`` = stacked over the layers of a sc
       idx_wq_b [Ls, Rq, Hi*Di], idx_wk [Ls, H, Di], idx_norm_w, idx_norm_b [Ls, Di],
       idx_w_proj f32[Ls, H, Hi]                                         (V3.2 indexer)
       mlp_norm [Ls, H]
-      dense: w_gate, w_up [Ls, H, I]; w_down [Ls, I, H]
+      dense: w_gate_up [Ls, H, 2I] (gate and up joined: ``jaxspec.model.fused``); w_down [Ls, I, H]
       moe:   router [Ls, H, E]; router_bias f32[Ls, E]; experts_gate, experts_up [Ls, E, H, Im];
-             experts_down [Ls, E, Im, H]; shared_gate, shared_up [Ls, H, Is]; shared_down [Ls, Is, H]
+             experts_down [Ls, E, Im, H]; shared_gate_up [Ls, H, 2Is]; shared_down [Ls, Is, H]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from jaxspec.kvcache.pool import MLAPool
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.mesh import MODEL, per_model_shard
-from jaxspec.model.layers import apply_rope, embed_lookup, rms_norm, routed_experts, swiglu
+from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, rms_norm, routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
 from jaxspec.pallas.dsa_indexer import indexer_top_k
@@ -230,7 +230,7 @@ def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) ->
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                          tensor_parallel)
     if moe.n_shared_experts:
-        out = out + swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
+        out = out + gated_mlp(xf, lp["shared_gate_up"], lp["shared_down"], tensor_parallel)
     return out.reshape(B, T, H)
 
 
@@ -251,7 +251,7 @@ def decoder_block(
     o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel) if moe else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel) if moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
     return x, pool
 
 

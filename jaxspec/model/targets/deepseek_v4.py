@@ -21,7 +21,7 @@ params are stacked by what they have in common (``jaxspec.model.checkpoints.deep
     layers/ [L]: attn_norm, mlp_norm [H]; hc_{attn,ffn}_fn f32[N*H, (2+N)N], _base [(2+N)N], _scale [3];
         wq_a [H, Rq], q_norm [Rq], wq_b [Rq, Hq*D], wkv [H, D], kv_norm [D], wo_a [Hq*D/G, G*Ro],
         wo_b [G*Ro, H], sinks f32[Hq], router [H, E], experts_gate/up [E, H, I], experts_down [E, I, H],
-        shared_gate/up [H, I], shared_down [I, H]
+        shared_gate_up [H, 2I] (joined: ``jaxspec.model.fused``), shared_down [I, H]
     csa/ [Lc]: c_wkv, c_wgate [H, 2D], c_ape f32[m, 2D], c_norm [D]; i_wq_b [Rq, Hi*Di], i_w_proj [H, Hi],
         i_wkv, i_wgate [H, 2Di], i_ape f32[m, 2Di], i_norm [Di]
     hca/ [Lh]: c_wkv, c_wgate [H, D], c_ape f32[m', D], c_norm [D]
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.compressed import CompressedPool, entry_pages_for
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.fused import split_columns
 from jaxspec.model.layers import embed_lookup, routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_v4_attention import Closing, norm, v4_attention
@@ -124,10 +125,12 @@ def hc_head(params: dict, cfg: DeepseekV4Config, x: jax.Array, prefix: str = "hc
     return collapse(x, pre)
 
 
-def clamped_swiglu(x: jax.Array, w_gate, w_up, w_down, limit: float) -> jax.Array:
-    g = jnp.minimum(x @ w_gate, limit)
-    u = jnp.clip(x @ w_up, -limit, limit)
-    return (jax.nn.silu(g) * u) @ w_down
+def clamped_swiglu(x: jax.Array, w_gate_up, w_down, limit: float, shards: int = 1) -> jax.Array:
+    """SwiGLU with the gate clamped from above and the up projection to [-limit, limit]; gate and
+    up as one product (``jaxspec.model.layers.gated_mlp``'s joined weight)."""
+    half = w_gate_up.shape[-1] // 2
+    g, u = split_columns(x @ w_gate_up, (half, half), shards)
+    return (jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)) @ w_down
 
 
 def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid2eid: jax.Array | None,
@@ -148,7 +151,7 @@ def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                          cfg.tensor_parallel, limit=cfg.swiglu_limit)
-    shared = clamped_swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"], cfg.swiglu_limit)
+    shared = clamped_swiglu(xf, lp["shared_gate_up"], lp["shared_down"], cfg.swiglu_limit, cfg.tensor_parallel)
     return (out + shared).reshape(B, T, H)
 
 

@@ -9,6 +9,7 @@ layers in ``pool.window`` (only the last positions, the ring table; see
     h = norm_in(x)
     q = RoPE(q_norm(h @ wq));  k = RoPE(k_norm(h @ wk));  v = v_norm(h @ wv)   (v_norm: no weight)
         full layers with attention_k_eq_v have no wv: v = v_norm(h @ wk) (the raw K projection)
+        (wq, wk, wv: one product with the joined wqkv, split after it: ``jaxspec.model.fused``)
     o = attention(q, k, v) with scale 1.0 (sliding layers: keys in (p - W, p])
     x = x + post_attn_norm(o @ wo)
     x = x + post_mlp_norm(down(gelu_tanh(gate(pre_mlp_norm(x))) * up(pre_mlp_norm(x))))
@@ -25,8 +26,8 @@ Params (linear weights ``[in, out]``; ``[Lt]`` = stacked over the layers of one 
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
     sliding/, full/ (each present when it has layers):
       attn_norm, post_attn_norm, pre_mlp_norm, post_mlp_norm [Lt, H]; layer_scalar [Lt, 1]
-      wq [Lt, H, Hq*D]; q_norm [Lt, D]; wk [Lt, H, Hkv*D]; wv [Lt, H, Hkv*D] (absent: k_eq_v); k_norm [Lt, D]
-      wo [Lt, Hq*D, H]; w_gate, w_up [Lt, H, I]; w_down [Lt, I, H]
+      wqkv [Lt, H, (Hq + 2 Hkv) * D] (k_eq_v: [Lt, H, (Hq + Hkv) * D]); q_norm, k_norm [Lt, D]
+      wo [Lt, Hq*D, H]; w_gate_up [Lt, H, 2I] (joined); w_down [Lt, I, H]
 
 Glossary: B rows, T positions per row, H width, Hq query heads, Hkv KV heads, D head width.
 """
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import SplitPool
+from jaxspec.model.fused import split_columns
 from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, gelu_tanh, lm_head, rms_norm,
                                   rope_inv_freq, window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
@@ -70,27 +72,34 @@ def norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
 def gemma_query(
     lp: dict, shape: AttentionShape, num_heads: int, eps: float, x: jax.Array, positions: jax.Array, inv_freq
 ) -> jax.Array:  # x [B, T, H] residual -> q [B, T, Hq, D] (q_norm, RoPE)
-    """The input norm and the query of one layer (all a frozen-KV assistant layer computes before attention)."""
+    """The input norm and the query of a query-only layer (``wq``: a frozen-KV assistant layer)."""
     B, T, _ = x.shape
     q = (norm(x, lp["attn_norm"], eps) @ lp["wq"]).reshape(B, T, num_heads, shape.head_dim)
     return apply_rope(norm(q, lp["q_norm"], eps), positions, inv_freq)
 
 
-def gemma_key_value(
-    lp: dict, shape: AttentionShape, eps: float, x: jax.Array, positions: jax.Array, inv_freq
-) -> tuple[jax.Array, jax.Array]:  # x [B, T, H] -> k (k_norm, RoPE), v (v_norm): [B, T, Hkv, D]
+def gemma_qkv(
+    lp: dict, shape: AttentionShape, num_heads: int, eps: float, x: jax.Array, positions: jax.Array, inv_freq,
+    shards: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [B, T, H] -> q [B, T, Hq, D]; k (k_norm, RoPE), v (v_norm) [B, T, Hkv, D]
+    """The input norm, then q, k and v as one product with the joined ``wqkv`` (in the column
+    order of ``shards`` model shards; ``k_eq_v``: [q | k], v is the raw k)."""
     B, T, _ = x.shape
-    h = norm(x, lp["attn_norm"], eps)
-    k_raw = (h @ lp["wk"]).reshape(B, T, shape.num_kv_heads, shape.head_dim)
-    v_raw = k_raw if shape.k_eq_v else (h @ lp["wv"]).reshape(B, T, shape.num_kv_heads, shape.head_dim)
-    return apply_rope(norm(k_raw, lp["k_norm"], eps), positions, inv_freq), norm(v_raw, None, eps)
+    D, kvs = shape.head_dim, shape.num_kv_heads * shape.head_dim
+    sizes = (num_heads * D, kvs) if shape.k_eq_v else (num_heads * D, kvs, kvs)
+    q, k_raw, *v_raw = split_columns(norm(x, lp["attn_norm"], eps) @ lp["wqkv"], sizes, shards)
+    q = apply_rope(norm(q.reshape(B, T, num_heads, D), lp["q_norm"], eps), positions, inv_freq)
+    k_raw = k_raw.reshape(B, T, shape.num_kv_heads, D)
+    v_raw = k_raw if shape.k_eq_v else v_raw[0].reshape(B, T, shape.num_kv_heads, D)
+    return q, apply_rope(norm(k_raw, lp["k_norm"], eps), positions, inv_freq), norm(v_raw, None, eps)
 
 
-def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array) -> jax.Array:
-    """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer."""
+def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array, shards: int = 1) -> jax.Array:
+    """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer
+    (gate/up joined in the column order of ``shards`` model shards)."""
     B, T, _ = x.shape
     x = x + norm(o.reshape(B, T, -1) @ lp["wo"], lp["post_attn_norm"], eps)
-    m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate"], lp["w_up"], lp["w_down"], gelu_tanh)
+    m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate_up"], lp["w_down"], shards, gelu_tanh)
     x = x + norm(m, lp["post_mlp_norm"], eps)
     return x * lp["layer_scalar"].astype(x.dtype)
 
@@ -128,15 +137,14 @@ def gemma4_forward(
             seen[t] += 1
             lp = jax.tree.map(lambda a, i=i: a[i], gp[GROUPS[t]])
             shape, layer = cfg.shape_of(t), g * counts[t] + i
-            q = gemma_query(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t])
-            kk, v = gemma_key_value(lp, shape, cfg.rms_norm_eps, x, positions, inv_freq[t])
+            q, kk, v = gemma_qkv(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t], tp)
             if t == SLIDING:
                 o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions,
                                                     window=cfg.sliding_window, sm_scale=1.0, tensor_parallel=tp)
             else:
                 o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
                                            tensor_parallel=tp)
-            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o)
+            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp)
         return (x, full, window, aux, g + 1), None
 
     carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))

@@ -8,13 +8,13 @@ and the forward scans over periods, so one compiled period body serves any depth
 
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
     p{j}/attn_norm [N, H]; mlp_norm [N, H]
-      full attention:   wq [N, H, Hq*2*D] ([query | gate] per head); wk, wv [N, H, Hkv*D]; wo [N, Hq*D, H];
-                        q_norm, k_norm [N, D]
+      full attention:   wqkv [N, H, Hq*2*D + 2*Hkv*D]: q_proj ([query | gate] per head), k_proj and v_proj
+                        joined (``jaxspec.model.fused``); wo [N, Hq*D, H]; q_norm, k_norm [N, D]
       linear attention: in_qkv [N, H, C] (per key head [q | k | v]); in_z [N, H, Hv*Dv]; in_b, in_a [N, H, Hv];
                         conv_w [N, C, K]; dt_bias, A_log [N, Hv] (f32); gdn_norm [N, Dv]; wo [N, Hv*Dv, H]
-      dense MLP:        w_gate, w_up [N, H, I]; w_down [N, I, H]
+      dense MLP:        w_gate_up [N, H, 2I] (joined); w_down [N, I, H]
       MoE:              router [N, H, E]; experts_gate, experts_up [N, E, H, Im]; experts_down [N, E, Im, H];
-                        shared_gate, shared_up [N, H, Is]; shared_down [N, Is, H]; shared_expert_gate [N, H, 1]
+                        shared_gate_up [N, H, 2Is]; shared_down [N, Is, H]; shared_expert_gate [N, H, 1]
 
 The recurrent state of the linear-attention layers lives in the ``HybridPool``'s state part, one per
 request (``jaxspec.kvcache.recurrent``); a verify forward returns it pending (``PendingState``) and
@@ -38,7 +38,8 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.kvcache.recurrent import HybridPool, RecurrentPool
 from jaxspec.model.gated_delta import (conv_chain, conv_state_after, conv_tree, delta_block, delta_chain, delta_rows,
                                        l2norm, state_at)
-from jaxspec.model.layers import apply_rope, embed_lookup, routed_experts, swiglu, write_and_attend
+from jaxspec.model.fused import split_columns
+from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, routed_experts, write_and_attend
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, HybridConfig
 
@@ -96,11 +97,13 @@ def full_attention(lp: dict, cfg: HybridConfig, h: jax.Array, positions, kv: KVP
     """Gated attention over the paged KV pool: the output is scaled by sigmoid(gate) per channel."""
     B, T, _ = h.shape
     D = cfg.head_dim
-    qg = (h @ lp["wq"]).reshape(B, T, -1, 2 * D)
+    kvs = cfg.num_kv_heads * D
+    qg, k, v = split_columns(h @ lp["wqkv"], (cfg.num_heads * 2 * D, kvs, kvs), cfg.tensor_parallel)
+    qg = qg.reshape(B, T, -1, 2 * D)
     q, gate = qg[..., :D], qg[..., D:]
     q = partial_rope(norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, cfg)
-    k = partial_rope(norm((h @ lp["wk"]).reshape(B, T, -1, D), lp["k_norm"], cfg.rms_norm_eps), positions, cfg)
-    v = (h @ lp["wv"]).reshape(B, T, -1, D)
+    k = partial_rope(norm(k.reshape(B, T, -1, D), lp["k_norm"], cfg.rms_norm_eps), positions, cfg)
+    v = v.reshape(B, T, -1, D)
     o, kv = write_and_attend(q, k, v, kv, layer, attn, implementation=implementation,
                              tensor_parallel=cfg.tensor_parallel)
     o = o.reshape(B, T, -1) * jax.nn.sigmoid(gate.reshape(B, T, -1).astype(jnp.float32)).astype(o.dtype)
@@ -212,7 +215,7 @@ def moe_mlp(lp: dict, cfg: HybridConfig, x: jax.Array) -> jax.Array:  # [B, T, H
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                          cfg.tensor_parallel)
-    shared = swiglu(xf, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
+    shared = gated_mlp(xf, lp["shared_gate_up"], lp["shared_down"], cfg.tensor_parallel)
     gate = jax.nn.sigmoid((xf @ lp["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)
     return (out + gate * shared).reshape(B, T, H)
 
@@ -253,7 +256,7 @@ def hybrid_forward(
                 li += 1
             x = x + o
             h = norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (moe_mlp(lp, cfg, h) if mlp == "moe" else swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
+            x = x + (moe_mlp(lp, cfg, h) if mlp == "moe" else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
         ys = tuple(pend) if attn.pending else None
         return (x, kv, state, scratch, aux, n + 1), ys
 

@@ -5,10 +5,13 @@ the layers run under one ``lax.scan`` (one compiled layer body, whatever the dep
 weights are stored ``[in, out]``; ``jaxspec.model.checkpoints.llama`` holds the checkpoint names.
 
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
-    layers/attn_norm [L, H]; wq [L, H, Hq*D]; wk, wv [L, H, Hkv*D]; wo [L, Hq*D, H]
-    layers/bq [L, Hq*D], bk, bv [L, Hkv*D]      (Qwen2)
-    layers/q_norm, k_norm [L, D]                (Qwen3)
-    layers/mlp_norm [L, H]; w_gate, w_up [L, H, I]; w_down [L, I, H]
+    layers/attn_norm [L, H]; wqkv [L, H, (Hq + 2 Hkv) * D]; wo [L, Hq*D, H]
+    layers/bqkv [L, (Hq + 2 Hkv) * D]             (Qwen2)
+    layers/q_norm, k_norm [L, D]                (Qwen3: applied after the split)
+    layers/mlp_norm [L, H]; w_gate_up [L, H, 2I]; w_down [L, I, H]
+
+q/k/v (and their biases) are one joined weight and gate/up another, each run as one product and
+split after it (``jaxspec.model.fused``: the columns are grouped per tensor-parallel shard).
 
 With a ``sliding_window`` (Mistral) every layer is a sliding-window layer: the pool is a
 ``SplitPool`` whose full part has no layers and whose window part holds every layer (only the

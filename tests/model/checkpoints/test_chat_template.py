@@ -2,7 +2,7 @@
 fixture checkpoints of ``tests/data/chat`` (a template in ``tokenizer_config.json``, in
 ``chat_template.jinja``, one with ``raise_exception`` / loop controls / the generation tag read with a
 legacy ``special_tokens_map.json``, a list of named templates, and ``additional_chat_templates/``),
-recorded by ``scripts/make_chat_golden.py``; chats as ``generate()`` prompts; clear refusals."""
+recorded by ``scripts/goldens/chat.py``; chats as ``generate()`` prompts; clear refusals."""
 
 from __future__ import annotations
 

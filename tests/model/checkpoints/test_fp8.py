@@ -68,7 +68,7 @@ def test_fp8_mtp_layer_loads_as_a_draft(pair):
     a = js.load_draft(src, js.load_model(src, dtype="float32", progress=False))
     b = js.load_draft(fp8, js.load_model(fp8, dtype="float32", progress=False))
     assert b.kind == "mtp"
-    for key in ("wq_a", "wkv_a", "w_uk", "wo", "experts_down", "shared_up"):
+    for key in ("wq_a", "wkv_a", "w_uk", "wo", "experts_down", "shared_gate_up"):
         if key in a.params["block"]:
             x, y = np.asarray(a.params["block"][key]), np.asarray(b.params["block"][key])
             assert 0 < np.abs(x - y).max() <= np.abs(x).max() / 16 + 1e-7, key

@@ -11,7 +11,7 @@ import pytest
 from benchmarks.load_memory import measure
 from scripts.make_scale_checkpoint import write_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The parameter-name tables: loading in pieces equals loading whole tensors (transposed,
-cast, KV heads repeated, FP8 dequantized), and a table round-trips through export."""
+cast, KV heads repeated, FP8 dequantized), joined arrays hold each model shard's parts together,
+and a table round-trips through export (the checkpoint's own tensors written back)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jaxspec as js
 from jaxspec.model.checkpoints import name_tables as tables
 from jaxspec.model.checkpoints.checkpoint import SafetensorsCheckpoint
 from jaxspec.model.checkpoints.llama import llama_table
+from jaxspec.model.fused import split_columns
 from jaxspec.model.targets.llama_config import llama_for_tensor_parallel
 from tests.model.golden import case_dir, cases
 
@@ -39,21 +41,78 @@ def test_repeated_kv_heads_in_pieces(monkeypatch):
     got = tables.load_params(table, SafetensorsCheckpoint(path), np.float32)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    wk = np.asarray(got["layers"]["wk"])  # [L, H, 4 heads * D]: each checkpoint head twice
     D = cfg.head_dim
+    _, wk, _ = split_columns(np.asarray(got["layers"]["wqkv"]), (cfg.q_size, cfg.kv_size, cfg.kv_size), 4)
+    assert wk.shape[-1] == 4 * D  # [L, H, 4 heads * D]: each checkpoint head twice
     np.testing.assert_array_equal(wk[..., :D], wk[..., D:2 * D])
     np.testing.assert_array_equal(wk[..., 2 * D:3 * D], wk[..., 3 * D:])
 
 
-def test_export_then_load_is_the_identity(tmp_path):
-    model = js.load_model(_golden("llama3"), dtype="float32", progress=False)
-    table = llama_table(model.config)
-    tensors = tables.export_params(table, model.params, np.float32)
+# Checkpoints of every family whose layers run joined products (q/k/v, gate/up: FusedParam),
+# with the model-axis shard counts whose column order is checked (1: parts one after another).
+JOINED = [("llama3", 1), ("llama3", 4),  # TP=4 over 2 KV heads: each shard's k/v a copy of one head
+          ("qwen2", 2),  # q/k/v biases
+          ("qwen3", 2),  # q/k norms (apart from the joined product)
+          ("sliding_window/gemma4_text", 2),  # sliding q/k/v and K = V full layers' q/k (1 KV head, repeated)
+          ("hybrid/qwen3_5_dense", 2),  # gated attention's [query | gate] q with k, v; dense gate/up
+          ("hybrid/qwen3_5_moe_condgen", 2),  # the shared expert's gate/up
+          ("deepseek_v3_moe", 2),  # the dense layers' and the shared experts' gate/up
+          ("deepseek_v4", 2)]  # the shared expert's gate/up (V4 names)
+
+
+def _family_table(name: str, shards: int):
+    """(table, checkpoint) of a golden target as the loader builds them for ``shards`` model shards."""
+    import os
+
+    from jaxspec.model.checkpoints.checkpoint import read_config
+    from jaxspec.model.checkpoints.loader import target_family
+    from tests.model.golden import GOLDEN
+
+    path = os.path.join(GOLDEN, name)
+    raw = read_config(path)
+    family = target_family(raw, path)
+    cfg = family.for_mesh(family.parse(raw, path), shards, path)
+    ckpt = SafetensorsCheckpoint(path)
+    return family.table(cfg, ckpt), ckpt
+
+
+@pytest.mark.parametrize("name,shards", JOINED)
+def test_joined_arrays_hold_each_shards_parts_together(name, shards):
+    """Each joined array read by the loader is, shard by shard, the shard's slice of every part's
+    checkpoint tensor one after another ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]): splitting its last axis
+    evenly over the model axis gives each shard its own q, k and v (gate and up). Computed here from
+    the checkpoint's tensors alone (transposed, KV heads repeated), not with the loader's helpers."""
+    table, ckpt = _family_table(name, shards)
+    joined = [e for e in table if isinstance(e, tables.FusedParam)]
+    assert joined and all(e.shards == shards for e in joined)
+    got = tables.load_params(joined, ckpt, np.float32)
+    for e in joined:
+        parts = []
+        for m in e.members():
+            rows = [m.from_hf(ckpt.get(name, dtype=np.float32))[0] for _, name in tables._names(m)]
+            parts.append(np.stack(rows))  # [L, ..., width]
+        want = np.concatenate([p[..., k * (p.shape[-1] // shards):(k + 1) * (p.shape[-1] // shards)]
+                               for k in range(shards) for p in parts], axis=-1)
+        np.testing.assert_array_equal(np.asarray(tables._get(got, e.path)), want, err_msg=e.path)
+
+
+@pytest.mark.parametrize("name,shards", [("llama3", 1), ("llama3", 4), ("qwen2", 2), ("sliding_window/gemma4_text", 2),
+                                         ("hybrid/qwen3_next", 2)])
+def test_export_then_load_is_the_identity(tmp_path, name, shards):
+    """Export writes the checkpoint's own tensors (joined arrays split back into them) and loading
+    them back gives the same arrays, in the column order of ``shards``."""
     from safetensors.numpy import save_file
 
+    table, ckpt = _family_table(name, shards)
+    params = tables.load_params(table, ckpt, np.float32)
+    tensors = tables.export_params(table, params, np.float32)
+    for n in tensors:
+        if n in ckpt and "embed" not in n and "lm_head" not in n:  # (a padded vocabulary is cut back)
+            np.testing.assert_array_equal(tensors[n], ckpt.get(n, dtype=np.float32), err_msg=n)
+    assert not tables.unread_tensors(table, tensors)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     back = tables.load_params(table, SafetensorsCheckpoint(str(tmp_path)), np.float32)
-    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back)):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -1,5 +1,5 @@
 """DFlash / DFlash 2 against the reference ``dflash`` package (goldens by
-``scripts/make_dflash_golden.py``; see tests/data/golden/dflash/README.md): the target's features
+``scripts/goldens/dflash_qwen3.py``; see tests/data/golden/dflash/README.md): the target's features
 at ``target_layer_ids``, the draft's block logits for given context features and block tokens,
 DFlash 2's selector path, and ``dflash_generate``'s greedy tokens and per-step acceptance lengths
 (drafts trained briefly, so acceptance varies)."""

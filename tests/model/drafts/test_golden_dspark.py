@@ -1,5 +1,5 @@
 """DSpark (and ``speculators``' DFlash) against the ``speculators`` library's model classes (goldens
-by ``scripts/make_dspark_golden.py``; see tests/data/golden/dspark/README.md): loading the
+by ``scripts/goldens/dspark.py``; see tests/data/golden/dspark/README.md): loading the
 library's layout, the block's hidden states and logits for given context features, the greedy
 path through the Markov head, the Markov bias and confidence of every drafting slot, and the
 reference drafting loop's greedy tokens and per-step acceptance lengths (drafts trained briefly

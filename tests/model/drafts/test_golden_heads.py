@@ -1,5 +1,5 @@
 """EAGLE-1 and EAGLE-3 heads in their published layouts against an independent PyTorch
-implementation (scripts/make_golden.py)."""
+implementation (scripts/goldens/targets.py)."""
 
 import functools
 

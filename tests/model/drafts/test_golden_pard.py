@@ -1,4 +1,4 @@
-"""PARD drafts against an independent torch reference (goldens by ``scripts/make_pard_golden.py``;
+"""PARD drafts against an independent torch reference (goldens by ``scripts/goldens/pard.py``;
 see tests/data/golden/pard/README.md): detection by the config's ``pard_token``, one block's logits
 and greedy tokens over [context..., bonus, pard_token...], and the reference drafting loop's greedy
 tokens and per-step acceptance lengths (HF Qwen3 and Llama drafts trained briefly with PARD's

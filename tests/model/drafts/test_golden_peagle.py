@@ -1,5 +1,5 @@
 """P-EAGLE against the ``speculators`` library's model classes (goldens by
-``scripts/make_peagle_golden.py``; see tests/data/golden/peagle/README.md): loading the library's
+``scripts/goldens/peagle.py``; see tests/data/golden/peagle/README.md): loading the library's
 layout, every context row's logits after the extend, the anchor row's and the parallel mask rows'
 hidden states and logits, the greedy chain, and the reference drafting loop's greedy tokens and
 per-step acceptance lengths (heads trained briefly with the library's own training forward on the

@@ -1,6 +1,6 @@
 """DeepSeek's own DSpark layout for DeepSeek-V4 (``mtp.{0..2}.*`` stages and ``dspark_*`` config fields in the
 target's checkpoint) against an independent torch forward written from DeepSeek's documented one (goldens by
-``scripts/make_golden_v4_dspark.py`` on the tiny V4 golden target, window 8):
+``scripts/goldens/deepseek_v4_dspark.py`` on the tiny V4 golden target, window 8):
 
 * loading: detected by ``mtp.0.main_proj``, the stages, taps, block, noise token, Markov rank, confidence head;
 * the block: the taps' context rows (main_x and every stage's K = V rows in its ring), the pre-norm hidden of

@@ -1,5 +1,5 @@
 """DeepSeek-V3.2 sparse attention against HF ``DeepseekV32ForCausalLM`` (goldens from
-``scripts/make_golden_dsa.py``: index_topk 8, contexts up to 64 positions, a margin between every
+``scripts/goldens/deepseek_v32.py``: index_topk 8, contexts up to 64 positions, a margin between every
 sparse row's k-th and (k+1)-th index score): prefill logits, logits of one-token decode steps,
 greedy tokens through ``generate`` on a ragged batch, the MTP layer with its own indexer, and
 that the output differs from dense attention's."""

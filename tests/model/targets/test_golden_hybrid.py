@@ -1,5 +1,5 @@
 """Qwen3-Next and Qwen3.5 (hybrid Gated DeltaNet + gated attention) against HF transformers
-(``tests/data/golden/hybrid``, made by ``scripts/make_golden_hybrid.py``): logits and final hidden states
+(``tests/data/golden/hybrid``, made by ``scripts/goldens/hybrid.py``): logits and final hidden states
 at prompt lengths past the conv kernel and several 64-token chunks, greedy tokens through the engine, the
 MTP layers against an independent torch statement of their forward; config forms and refusals."""
 

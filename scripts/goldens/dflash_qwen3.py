@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Build tiny DFlash / DFlash 2 checkpoints and record the reference package's outputs.
+"""Build tiny DFlash / DFlash 2 checkpoints on a Qwen3 target and record the reference package's outputs
+(the file is not named dflash.py: run as a script, that name would shadow the ``dflash`` package).
 
 The JAX DFlash drafts are tested against these files (tests/data/golden/dflash). NOT run in CI; it
 needs torch, transformers and the ``dflash`` package (z-lab, MIT; installed with ``--no-deps``, its
@@ -7,7 +8,7 @@ pins differ from ours). Set-up used for the committed files (a Python 3.11 venv)
 
     python3.11 -m venv VENV && VENV/bin/pip install torch==2.13.0 transformers safetensors numpy
     VENV/bin/pip install --no-deps dflash==0.1.0
-    VENV/bin/python scripts/make_dflash_golden.py      # rewrites tests/data/golden/dflash/
+    VENV/bin/python scripts/goldens/dflash_qwen3.py      # rewrites tests/data/golden/dflash/
 
 What it writes (see tests/data/golden/dflash/README.md):
   target/        a tiny Qwen3ForCausalLM (6 layers), weights re-initialised (matrices at gain 0.8) so its
@@ -38,26 +39,21 @@ top-1 minus top-2 margin >= MIN_MARGIN (the JAX and torch float32 paths differ b
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import torch.nn.functional as F
-import transformers
-from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import dflash
-import dflash.model as ref
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-OUT = REPO_ROOT / "tests" / "data" / "golden" / "dflash"
+from scripts.goldens.common import (  # noqa: E402
+    GOLDEN, TRAIN_PROMPT_LEN, TRAIN_TOTAL, arguments, clear_outputs, f32, finish, greedy_data, head, log,
+    plain_greedy, record_prompts, recorded_prompts, smallest_margin, start,
+)
+
+OUT = GOLDEN / "dflash"
 
 VOCAB, HIDDEN, INTER, TARGET_LAYERS = 256, 64, 128, 6
 MASK = 255
@@ -70,13 +66,11 @@ TARGET_GAIN = 0.8  # small enough that greedy text repeats in part (learnable), 
 BLOCK_CTX = 11  # context rows of the block-logits golden
 
 
-def f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def reinit_(model: torch.nn.Module, gen: torch.Generator, *, gain: float = 1.5) -> None:
+def reinit_(model, gen, *, gain: float = 1.5) -> None:
     """Norm weights 1 + 0.1 N, embeddings / head 0.5 N, matrices gain / sqrt(fan_in) N, DFlash 2
     base kernels 0.3 N (HF's init hides bugs: ones, zeros, tiny matrices)."""
+    import torch
+
     for name, p in model.named_parameters():
         n = torch.randn(p.shape, generator=gen)
         if name.endswith("norm.weight"):
@@ -93,15 +87,13 @@ def reinit_(model: torch.nn.Module, gen: torch.Generator, *, gain: float = 1.5) 
             p.copy_(new)
 
 
-def top2_margin(logits: torch.Tensor) -> float:
-    v = torch.topk(logits.float(), 2, dim=-1).values
-    return float((v[..., 0] - v[..., 1]).min())
-
-
 # ---------------------------------------------------------------------------------------------- models
 
 
-def make_target(seed: int) -> Qwen3ForCausalLM:
+def make_target(seed: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=TARGET_LAYERS,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
@@ -111,7 +103,9 @@ def make_target(seed: int) -> Qwen3ForCausalLM:
     return model
 
 
-def draft_configs() -> dict[str, Qwen3Config]:
+def draft_configs() -> dict:
+    from transformers import Qwen3Config
+
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                   num_target_layers=TARGET_LAYERS, tie_word_embeddings=False)
@@ -135,7 +129,10 @@ def draft_configs() -> dict[str, Qwen3Config]:
     }
 
 
-def make_draft(name: str, cfg: Qwen3Config, seed: int):
+def make_draft(name: str, cfg, seed: int):
+    import dflash.model as ref
+    import torch
+
     cls = ref.DFlash2DraftModel if "DFlash2DraftModel" in cfg.architectures else ref.DFlashDraftModel
     model = cls(cfg).eval()
     reinit_(model, torch.Generator().manual_seed(seed))
@@ -145,18 +142,22 @@ def make_draft(name: str, cfg: Qwen3Config, seed: int):
 # ---------------------------------------------------------------------------------------------- training
 
 
-def target_data(target, num: int, prompt_len: int, total: int, gen: torch.Generator):
+def target_data(target, num: int, prompt_len: int, total: int, gen):
     """Random prompts and the target's greedy continuations: ids [num, total], features per tap list."""
-    prompts = torch.randint(0, MASK, (num, prompt_len), generator=gen)
+    import torch
+
     with torch.no_grad():
-        ids = target.generate(prompts, max_new_tokens=total - prompt_len, do_sample=False, min_new_tokens=total - prompt_len,
-                              pad_token_id=0)
+        ids = greedy_data(target, num=num, prompt_len=prompt_len, total=total, vocab=MASK, gen=gen)
         hs = target(ids, output_hidden_states=True).hidden_states
     return ids, hs
 
 
 def train_draft(draft, target, ids, hs, *, prompt_len: int, steps: int, seed: int, log) -> None:
     """Block prediction from random anchors (module docstring)."""
+    import dflash.model as ref
+    import torch
+    import torch.nn.functional as F
+
     gen = torch.Generator().manual_seed(seed)
     feats = ref.extract_context_feature(hs, draft.target_layer_ids)  # [N, T, F]
     embed = target.get_input_embeddings().weight.detach()
@@ -202,6 +203,10 @@ def train_draft(draft, target, ids, hs, *, prompt_len: int, steps: int, seed: in
 
 def block_golden(draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
     """The draft over real target features of ``prompt`` (context) and a block of tokens, fresh cache."""
+    import dflash.model as ref
+    import torch
+    import torch.nn.functional as F
+
     with torch.no_grad():
         hs = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         ctx = ref.extract_context_feature(hs, draft.target_layer_ids)  # [1, C, F]
@@ -238,10 +243,12 @@ class MarginProbe:
     def _logits(self, hidden, head):
         out = self.orig_logits(hidden, head)
         if self.sel is None:
-            self.min = min(self.min, top2_margin(out))
+            self.min = min(self.min, smallest_margin(out))
         return out
 
     def _select(self, hidden, logits, anchor, temperature):
+        import torch
+
         unary, cand = torch.topk(logits, self.sel.top_k, dim=-1, sorted=False)
         # the candidate set's boundary: only membership matters there (not order), so a tenth of the
         # margin (still 10x the JAX / torch float32 difference) suffices
@@ -253,7 +260,7 @@ class MarginProbe:
         for t in range(hidden.shape[1]):
             s = unary[:, t] + torch.einsum("br,bkr->bk", self.sel.predecessor_codebook(pred) * hp[:, t],
                                            self.sel.successor_codebook(cand[:, t]))
-            self.min = min(self.min, top2_margin(s))
+            self.min = min(self.min, smallest_margin(s))
             pred = path[0][:, t]
         return path
 
@@ -265,6 +272,9 @@ class MarginProbe:
 
 def generate_golden(draft, target, prompt: list[int], block_size: int):
     """(tokens after the prompt, acceptance lengths, min draft margin, min target margin)."""
+    import dflash.model as ref
+    import torch
+
     ref._cuda_time = time.perf_counter  # the stats path synchronizes CUDA; CPU needs a plain clock
     probe = MarginProbe(draft)
     try:
@@ -274,31 +284,24 @@ def generate_golden(draft, target, prompt: list[int], block_size: int):
         probe.restore()
     ids = res.output_ids[0]
     with torch.no_grad():
-        plain = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0]
-        logits = target(ids[None]).logits[0, len(prompt) - 1:-1]
-    if not torch.equal(ids, plain):
+        plain, target_margin = plain_greedy(target, prompt, MAX_NEW)
+    if ids.tolist() != prompt + plain:
         raise AssertionError("the reference's DFlash greedy output differs from the target's greedy output")
-    return ids[len(prompt):].tolist(), list(res.acceptance_lengths), probe.min, top2_margin(logits)
+    return ids[len(prompt):].tolist(), list(res.acceptance_lengths), probe.min, target_margin
 
 
 def record_generate_goldens(name, draft, target, prompt_gen, min_margin: float, golden: dict, case: dict, log):
     """Draws NUM_PROMPTS prompts (lengths 5, 11, 17) whose reference runs, at the draft's block
     size and at 4, equal the target's greedy output with every margin >= ``min_margin``, and
     records their tokens and per-step acceptance lengths in ``golden`` and ``case``."""
-    prompts, runs, tries = [], [], 0
-    while len(prompts) < NUM_PROMPTS:
-        tries += 1
-        if tries > 200:
-            raise RuntimeError(f"{name}: no prompts with margins >= {min_margin}")
-        p = torch.randint(0, MASK, ([5, 11, 17][len(prompts)],), generator=prompt_gen).tolist()
-        try:
-            rec = {bs: generate_golden(draft, target, p, bs) for bs in (draft.block_size, 4)}
-        except AssertionError:  # a near-tie the verify forward rounds the other way: not a usable prompt
-            continue
-        if min(min(r[2], r[3]) for r in rec.values()) < min_margin:
-            continue
-        prompts.append(p)
-        runs.append(rec)
+    import torch
+
+    def run(p):
+        rec = {bs: generate_golden(draft, target, p, bs) for bs in (draft.block_size, 4)}
+        return min(min(r[2], r[3]) for r in rec.values()), rec
+
+    prompts, runs = record_prompts(name, run, lambda n: torch.randint(0, MASK, (n,), generator=prompt_gen).tolist(),
+                                   min_margin=min_margin, tries=200, lengths=(5, 11, 17)[:NUM_PROMPTS])
     case.update(prompts=prompts, max_new_tokens=MAX_NEW, generate=[])
     for j, rec in enumerate(runs):
         for bs, (toks, acc, dm, tm) in rec.items():
@@ -310,28 +313,29 @@ def record_generate_goldens(name, draft, target, prompt_gen, min_margin: float, 
 
 
 def main() -> None:
+    arguments(__doc__).parse_args()
+    import dflash.model as ref
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    start(threads=1)
+
     torch.manual_seed(0)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():  # everything but the hand-written README
-        if old.name != "README.md":
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    log = functools.partial(print, flush=True)
+    clear_outputs(OUT)  # everything but the hand-written README
     target = make_target(seed=1)
     target.save_pretrained(OUT / "target", safe_serialization=True)
     gen = torch.Generator().manual_seed(2)
-    prompt_len, total = 8, 56
-    ids, hs = target_data(target, 256, prompt_len, total, gen)
+    ids, hs = target_data(target, 256, TRAIN_PROMPT_LEN, TRAIN_TOTAL, gen)
     golden: dict[str, np.ndarray] = {}
     cases = []
-    prompt_gen = torch.Generator().manual_seed(3)
-    block_prompt = torch.randint(0, MASK, (BLOCK_CTX,), generator=prompt_gen).tolist()
+    prompt_gen, block_prompt = recorded_prompts(MASK, BLOCK_CTX)
     for i, (name, cfg) in enumerate(draft_configs().items()):
         draft = make_draft(name, cfg, seed=10 + i)
         trained = name != "dflash_mixed"
         if trained:
             log(f"training {name}")
             with torch.enable_grad():
-                train_draft(draft, target, ids, hs, prompt_len=prompt_len, steps=TRAIN_STEPS, seed=20 + i, log=log)
+                train_draft(draft, target, ids, hs, prompt_len=TRAIN_PROMPT_LEN, steps=TRAIN_STEPS, seed=20 + i, log=log)
         for k, v in block_golden(draft, target, block_prompt).items():
             golden[f"{name}/block/{k}"] = v
         case = {"name": name, "dir": name, "architecture": cfg.architectures[0], "trained": trained,
@@ -350,19 +354,13 @@ def main() -> None:
             again = block_golden(reloaded, target, block_prompt)
             assert np.array_equal(again["logits"], golden[f"{name}/block/logits"]), "reload changed dflash2"
         cases.append(case)
-    np.savez(OUT / "golden.npz", **golden)
     manifest = {
-        "generator": "scripts/make_dflash_golden.py", "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__, "dflash_version": getattr(dflash, "__version__", "0.1.0"),
-        "safetensors_version": safetensors.__version__, "numpy_version": np.__version__,
+        **head(__file__, "torch", "transformers", "dflash", "safetensors", "numpy"),
         "target": {"dir": "target", "num_hidden_layers": TARGET_LAYERS, "vocab_size": VOCAB, "hidden_size": HIDDEN},
         "mask_token_id": MASK, "min_margin": MIN_MARGIN, "atol": 2e-4, "rtol": 2e-4, "cases": cases,
     }
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    log(f"wrote {OUT}")
+    finish(OUT, golden, manifest)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(1)  # tiny models: threads only add overhead
     main()

@@ -3,9 +3,9 @@
 reference outputs in tests/data/golden/sliding_window/ (its own manifest.json; see its README.md).
 
 NOT run in CI: it needs torch + transformers (the committed files were made with torch 2.13.0 CPU and
-transformers 5.23.0, as for scripts/make_golden.py, whose helpers it reuses):
+transformers 5.23.0, as for scripts/goldens/targets.py, whose helpers it reuses):
 
-    VENV/bin/python scripts/make_golden_sliding.py
+    VENV/bin/python scripts/goldens/sliding_window.py
 
 Cases:
   gemma4_text        Gemma4ForCausalLM: layers [S, S, F] x 2, window 6, sliding head_dim 16 / 2 KV heads,
@@ -28,7 +28,7 @@ layer of each layer type (publishes K/V, changes no numerics).
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import math
 import shutil
@@ -36,41 +36,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma4AssistantConfig,
-    Gemma4AssistantForCausalLM,
-    Gemma4Config,
-    Gemma4ForCausalLM,
-    Gemma4ForConditionalGeneration,
-    Gemma4TextConfig,
-    MistralConfig,
-    MistralForCausalLM,
-)
-from transformers.models.gemma4 import configuration_gemma4
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_golden import (  # noqa: E402  (the shared helpers of the main golden script)
-    MAX_SEED_TRIES,
-    MIN_DISTINCT,
-    MIN_MARGIN,
-    NEW_TOKENS,
-    VOCAB,
-    eos_ids,
-    f32,
-    forward_capture,
-    greedy,
-    i64,
-    list_files,
-    make_prompts,
-    reinit_,
-    top2_margin,
-    write_manifest,
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import (  # noqa: E402
+    GOLDEN, MAX_SEED_TRIES, MIN_DISTINCT, MIN_MARGIN, NEW_TOKENS, VOCAB, arguments, eos_ids, f32, forward_capture,
+    greedy, i64, list_files, make_prompts, no_grad, reinit_, start, text_model, write_manifest,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "tests" / "data" / "golden" / "sliding_window"
+DEFAULT_OUT = GOLDEN / "sliding_window"
 ATOL = 2e-4
 RTOL = 2e-4
 # Gemma 4's sandwich norms renormalize every branch output, which amplifies float32 rounding: an
@@ -80,35 +54,41 @@ DRAFT_STEPS = 4
 MIN_GEMMA_MARGIN = 1e-2  # smallest top-1 minus top-2 logit gap over every recorded greedy step
 S, F = "sliding_attention", "full_attention"
 
-torch.set_grad_enabled(False)
-
 # ---------------------------------------------------------------------------------------------- HF patch
 
-_original_modes = configuration_gemma4.Gemma4TextConfig.kv_sharing_modes
 
+@functools.cache
+def patch_kv_sharing() -> None:
+    """transformers 5.23.0's Gemma4TextConfig.kv_sharing_modes, patched once (module docstring): every
+    layer "reuse" when all layers are shared, "store" on the last layer of each type when none is."""
+    from transformers.models.gemma4 import configuration_gemma4
 
-def _kv_sharing_modes(self):
-    n, shared = self.num_hidden_layers, self.num_kv_shared_layers or 0
-    if shared == n:
-        return ["reuse"] * n
-    if shared == 0:
-        modes = [None] * n
-        for t in set(self.layer_types):
-            modes[max(i for i, lt in enumerate(self.layer_types) if lt == t)] = "store"
-        return modes
-    return _original_modes.fget(self)
+    original = configuration_gemma4.Gemma4TextConfig.kv_sharing_modes
 
+    def kv_sharing_modes(self):
+        n, shared = self.num_hidden_layers, self.num_kv_shared_layers or 0
+        if shared == n:
+            return ["reuse"] * n
+        if shared == 0:
+            modes = [None] * n
+            for t in set(self.layer_types):
+                modes[max(i for i, lt in enumerate(self.layer_types) if lt == t)] = "store"
+            return modes
+        return original.fget(self)
 
-configuration_gemma4.Gemma4TextConfig.kv_sharing_modes = property(_kv_sharing_modes)
+    configuration_gemma4.Gemma4TextConfig.kv_sharing_modes = property(kv_sharing_modes)
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def gemma_reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
+@no_grad
+def gemma_reinit_(model, gen) -> None:
     """Random weights that tell w from (1 + w) and exercise layer_scalar: every 1-D float tensor (norms,
     layer_scalar) 1 + 0.3 N(0, 1), the final norm 3 (1 + 0.3 N); embeddings 0.05 N; other matrices
     N(0, 1) / sqrt(fan_in). With a tied head, small embeddings keep the residual stream from echoing
     the input token (greedy would repeat it) and the larger final norm keeps the logits peaky."""
+    import torch
+
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float32)
@@ -129,15 +109,11 @@ def gemma_reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
         p.copy_(new.to(p.dtype))
 
 
-def text_model(model):
-    """The Gemma4TextModel inside a CausalLM or a ConditionalGeneration model."""
-    inner = model.model
-    return inner.language_model if hasattr(inner, "language_model") else inner
-
-
-def gemma_capture(model, prompt: list[int]) -> dict[str, torch.Tensor]:
+def gemma_capture(model, prompt: list[int]) -> dict:
     """No-cache forward: logits, and the final-normed hidden state (checked against the norm's output and
     the logits: softcap(lm_head(hidden)))."""
+    import torch
+
     ids = torch.tensor([prompt])
     tm = text_model(model)
     seen = {}
@@ -176,6 +152,8 @@ def goldens(model, prompts, capture, greedy_fn, *, final: bool = True,
 
 
 def check_reload(cls, case_dir: Path, arrays, prompts, capture) -> None:
+    import torch
+
     m = cls.from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager").eval()
     for i, p in enumerate(prompts):
         cap = capture(m, p)
@@ -229,6 +207,9 @@ GEMMA_TEXT = dict(
 
 
 def build_gemma_text(seed: int):
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
     torch.manual_seed(seed)
     cfg = Gemma4TextConfig(**GEMMA_TEXT)
     cfg._attn_implementation = "eager"
@@ -237,7 +218,9 @@ def build_gemma_text(seed: int):
     return model
 
 
-def make_gemma_text(out: Path) -> tuple[dict, Gemma4ForCausalLM]:
+def make_gemma_text(out: Path) -> tuple[dict, object]:
+    from transformers import AutoModelForCausalLM
+
     seed, model, prompts, arrays, margin = search(build_gemma_text, longer_prompts, gemma_capture, greedy, 11000)
     case_dir = out / "gemma4_text"
     model.save_pretrained(case_dir)
@@ -264,6 +247,9 @@ def make_gemma_text(out: Path) -> tuple[dict, Gemma4ForCausalLM]:
 
 
 def build_condgen(seed: int):
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, global_head_dim=32, attention_k_eq_v=False,
@@ -293,6 +279,8 @@ def rewrite_published_form(case_dir: Path) -> None:
 
 
 def make_condgen(out: Path) -> dict:
+    from transformers import Gemma4ForConditionalGeneration
+
     seed, model, prompts, arrays, margin = search(build_condgen, longer_prompts, gemma_capture, greedy, 12000)
     case_dir = out / "gemma4_condgen"
     model.save_pretrained(case_dir)
@@ -313,6 +301,9 @@ def make_condgen(out: Path) -> dict:
 
 
 def build_mistral(seed: int):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
     torch.manual_seed(seed)
     cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                         num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -334,6 +325,8 @@ def mistral_greedy(model, prompt, n, check_generate=True):
 
 
 def make_mistral(out: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
     seed, model, prompts, arrays, margin = search(build_mistral, longer_prompts, mistral_capture, mistral_greedy, 13000,
                                                   min_margin=MIN_MARGIN)
     case_dir = out / "mistral_swa"
@@ -349,6 +342,9 @@ def make_mistral(out: Path) -> dict:
 
 
 def build_assistant(seed: int, target, *, layer_types, ordered: bool):
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
     tc = target.config
     torch.manual_seed(seed)
     text = Gemma4TextConfig(
@@ -374,6 +370,8 @@ def assistant_chain(target, assistant, prompt: list[int]) -> dict[str, np.ndarra
     """HF's single-position recipe: the target over the prompt (T tokens) publishes its last sliding and
     full layers' K/V; the assistant then drafts DRAFT_STEPS tokens at position_ids [[T]], fed
     [target_embed(token), hidden], token = argmax, hidden = the assistant's post-projected output."""
+    import torch
+
     ids = torch.tensor([prompt])
     out = target(input_ids=ids, use_cache=True, return_shared_kv_states=True, output_hidden_states=True)
     shared = dict(out.shared_kv_states)
@@ -396,6 +394,9 @@ def assistant_chain(target, assistant, prompt: list[int]) -> dict[str, np.ndarra
 
 
 def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordered: bool, seed: int) -> dict:
+    import torch
+    from transformers import Gemma4AssistantForCausalLM
+
     model = build_assistant(seed, target, layer_types=layer_types, ordered=ordered)
     case_dir = out / name
     model.save_pretrained(case_dir)
@@ -439,11 +440,15 @@ def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordere
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap = arguments(__doc__, out=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", default=None,
                     help="remake only these cases (the others are kept, with their manifest entries)")
     args = ap.parse_args()
+    start()
+    patch_kv_sharing()
+    import torch
+    from transformers import AutoModelForCausalLM
+
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     kept = {}
@@ -476,7 +481,7 @@ def main() -> None:
         c["files"] = list_files(out / c["dir"])
         print(f"{c['name']}: seed {c['seed']}" + (f", min greedy margin {c['min_greedy_margin']:.4f}"
                                                   if "min_greedy_margin" in c else ""))
-    write_manifest(out, cases, "scripts/make_golden_sliding.py")
+    write_manifest(out, cases, __file__)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 bias, repetition / presence / frequency penalties and min-p, with the raw log-probabilities of every
 emitted token and the top 5, computed by HF ``transformers`` (the model) and torch (the processing).
 
-Not run in CI; it needs torch + transformers (the venv of ``scripts/make_golden.py``):
+Not run in CI; it needs torch + transformers (the venv of ``scripts/goldens/targets.py``):
 
-    VENV/bin/python scripts/make_controls_golden.py     # writes tests/data/golden/controls/golden.json
+    VENV/bin/python scripts/goldens/controls.py     # writes tests/data/golden/controls/golden.json
 
 The model is the ``llama3`` golden checkpoint (``tests/data/golden/llama3``). Each step runs HF's full
 forward over the whole sequence (no cache) and applies the controls as vLLM v1 documents them, in its
@@ -19,15 +19,15 @@ processed logits over every step is written down per case, so a reader knows how
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO / "tests" / "data" / "golden"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import GOLDEN, arguments, head, write_json  # noqa: E402
+
 NEW_TOKENS = 24
 TOP = 5
 
@@ -42,8 +42,10 @@ CASES = {
 }
 
 
-def process(logits: torch.Tensor, prompt: list[int], output: list[int], c: dict) -> torch.Tensor:
+def process(logits, prompt: list[int], output: list[int], c: dict):
     """vLLM v1's logit processing for one row: bias, repetition, frequency, presence."""
+    import torch
+
     x = logits.clone()
     for t, b in c.get("logit_bias", {}).items():
         x[int(t)] += b
@@ -60,14 +62,17 @@ def process(logits: torch.Tensor, prompt: list[int], output: list[int], c: dict)
 
 
 def main() -> None:
+    arguments(__doc__).parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     manifest = json.loads((GOLDEN / "manifest.json").read_text())
     case = next(c for c in manifest["cases"] if c["name"] == "llama3")
     model = AutoModelForCausalLM.from_pretrained(GOLDEN / case["dir"], dtype=torch.float32).eval()
     prompts = case["prompts"]
-    out = dict(generator="scripts/make_controls_golden.py", transformers_version=transformers.__version__,
-               torch_version=torch.__version__, model=case["dir"], prompts=prompts, new_tokens=NEW_TOKENS, top=TOP,
-               cases=[])
+    out = dict(**head(__file__, "transformers", "torch"), model=case["dir"], prompts=prompts, new_tokens=NEW_TOKENS,
+               top=TOP, cases=[])
     for name, controls in CASES.items():
         rows, margin = [], np.inf
         for prompt in prompts:
@@ -95,7 +100,7 @@ def main() -> None:
               f"{sum(r['differs_from_plain'] for r in rows)}/{len(rows)} prompts")
     dest = GOLDEN / "controls"
     dest.mkdir(exist_ok=True)
-    (dest / "golden.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_json(dest / "golden.json", out, indent=1)
     print(f"wrote {dest / 'golden.json'}")
 
 

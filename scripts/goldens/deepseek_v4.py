@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """A tiny random DeepSeek-V4 checkpoint (HF ``DeepseekV4ForCausalLM``, transformers 5.24) mixing the three
-layer kinds, its MTP layer, and their goldens: the sibling of ``scripts/make_golden_dsa.py`` for V4.
+layer kinds, its MTP layer, and their goldens: the sibling of ``scripts/goldens/deepseek_v32.py`` for V4.
 
-Not run in CI (needs torch + transformers); the set-up is make_golden.py's:
+Not run in CI (needs torch + transformers); the set-up is targets.py's, with transformers 5.24.0:
 
-    VENV/bin/python scripts/make_golden_v4.py     # rewrites tests/data/golden/deepseek_v4{,_modules}/, merges manifest.json
+    VENV/bin/python scripts/goldens/deepseek_v4.py     # rewrites tests/data/golden/deepseek_v4{,_modules}/, merges manifest.json
 
 The model: 4 layers (CSA, sliding, HCA, CSA), hash routing in layer 0 and top-k routing after, window 8,
 CSA rate 2 (overlapping windows of 4 tokens, ``index_topk`` 4 of up to 32 entries), HCA rate 4, two
@@ -32,28 +32,19 @@ A second directory, ``deepseek_v4_modules``, holds the same weights written with
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM, GenerationConfig
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-    DeepseekV4DecoderLayer,
-    DeepseekV4IndexerScorer,
-    DeepseekV4TopKRouter,
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import (  # noqa: E402
+    GOLDEN, arguments, f32, i64, list_files, make_prompts, no_grad, replace_cases, start, top2_margin,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from scripts.make_golden import DEFAULT_OUT, f32, i64, list_files, top2_margin  # noqa: E402
 
 VOCAB, HIDDEN = 64, 32
 PROMPT_LENS = (13, 29, 40)
@@ -66,10 +57,10 @@ MAX_SEED_TRIES = 300
 ATOL = RTOL = 2e-4
 NAME = "deepseek_v4"
 
-torch.set_grad_enabled(False)
 
+def v4_config():
+    from transformers import DeepseekV4Config
 
-def v4_config() -> DeepseekV4Config:
     return DeepseekV4Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
         head_dim=32, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
@@ -85,11 +76,13 @@ def v4_config() -> DeepseekV4Config:
     )
 
 
-class Mtp(torch.nn.Module):
-    """The MTP layer's own weights around its block (DeepSeek's ``MTPBlock``)."""
+class Mtp:
+    """The MTP layer's own weights around its block (DeepSeek's ``MTPBlock``): ``block`` an HF
+    ``DeepseekV4DecoderLayer``, ``gen`` the torch.Generator that draws the weights."""
 
-    def __init__(self, cfg: DeepseekV4Config, block: DeepseekV4DecoderLayer, gen: torch.Generator):
-        super().__init__()
+    def __init__(self, cfg, block, gen):
+        import torch
+
         H, N = cfg.hidden_size, cfg.hc_mult
         r = lambda *s, std=1.0: torch.randn(s, generator=gen) * std  # noqa: E731
         self.block = block
@@ -102,12 +95,17 @@ class Mtp(torch.nn.Module):
         self.eps, self.hc_eps, self.cfg = cfg.rms_norm_eps, cfg.hc_eps, cfg
 
     def rms(self, x, w):  # DeepSeek's RMSNorm: normalize in f32, scale by the weight
+        import torch
+
         xf = x.float()
         return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
-    def forward(self, model: DeepseekV4ForCausalLM, tokens, streams, positions):
+    def __call__(self, model, tokens, streams, positions):
         """tokens i64[T] (t_{p+1}), streams f32[T, N, H] (target, before hc_head), positions i64[T]
         -> (streams out [T, N, H], logits [T, V])."""
+        import torch
+        import torch.nn.functional as F
+
         cfg, w = self.cfg, self.w
         T = tokens.shape[0]
         e = self.rms(model.model.embed_tokens(tokens), w["enorm.weight"])  # [T, H]
@@ -125,14 +123,14 @@ class Mtp(torch.nn.Module):
         y = (pre[..., None] * x).sum(1)
         return x, model.lm_head(self.rms(y, w["norm.weight"]))
 
-    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+    def state(self, prefix: str) -> dict:
         """``mtp.0.*`` under DeepSeek's published names (the block's as the trunk's published layer)."""
         out = {prefix + k: v.contiguous() for k, v in self.w.items()}
         out.update(published_block_state(self.block, self.cfg, prefix))
         return out
 
 
-def published_block_state(block: DeepseekV4DecoderLayer, cfg: DeepseekV4Config, prefix: str) -> dict[str, torch.Tensor]:
+def published_block_state(block, cfg, prefix: str) -> dict:
     """An HF ``DeepseekV4DecoderLayer``'s weights under DeepSeek's published layer names, under ``prefix``."""
     out = {}
     rename = {"self_attn.": "attn.", "mlp.": "ffn.", "input_layernorm": "attn_norm", "post_attention_layernorm":
@@ -159,8 +157,11 @@ def published_block_state(block: DeepseekV4DecoderLayer, cfg: DeepseekV4Config, 
     return out
 
 
-def randomize_(model: torch.nn.Module, gen: torch.Generator, cfg: DeepseekV4Config) -> None:
+@no_grad
+def randomize_(model, gen, cfg) -> None:
     """Every parameter and buffer at random (HF's zeros hide sinks, position biases, tid2eid, biases)."""
+    import torch
+
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and p.dim() == 1:
@@ -185,6 +186,8 @@ class Probes:
     """Index-score and routing margins of every no-cache forward (rows at positions 0..S-1)."""
 
     def __init__(self, modules, index_topk: int, rate: int):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer, DeepseekV4TopKRouter
+
         self.index_margin = self.routing_margin = float("inf")
         self.sparse_rows = 0
         self.topk, self.rate, self.on = index_topk, rate, True
@@ -207,6 +210,8 @@ class Probes:
             self.index_margin = min(self.index_margin, float(v[self.topk - 1] - v[self.topk]))
 
     def _route(self, mod, args):
+        import torch.nn.functional as F
+
         x = args[0].reshape(-1, mod.hidden_dim).float()
         s = mod.score_fn(F.linear(x, mod.weight.float())) + mod.e_score_correction_bias
         v = s.sort(dim=-1, descending=True).values
@@ -218,6 +223,10 @@ class Probes:
 
 
 def build(seed: int):
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
     torch.manual_seed(seed)
     cfg = v4_config()
     cfg._attn_implementation = "eager"
@@ -233,8 +242,10 @@ def build(seed: int):
     return model, Mtp(cfg, block, gen)
 
 
-def streams_of(model, seq: list[int]) -> torch.Tensor:
+def streams_of(model, seq: list[int]):
     """The last layer's output streams [T, N, H] (what hc_head collapses)."""
+    import torch
+
     out = {}
     h = model.model.layers[-1].register_forward_hook(lambda mod, args, y: out.setdefault("x", y.detach().clone()))
     model(torch.tensor([seq]), use_cache=False)
@@ -245,6 +256,9 @@ def streams_of(model, seq: list[int]) -> torch.Tensor:
 def greedy(model, prompt: list[int], n: int):
     """Greedy continuation by repeated no-cache forwards; (tokens, smallest margin, logits over
     prompt + tokens), -inf margin when HF's cached generate disagrees or the tokens degenerate."""
+    import torch
+    from transformers import GenerationConfig
+
     seq = list(prompt)
     margin = float("inf")
     for _ in range(n):
@@ -261,12 +275,9 @@ def greedy(model, prompt: list[int], n: int):
     return toks, margin, full
 
 
-def make_prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(40_000 + seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
 def goldens(model, mtp, prompts):
+    import torch
+
     cfg = model.config
     probes = Probes(list(model.modules()) + list(mtp.block.modules()), cfg.index_topk,
                     cfg.compress_rates["compressed_sparse_attention"])
@@ -296,10 +307,12 @@ def goldens(model, mtp, prompts):
 
 
 def make_case(out: Path) -> dict:
+    from safetensors.torch import load_file, save_file
+
     for attempt in range(MAX_SEED_TRIES):
         seed = 31_000 + attempt
         model, mtp = build(seed)
-        prompts = make_prompts(seed)
+        prompts = make_prompts(seed, lengths=PROMPT_LENS, vocab=VOCAB, offset=40_000)
         arrays, margin, routing, index, rows, greedies = goldens(model, mtp, prompts)
         print(f"  seed {seed}: greedy margin {margin:.3g}, routing {routing:.3g}, index {index:.3g}", flush=True)
         if margin >= MIN_MARGIN and routing >= MIN_ROUTING_MARGIN and index >= MIN_INDEX_MARGIN:
@@ -343,6 +356,9 @@ def make_case(out: Path) -> dict:
 
 
 def reload_check(case_dir: Path, mod_dir: Path, arrays: dict, prompts) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     for d in (case_dir, mod_dir):
         m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
         for i, p in enumerate(prompts):
@@ -351,9 +367,8 @@ def reload_check(case_dir: Path, mod_dir: Path, arrays: dict, prompts) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args()
+    args = arguments(__doc__, out=GOLDEN).parse_args()
+    start()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     for d in (NAME, NAME + "_modules"):
@@ -363,11 +378,7 @@ def main() -> None:
     print(f"{NAME}: seed {case['seed']}, greedy margin {case['min_greedy_margin']:.4f}, routing margin "
           f"{case['min_routing_margin']:.2e}, index margin {case['index']['min_index_margin']:.2e} over "
           f"{case['index']['sparse_rows_checked']} sparse rows")
-    path = out / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.exists() else {"generator": "scripts/make_golden.py", "cases": []}
-    manifest["cases"] = [c for c in manifest["cases"] if c["name"] != NAME] + [case]
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
-
+    replace_cases(out, [case])
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ The JAX implementation is tested against these files (tests/data/golden). This s
 CI; it needs torch + transformers. Set-up used to produce the committed files (a Python 3.11 venv):
 
     python3.11 -m venv VENV && VENV/bin/pip install torch==2.13.0 transformers safetensors numpy
-    VENV/bin/python scripts/make_golden.py            # rewrites tests/data/golden/<case>/ + manifest.json
+    VENV/bin/python scripts/goldens/targets.py            # rewrites tests/data/golden/<case>/ + manifest.json
 
 (The committed files were made with transformers 5.23.0; the exact versions are in manifest.json.)
 
@@ -23,117 +23,23 @@ MIN_ROUTING_MARGIN); the minimum is written to the manifest.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import torch.nn.functional as F
-import transformers
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import (  # noqa: E402
+    ATOL, GOLDEN, HIDDEN, INTER, MAX_SEED_TRIES, MIN_DISTINCT, MIN_MARGIN, MIN_ROUTING_MARGIN, NEW_TOKENS, RTOL, VOCAB,
+    arguments, config_rope_form, eagle3_taps, eos_ids, f32, forward_capture, greedy, i64, list_files, make_prompts,
+    reinit_, rewrite_config_classic, start, write_manifest,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "tests" / "data" / "golden"
-
-VOCAB = 256
-HIDDEN = 64
-INTER = 128
-PROMPT_LENS = (5, 11, 17)
-NEW_TOKENS = 16
-MIN_MARGIN = 2e-2
-MIN_ROUTING_MARGIN = 1e-3
-ATOL = 2e-4
-RTOL = 2e-4
 HEAD_T = 9  # tokens fed to the draft heads
-MIN_DISTINCT = 6  # distinct tokens required in every greedy continuation (avoid degenerate loops)
-MAX_SEED_TRIES = 200
-
-torch.set_grad_enabled(False)
-
-
-# ----------------------------------------------------------------------------------------------------
-# small helpers
-# ----------------------------------------------------------------------------------------------------
-
-
-def f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def i64(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x, dtype=np.int64)
-
-
-def eagle3_taps(num_layers: int) -> list[int] | None:
-    """EAGLE-3 aux layers (2, L//2, L-3): HF hidden_states indices = residual streams entering those layers."""
-    if num_layers < 4:
-        return None
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def reinit_(model: torch.nn.Module, gen: torch.Generator, *, gain: float = 1.5, embed_std: float = 0.5,
-            head_std: float = 0.5, bias_std: float = 0.2) -> None:
-    """Re-initialise every parameter with a scale that makes logits peaky.
-
-    norm weights: 1 + 0.1 * N(0, 1); biases: bias_std * N; embeddings: embed_std * N;
-    lm_head: head_std * N; other matrices (incl. 3-D expert stacks): gain / sqrt(fan_in) * N.
-    Also gives DeepSeek's router `e_score_correction_bias` buffer non-zero values.
-    """
-
-    def randn(shape):
-        return torch.randn(shape, generator=gen, dtype=torch.float32)
-
-    for name, p in model.named_parameters():  # tied parameters are listed once
-        if name.endswith("norm.weight"):
-            new = 1.0 + 0.1 * randn(p.shape)
-        elif name.endswith(".bias"):
-            new = bias_std * randn(p.shape)
-        elif name.endswith("embed_tokens.weight"):
-            new = embed_std * randn(p.shape)
-        elif name.endswith("lm_head.weight"):
-            new = head_std * randn(p.shape)
-        elif p.ndim >= 2:
-            new = gain / math.sqrt(p.shape[-1]) * randn(p.shape)
-        else:
-            raise ValueError(f"no init rule for {name} {tuple(p.shape)}")
-        p.copy_(new.to(p.dtype))
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.1 * randn(b.shape))
-
-
-def top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    v = torch.topk(logits.float(), 2, dim=-1).values
-    return v[..., 0] - v[..., 1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -152,6 +58,9 @@ class RoutingProbe:
                 self.handles.append(mod.register_forward_pre_hook(self._hook))
 
     def _hook(self, mod, args):
+        import torch
+        import torch.nn.functional as F
+
         x = args[0].reshape(-1, mod.hidden_dim).float()
         scores = torch.sigmoid(F.linear(x, mod.weight.float()))
         choice = scores + mod.e_score_correction_bias.float()
@@ -181,84 +90,6 @@ class RoutingProbe:
 # ----------------------------------------------------------------------------------------------------
 
 
-def forward_capture(model, prompt: list[int]) -> dict[str, torch.Tensor]:
-    """Full no-cache forward; checks HF's hidden_states conventions with hooks."""
-    ids = torch.tensor([prompt])
-    layers = model.model.layers
-    n_layers = len(layers)
-    layer_in: dict[int, torch.Tensor] = {}
-    norm_io: dict[str, torch.Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(layers):
-        def pre(mod, args, kwargs, i=i):
-            x = args[0] if args else kwargs["hidden_states"]
-            layer_in[i] = x.detach().clone()
-        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-
-    def norm_hook(mod, inp, out):
-        norm_io["in"] = inp[0].detach().clone()
-        norm_io["out"] = out.detach().clone()
-    hooks.append(model.model.norm.register_forward_hook(norm_hook))
-    out = model(ids, output_hidden_states=True)
-    for h in hooks:
-        h.remove()
-    hs = out.hidden_states
-    assert len(hs) == n_layers + 1, len(hs)
-    for i in range(n_layers):  # hidden_states[i] is the residual stream ENTERING layer i (pre-norm)
-        assert torch.equal(hs[i], layer_in[i]), f"hidden_states[{i}] != input of layer {i}"
-    # the last entry is the FINAL-NORMED state (transformers 5 overwrites it with last_hidden_state)
-    assert torch.equal(hs[n_layers], norm_io["out"]), "hidden_states[-1] is not model.norm output"
-    assert not torch.allclose(hs[n_layers], norm_io["in"])
-    torch.testing.assert_close(model.lm_head(hs[n_layers]), out.logits, rtol=0, atol=1e-5)
-    taps = eagle3_taps(n_layers)
-    return {
-        "logits": out.logits[0],
-        "hidden_final": hs[n_layers][0],
-        "hidden_prenorm_final": norm_io["in"][0],
-        "aux": None if taps is None else torch.cat([hs[t][0] for t in taps], dim=-1),
-    }
-
-
-def greedy(model, prompt: list[int], n: int, *, check_generate: bool = True) -> tuple[list[int], float]:
-    """Greedy continuation with the KV cache (sliding layers keep only their window); cross-checked
-    against a no-cache teacher-forced forward and (``check_generate``) against HF generate().
-    Returns (new tokens, smallest top-1 minus top-2 margin)."""
-    ids = torch.tensor([prompt])
-    out = model(input_ids=ids, use_cache=True)
-    past, logits = out.past_key_values, out.logits[0, -1]
-    toks, margins = [], []
-    for step in range(n):
-        margins.append(float(top2_margin(logits)))
-        tok = int(torch.argmax(logits))
-        toks.append(tok)
-        if step == n - 1:
-            break
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[0, -1]
-    full = model(input_ids=torch.tensor([prompt + toks])).logits[0]
-    tf = full[len(prompt) - 1: len(prompt) - 1 + n]
-    assert tf.argmax(-1).tolist() == toks, "cached greedy != teacher-forced argmax"
-    margin = min(min(margins), float(top2_margin(tf).min()))
-    if check_generate:
-        gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              bos_token_id=None)
-        gen = model.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
-        assert gen[0, len(prompt):].tolist() == toks, "HF generate() disagrees with the greedy loop"
-    return toks, margin
-
-
-def make_prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(10_000 + seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def eos_ids(config) -> set[int]:
-    eos = config.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
-
-
 def target_goldens(model, prompts) -> tuple[dict[str, np.ndarray], float, list[list[int]]]:
     """Goldens for all prompts. The returned margin is -inf when a greedy continuation is degenerate (fewer
     than MIN_DISTINCT distinct tokens) or contains an EOS id of the config, so the seed search skips it: the
@@ -284,6 +115,9 @@ def target_goldens(model, prompts) -> tuple[dict[str, np.ndarray], float, list[l
 
 def check_reload(case_dir: Path, arrays: dict[str, np.ndarray], prompts, extra_check=None) -> None:
     """Load the saved checkpoint back with AutoModelForCausalLM and reproduce its own goldens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager")
     m.eval()
     for i, p in enumerate(prompts):
@@ -301,42 +135,6 @@ def check_reload(case_dir: Path, arrays: dict[str, np.ndarray], prompts, extra_c
         extra_check(m)
 
 
-def rewrite_config_classic(case_dir: Path, *, strip: tuple[str, ...] = ()) -> dict:
-    """Rewrite config.json from transformers-5 `rope_parameters` to the classic (transformers 4) form:
-    top-level `rope_theta` (+ `rope_scaling` with the old `type` key when scaled), `torch_dtype`."""
-    path = case_dir / "config.json"
-    cfg = json.loads(path.read_text())
-    rp = cfg.pop("rope_parameters")
-    rp = dict(rp)
-    theta = rp.pop("rope_theta")
-    rope_type = rp.pop("rope_type")
-    cfg["rope_theta"] = theta
-    if rope_type == "default":
-        assert not rp, rp
-        cfg["rope_scaling"] = None
-    else:
-        cfg["rope_scaling"] = {"type": rope_type, **rp}
-    if "dtype" in cfg:
-        cfg["torch_dtype"] = cfg.pop("dtype")
-    for k in strip:
-        cfg.pop(k, None)
-    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-    return cfg
-
-
-def config_rope_form(case_dir: Path) -> str:
-    cfg = json.loads((case_dir / "config.json").read_text())
-    if "rope_parameters" in cfg:
-        assert "rope_theta" not in cfg
-        return "rope_parameters"
-    assert "rope_theta" in cfg
-    return "classic"
-
-
-def list_files(case_dir: Path) -> list[str]:
-    return sorted(p.name for p in case_dir.iterdir() if p.is_file())
-
-
 # ----------------------------------------------------------------------------------------------------
 # Llama-family targets
 # ----------------------------------------------------------------------------------------------------
@@ -344,68 +142,87 @@ def list_files(case_dir: Path) -> list[str]:
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4,
               max_position_embeddings=512)
 
-# The llama3 case is the EAGLE target and gets 7 layers, so that its EAGLE-3 taps (2, 3, 4) are distinct.
-# The other Llama-family targets use 2 layers to keep tests/data/golden near 6 MB; with L < 4 the taps
-# (2, L//2, L-3) are meaningless, so those cases record no aux_{i} and "eagle3_aux_layers": null.
-TARGETS = {
-    "llama3": dict(
-        cls=LlamaForCausalLM, seed=1000, rope_form="rope_parameters", shard=None,
-        config=lambda: LlamaConfig(
-            **COMMON, num_hidden_layers=7, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-        notes=["llama3 rope scaling with original_max_position_embeddings 64: with head_dim 16 and theta 5e5 the "
-               "first frequency is unchanged, the second is smoothed, the rest are divided by 8."],
-    ),
-    "llama2": dict(
-        cls=LlamaForCausalLM, seed=2000, rope_form="classic", shard=None,
-        config=lambda: LlamaConfig(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        notes=["MHA; tie_word_embeddings true: the file has no lm_head.weight, logits use model.embed_tokens.weight.",
-               "config.json rewritten by hand to the classic form (rope_theta, rope_scaling null, torch_dtype)."],
-    ),
-    "qwen2": dict(
-        cls=Qwen2ForCausalLM, seed=3000, rope_form="classic", shard=None,
-        config=lambda: Qwen2Config(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        notes=["q/k/v_proj have biases (o_proj none), randomised non-zero.",
-               "config.json rewritten by hand to the classic form (rope_theta 1e6, rope_scaling null, torch_dtype)."],
-    ),
-    "qwen3": dict(
-        cls=Qwen3ForCausalLM, seed=4000, rope_form="rope_parameters", shard=None,
-        config=lambda: Qwen3Config(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        notes=["head_dim 32 != hidden/heads (16): q_proj [128, 64], k/v_proj [64, 64], o_proj [64, 128].",
-               "q_norm/k_norm ([head_dim]) are per-head RMSNorms applied after the head reshape, before RoPE; "
-               "randomised (not ones). tie_word_embeddings true."],
-    ),
-    "qwen2_yarn": dict(
-        cls=Qwen2ForCausalLM, seed=3500, rope_form="classic", shard=None,
-        config=lambda: Qwen2Config(
-            **{**COMMON, "max_position_embeddings": 256}, num_hidden_layers=2, num_key_value_heads=2,
-            rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64}),
-        notes=["YaRN RoPE in the classic form Qwen2.5 documents for long context: rope_scaling {type: yarn, "
-               "factor 4, original_max_position_embeddings 64} (max_position_embeddings 256 = factor x original).",
-               "HF _compute_yarn_parameters: frequencies blended between 1/theta^(2j/D) and that / factor over the "
-               "beta_fast 32 .. beta_slow 1 correction band; cos and sin scaled by attention_factor = "
-               "0.1 ln(4) + 1 = 1.1386."],
-    ),
-    "mistral": dict(
-        cls=MistralForCausalLM, seed=5000, rope_form="rope_parameters", shard="200KB",
-        config=lambda: MistralConfig(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        notes=["sliding_window null; saved sharded (model-0000i-of-0000N.safetensors + model.safetensors.index.json)."],
-    ),
-}
+TARGET_NAMES = ("llama3", "llama2", "qwen2", "qwen2_yarn", "qwen3", "mistral")  # the manifest's order
+
+
+def targets() -> dict:
+    """The Llama-family target cases, in TARGET_NAMES' order (each case draws from its own seeds).
+
+    The llama3 case is the EAGLE target and gets 7 layers, so that its EAGLE-3 taps (2, 3, 4) are distinct.
+    The other Llama-family targets use 2 layers to keep tests/data/golden near 6 MB; with L < 4 the taps
+    (2, L//2, L-3) are meaningless, so those cases record no aux_{i} and "eagle3_aux_layers": null."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    return {
+        "llama3": dict(
+            cls=LlamaForCausalLM, seed=1000, rope_form="rope_parameters", shard=None,
+            config=lambda: LlamaConfig(
+                **COMMON, num_hidden_layers=7, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+            notes=["llama3 rope scaling with original_max_position_embeddings 64: with head_dim 16 and theta 5e5 the "
+                   "first frequency is unchanged, the second is smoothed, the rest are divided by 8."],
+        ),
+        "llama2": dict(
+            cls=LlamaForCausalLM, seed=2000, rope_form="classic", shard=None,
+            config=lambda: LlamaConfig(
+                **COMMON, num_hidden_layers=2, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            notes=["MHA; tie_word_embeddings true: the file has no lm_head.weight, logits use model.embed_tokens.weight.",
+                   "config.json rewritten by hand to the classic form (rope_theta, rope_scaling null, torch_dtype)."],
+        ),
+        "qwen2": dict(
+            cls=Qwen2ForCausalLM, seed=3000, rope_form="classic", shard=None,
+            config=lambda: Qwen2Config(
+                **COMMON, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+            notes=["q/k/v_proj have biases (o_proj none), randomised non-zero.",
+                   "config.json rewritten by hand to the classic form (rope_theta 1e6, rope_scaling null, torch_dtype)."],
+        ),
+        "qwen2_yarn": dict(
+            cls=Qwen2ForCausalLM, seed=3500, rope_form="classic", shard=None,
+            config=lambda: Qwen2Config(
+                **{**COMMON, "max_position_embeddings": 256}, num_hidden_layers=2, num_key_value_heads=2,
+                rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+            notes=["YaRN RoPE in the classic form Qwen2.5 documents for long context: rope_scaling {type: yarn, "
+                   "factor 4, original_max_position_embeddings 64} (max_position_embeddings 256 = factor x original).",
+                   "HF _compute_yarn_parameters: frequencies blended between 1/theta^(2j/D) and that / factor over the "
+                   "beta_fast 32 .. beta_slow 1 correction band; cos and sin scaled by attention_factor = "
+                   "0.1 ln(4) + 1 = 1.1386."],
+        ),
+        "qwen3": dict(
+            cls=Qwen3ForCausalLM, seed=4000, rope_form="rope_parameters", shard=None,
+            config=lambda: Qwen3Config(
+                **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+            notes=["head_dim 32 != hidden/heads (16): q_proj [128, 64], k/v_proj [64, 64], o_proj [64, 128].",
+                   "q_norm/k_norm ([head_dim]) are per-head RMSNorms applied after the head reshape, before RoPE; "
+                   "randomised (not ones). tie_word_embeddings true."],
+        ),
+        "mistral": dict(
+            cls=MistralForCausalLM, seed=5000, rope_form="rope_parameters", shard="200KB",
+            config=lambda: MistralConfig(
+                **COMMON, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            notes=["sliding_window null; saved sharded (model-0000i-of-0000N.safetensors + model.safetensors.index.json)."],
+        ),
+    }
 
 
 def build_target(name: str, spec: dict, seed: int):
+    import torch
+
     torch.manual_seed(seed)
     cfg = spec["config"]()
     cfg._attn_implementation = "eager"
@@ -451,6 +268,8 @@ def make_target_case(out: Path, name: str, spec: dict) -> dict:
 
 
 def all_tensor_names(case_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
     names = set()
     for p in case_dir.glob("*.safetensors"):
         with safe_open(p, "pt") as f:
@@ -511,49 +330,55 @@ DS_NOTES_COMMON = [
     "use the target lm_head, vLLM loads shared_head.head).",
 ]
 
-DS_CASES = {
-    "deepseek_v3_dense": dict(
-        seed=6000, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
-        config=lambda: DeepseekV3Config(
-            **DS_COMMON, q_lora_rank=32, first_k_dense_replace=4, max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        notes=["All layers dense. first_k_dense_replace is 4 (> num_hidden_layers 3), not 3, so that the MTP layer "
-               "(index 3) is dense under the usual index rule (HF/vLLM build layer i as MoE iff i >= "
-               "first_k_dense_replace; SGLang's NextN always builds MoE, HF's MtpModel forces MoE). Safer: pick the "
-               "MTP block type from the tensors present (mlp.gate.weight => MoE).",
-               "q LoRA path: q_a_proj [32, 64] -> q_a_layernorm [32] -> q_b_proj [96, 64->32]. No rope scaling; "
-               "config in the transformers-5 rope_parameters form.",
-               "MTP layer has no embed_tokens.weight (use the main model's)."],
-    ),
-    "deepseek_v3_moe": dict(
-        seed=7000, rope_form="classic", mtp_block="moe", mtp_embed=True,
-        config=lambda: DeepseekV3Config(
-            **DS_COMMON, q_lora_rank=None, first_k_dense_replace=1, max_position_embeddings=256,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-                             "mscale": 1.0, "mscale_all_dim": 1.0}),
-        notes=["Layer 0 dense, layers 1-2 and the MTP layer MoE (4 routed experts in 2 groups, top-1 group, top-2 "
-               "experts, 1 shared expert).",
-               "No q LoRA (q_lora_rank null): q_proj [96, 64] directly.",
-               "config.json rewritten to the classic DeepSeek-V3 form: rope_theta + rope_scaling {type: yarn, factor "
-               "4, original_max_position_embeddings 64, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1}, "
-               "torch_dtype; head_dim/qk_head_dim removed (transformers derives them). max_position_embeddings = "
-               "factor * original (256).",
-               "YaRN (HF _compute_yarn_parameters, dim = qk_rope_head_dim 8): pos_freqs = theta^(2j/8); "
-               "low/high = floor/ceil of d(b) = dim*ln(orig/(b*2*pi))/(2*ln(theta)) for b = beta_fast/beta_slow, "
-               "clamped to [0, dim-1] (here 0 and 2); ramp_j = clamp((j - low)/(high - low), 0, 1) over j < dim/2; "
-               "inv_freq = (1/(factor*pos_freqs))*ramp + (1/pos_freqs)*(1-ramp) = [1, 0.0625, 0.0025, 0.00025]. "
-               "cos/sin are multiplied by attention_factor = mscale(factor, mscale)/mscale(factor, mscale_all_dim) "
-               "= 1 here, with mscale(s, m) = 0.1*m*ln(s) + 1. The softmax scale is 24^-0.5 * "
-               "mscale(factor, mscale_all_dim)^2 = 24^-0.5 * (1 + 0.1*ln 4)^2.",
-               "e_score_correction_bias (model.layers.i.mlp.gate.e_score_correction_bias, float32) is randomised "
-               "non-zero; it changes expert choice but not the weights.",
-               "MTP layer also ships embed_tokens.weight (a copy of model.embed_tokens.weight), as DeepSeek-V3 does."],
-    ),
-}
+DS_NAMES = ("deepseek_v3_dense", "deepseek_v3_moe")
 
 
-def ds_block_state_for_disk(block: DeepseekV3DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
+def ds_cases() -> dict:
+    from transformers import DeepseekV3Config
+
+    return {
+        "deepseek_v3_dense": dict(
+            seed=6000, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
+            config=lambda: DeepseekV3Config(
+                **DS_COMMON, q_lora_rank=32, first_k_dense_replace=4, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            notes=["All layers dense. first_k_dense_replace is 4 (> num_hidden_layers 3), not 3, so that the MTP layer "
+                   "(index 3) is dense under the usual index rule (HF/vLLM build layer i as MoE iff i >= "
+                   "first_k_dense_replace; SGLang's NextN always builds MoE, HF's MtpModel forces MoE). Safer: pick the "
+                   "MTP block type from the tensors present (mlp.gate.weight => MoE).",
+                   "q LoRA path: q_a_proj [32, 64] -> q_a_layernorm [32] -> q_b_proj [96, 64->32]. No rope scaling; "
+                   "config in the transformers-5 rope_parameters form.",
+                   "MTP layer has no embed_tokens.weight (use the main model's)."],
+        ),
+        "deepseek_v3_moe": dict(
+            seed=7000, rope_form="classic", mtp_block="moe", mtp_embed=True,
+            config=lambda: DeepseekV3Config(
+                **DS_COMMON, q_lora_rank=None, first_k_dense_replace=1, max_position_embeddings=256,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0}),
+            notes=["Layer 0 dense, layers 1-2 and the MTP layer MoE (4 routed experts in 2 groups, top-1 group, top-2 "
+                   "experts, 1 shared expert).",
+                   "No q LoRA (q_lora_rank null): q_proj [96, 64] directly.",
+                   "config.json rewritten to the classic DeepSeek-V3 form: rope_theta + rope_scaling {type: yarn, factor "
+                   "4, original_max_position_embeddings 64, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1}, "
+                   "torch_dtype; head_dim/qk_head_dim removed (transformers derives them). max_position_embeddings = "
+                   "factor * original (256).",
+                   "YaRN (HF _compute_yarn_parameters, dim = qk_rope_head_dim 8): pos_freqs = theta^(2j/8); "
+                   "low/high = floor/ceil of d(b) = dim*ln(orig/(b*2*pi))/(2*ln(theta)) for b = beta_fast/beta_slow, "
+                   "clamped to [0, dim-1] (here 0 and 2); ramp_j = clamp((j - low)/(high - low), 0, 1) over j < dim/2; "
+                   "inv_freq = (1/(factor*pos_freqs))*ramp + (1/pos_freqs)*(1-ramp) = [1, 0.0625, 0.0025, 0.00025]. "
+                   "cos/sin are multiplied by attention_factor = mscale(factor, mscale)/mscale(factor, mscale_all_dim) "
+                   "= 1 here, with mscale(s, m) = 0.1*m*ln(s) + 1. The softmax scale is 24^-0.5 * "
+                   "mscale(factor, mscale_all_dim)^2 = 24^-0.5 * (1 + 0.1*ln 4)^2.",
+                   "e_score_correction_bias (model.layers.i.mlp.gate.e_score_correction_bias, float32) is randomised "
+                   "non-zero; it changes expert choice but not the weights.",
+                   "MTP layer also ships embed_tokens.weight (a copy of model.embed_tokens.weight), as DeepSeek-V3 does."],
+        ),
+    }
+
+
+def ds_block_state_for_disk(block, prefix: str) -> dict:
     """State dict of an HF DeepseekV3DecoderLayer in the on-disk (per-expert) naming."""
     out = {}
     for k, v in block.state_dict().items():
@@ -570,19 +395,24 @@ def ds_block_state_for_disk(block: DeepseekV3DecoderLayer, prefix: str) -> dict[
     return out
 
 
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms(x, w, eps: float):
+    import torch
+
     xf = x.float()
     return w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def causal_mask(t: int) -> torch.Tensor:
+def causal_mask(t: int):
+    import torch
+
     m = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
     return m[None, None]
 
 
-def mtp_forward(main, block, w: dict[str, torch.Tensor], input_ids: torch.Tensor, h_prev: torch.Tensor,
-                positions: torch.Tensor):
+def mtp_forward(main, block, w: dict, input_ids, h_prev, positions):
     """Our MTP implementation: HF's decoder block, the rest by hand. input_ids/positions [T], h_prev [T, H]."""
+    import torch
+
     eps = main.config.rms_norm_eps
     emb = main.model.embed_tokens.weight[input_ids]
     x = torch.cat([rms(emb, w["enorm.weight"], eps), rms(h_prev, w["hnorm.weight"], eps)], dim=-1)
@@ -596,7 +426,52 @@ def mtp_forward(main, block, w: dict[str, torch.Tensor], input_ids: torch.Tensor
     return hidden_out, logits
 
 
+def mtp_weights(model, gen) -> dict:
+    """The MTP layer's own tensors around its decoder block; the head is a copy of the target's."""
+    import torch
+
+    return {
+        "enorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        "hnorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        "eh_proj.weight": 1.5 / math.sqrt(2 * HIDDEN) * torch.randn(HIDDEN, 2 * HIDDEN, generator=gen),
+        "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+    }
+
+
+def mtp_state(model, block, mtp_w: dict, prefix: str, *, embed: bool) -> dict:
+    """The MTP layer's tensors as DeepSeek ships them under ``prefix`` (``embed``: with a copy of the
+    target's embedding)."""
+    state = ds_block_state_for_disk(block, prefix)
+    state.update({prefix + k: v.contiguous() for k, v in mtp_w.items()})
+    if embed:
+        state[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    return state
+
+
+def read_mtp(path: Path, prefix: str, names, n_experts: int | None) -> tuple[dict, dict]:
+    """The MTP layer back from the safetensors file: (its decoder block's state dict, experts fused as
+    HF holds them when ``n_experts``; its own tensors ``names``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = {k[len(prefix):]: v for k, v in load_file(path).items() if k.startswith(prefix)}
+    w = {k: sd.pop(k) for k in list(names)}
+    sd.pop("embed_tokens.weight", None)
+    if n_experts:
+        sd["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([sd.pop(f"mlp.experts.{i}.gate_proj.weight"), sd.pop(f"mlp.experts.{i}.up_proj.weight")])
+             for i in range(n_experts)])
+        sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{i}.down_proj.weight") for i in range(n_experts)])
+    return sd, w
+
+
 def make_deepseek_case(out: Path, name: str, spec: dict) -> dict:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
     for attempt in range(MAX_SEED_TRIES):
         seed = spec["seed"] + attempt
         torch.manual_seed(seed)
@@ -610,13 +485,7 @@ def make_deepseek_case(out: Path, name: str, spec: dict) -> dict:
         is_moe_block = type(block.mlp).__name__ == "DeepseekV3MoE"
         assert is_moe_block == (spec["mtp_block"] == "moe")
         reinit_(block, gen)
-        mtp_w = {
-            "enorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-            "hnorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-            "eh_proj.weight": 1.5 / math.sqrt(2 * HIDDEN) * torch.randn(HIDDEN, 2 * HIDDEN, generator=gen),
-            "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-            "shared_head.head.weight": model.lm_head.weight.detach().clone(),
-        }
+        mtp_w = mtp_weights(model, gen)
         probe = RoutingProbe(list(model.modules()) + list(block.modules()))
         prompts = make_prompts(seed)
         arrays, margin, greedies = target_goldens(model, prompts)
@@ -652,11 +521,7 @@ def make_deepseek_case(out: Path, name: str, spec: dict) -> dict:
         inter = mem.shape[1] // 2
         assert torch.equal(state[f"model.layers.{n_layers - 1}.mlp.experts.1.gate_proj.weight"], mem[1, :inter])
         assert torch.equal(state[f"model.layers.{n_layers - 1}.mlp.experts.1.up_proj.weight"], mem[1, inter:])
-    mtp_state = ds_block_state_for_disk(block, pfx)
-    mtp_state.update({pfx + k: v.contiguous() for k, v in mtp_w.items()})
-    if spec["mtp_embed"]:
-        mtp_state[pfx + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
-    state.update(mtp_state)
+    state.update(mtp_state(model, block, mtp_w, pfx, embed=spec["mtp_embed"]))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, st_path, metadata={"format": "pt"})
     if spec["rope_form"] == "classic":
         rewrite_config_classic(case_dir, strip=("head_dim", "qk_head_dim"))
@@ -669,20 +534,8 @@ def make_deepseek_case(out: Path, name: str, spec: dict) -> dict:
         loaded = {k: v for k, v in m.config.rope_parameters.items() if k != "type"}
         assert loaded == model.config.rope_parameters, (m.config.rope_parameters, model.config.rope_parameters)
         # recompute the MTP golden from the files only (block rebuilt from the safetensors)
-        disk = load_file(st_path)
         blk = DeepseekV3DecoderLayer(m.config, layer_idx=n_layers).eval()
-        sd = {}
-        for k, v in disk.items():
-            if k.startswith(pfx):
-                sd[k[len(pfx):]] = v
-        w = {k: sd.pop(k) for k in list(mtp_w)}
-        sd.pop("embed_tokens.weight", None)
-        if is_moe_block:
-            e = m.config.n_routed_experts
-            sd["mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([sd.pop(f"mlp.experts.{i}.gate_proj.weight"), sd.pop(f"mlp.experts.{i}.up_proj.weight")])
-                 for i in range(e)])
-            sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{i}.down_proj.weight") for i in range(e)])
+        sd, w = read_mtp(st_path, pfx, mtp_w, m.config.n_routed_experts if is_moe_block else None)
         blk.load_state_dict(sd, strict=True)
         h2, lg = mtp_forward(m, blk, w, mtp_ids, torch.from_numpy(arrays["mtp_hidden_in"]), mtp_pos)
         assert float((h2 - mtp_hidden_out).abs().max()) <= 1e-5
@@ -729,7 +582,9 @@ def hf_mtp_crosscheck(main, case_dir, n_layers, ids, h, pos, ref_logits):
 # ----------------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    import torch
+
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     ang = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([ang, ang], dim=-1)  # rotate-half layout
@@ -737,12 +592,16 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
 
 
 def rotate_half(x):
+    import torch
+
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 def attend(q, k, v, q_pos, k_pos):
     """q [Hq, Tq, D]; k, v [Hkv, Tk, D]; causal by position; GQA (kv head j serves q heads j*rep..)."""
+    import torch
+
     rep = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(rep, dim=0)
     v = v.repeat_interleave(rep, dim=0)
@@ -762,6 +621,8 @@ class DraftCfg:
 
 
 def self_attention(w, p, cfg: DraftCfg, x, positions, past):
+    import torch
+
     t = x.shape[0]
     q = (x @ w[p + "self_attn.q_proj.weight"].T).view(t, cfg.heads, cfg.head_dim).transpose(0, 1)
     k = (x @ w[p + "self_attn.k_proj.weight"].T).view(t, cfg.kv_heads, cfg.head_dim).transpose(0, 1)
@@ -778,12 +639,16 @@ def self_attention(w, p, cfg: DraftCfg, x, positions, past):
 
 
 def swiglu(w, p, x):
+    import torch.nn.functional as F
+
     return (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ \
         w[p + "mlp.down_proj.weight"].T
 
 
 def eagle3_forward(w, p, cfg: DraftCfg, embed, input_ids, hidden, positions, past=None):
     """EAGLE-3 head. hidden: [T, 3H] target aux features (-> fc) or [T, H] own previous output (skips fc)."""
+    import torch
+
     if hidden.shape[-1] != cfg.hidden:
         hidden = hidden @ w["fc.weight"].T
     emb = embed[input_ids]
@@ -799,6 +664,8 @@ def eagle3_forward(w, p, cfg: DraftCfg, embed, input_ids, hidden, positions, pas
 def eagle1_forward(w, cfg: DraftCfg, embed, lm_head, input_ids, feat, positions, past=None):
     """EAGLE-1 head: fc(cat(embed, feature)) (+bias), one Llama layer without input_layernorm, no final norm,
     logits = target lm_head(output)."""
+    import torch
+
     x = torch.cat([embed[input_ids], feat], dim=-1) @ w["fc.weight"].T
     if "fc.bias" in w:
         x = x + w["fc.bias"]
@@ -809,10 +676,14 @@ def eagle1_forward(w, cfg: DraftCfg, embed, lm_head, input_ids, feat, positions,
 
 
 def random_linear(gen, out_f, in_f, gain=1.5):
+    import torch
+
     return gain / math.sqrt(in_f) * torch.randn(out_f, in_f, generator=gen)
 
 
 def random_norm(gen, n):
+    import torch
+
     return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
 
@@ -835,6 +706,8 @@ def llama_layer_weights(gen, p, cfg: DraftCfg, in_dim, input_norm: bool):
 
 
 def eagle_config_json(architectures, *, draft_vocab=None, rope_theta=None, extra=None) -> dict:
+    import transformers
+
     cfg = {
         "architectures": architectures, "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
         "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": 0.02, "intermediate_size": INTER,
@@ -851,7 +724,9 @@ def eagle_config_json(architectures, *, draft_vocab=None, rope_theta=None, extra
     return dict(sorted(cfg.items()))
 
 
-def write_head(case_dir: Path, cfg_json: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def write_head(case_dir: Path, cfg_json: dict, tensors: dict) -> dict:
+    from safetensors.torch import load_file, save_file
+
     case_dir.mkdir(parents=True)
     (case_dir / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, case_dir / "model.safetensors",
@@ -861,6 +736,10 @@ def write_head(case_dir: Path, cfg_json: dict, tensors: dict[str, torch.Tensor])
 
 def hf_check_rope_attention(cfg: DraftCfg, w, p, x, positions):
     """Cross-check our RoPE + GQA attention (2H-wide input for EAGLE-3) against transformers' LlamaAttention."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
     in_dim = x.shape[-1]
     hcfg = LlamaConfig(hidden_size=in_dim, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                        head_dim=cfg.head_dim, vocab_size=VOCAB, intermediate_size=INTER,
@@ -879,6 +758,8 @@ def hf_check_rope_attention(cfg: DraftCfg, w, p, x, positions):
 
 
 def make_eagle3_case(out: Path, name: str, target_dir: Path, *, layout: str, seed: int) -> dict:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     p = "midlayer." if layout == "midlayer" else "layers.0."
     if layout == "midlayer":
@@ -956,7 +837,9 @@ def make_eagle3_case(out: Path, name: str, target_dir: Path, *, layout: str, see
     }
 
 
-def load_target_tensor(target_dir: Path, name: str) -> torch.Tensor:
+def load_target_tensor(target_dir: Path, name: str):
+    from safetensors import safe_open
+
     for path in sorted(target_dir.glob("*.safetensors")):
         with safe_open(path, "pt") as f:
             if name in f.keys():
@@ -965,6 +848,10 @@ def load_target_tensor(target_dir: Path, name: str) -> torch.Tensor:
 
 
 def make_eagle1_case(out: Path, name: str, target_dir: Path, *, seed: int) -> dict:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
     gen = torch.Generator().manual_seed(seed)
     cfg_json = eagle_config_json(["LlamaForCausalLM"], rope_theta=500000.0,
                                  extra={"bias": True, "attention_bias": False, "mlp_bias": False})
@@ -1027,33 +914,33 @@ def make_eagle1_case(out: Path, name: str, target_dir: Path, *, seed: int) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap = arguments(__doc__, out=GOLDEN)
     ap.add_argument("--cases", help="comma-separated target cases to (re)build alone; the others stay as they are")
     args = ap.parse_args()
+    if args.cases and (unknown := set(args.cases.split(",")) - set(TARGET_NAMES)):
+        ap.error(f"--cases takes Llama-family target cases ({', '.join(TARGET_NAMES)}); got {sorted(unknown)}")
+    start()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    specs = targets()
     if args.cases:
-        only = args.cases.split(",")
-        if unknown := set(only) - set(TARGETS):
-            ap.error(f"--cases takes Llama-family target cases ({', '.join(TARGETS)}); got {sorted(unknown)}")
         cases = []
-        for name in only:
+        for name in args.cases.split(","):
             shutil.rmtree(out / name, ignore_errors=True)
-            cases.append(make_target_case(out, name, TARGETS[name]))
+            cases.append(make_target_case(out, name, specs[name]))
             print(f"{name}: seed {cases[-1]['seed']}, min greedy margin {cases[-1]['min_greedy_margin']:.4f}")
-        write_manifest(out, cases, "scripts/make_golden.py")
+        write_manifest(out, cases, __file__)
         return
-    names = list(TARGETS) + list(DS_CASES) + ["eagle3_midlayer", "eagle3_layers0", "eagle1"]
+    names = list(TARGET_NAMES) + list(DS_NAMES) + ["eagle3_midlayer", "eagle3_layers0", "eagle1"]
     for n in names:
         if (out / n).exists():
             shutil.rmtree(out / n)
 
     cases = []
-    for name, spec in TARGETS.items():
+    for name, spec in specs.items():
         cases.append(make_target_case(out, name, spec))
         print(f"{name}: seed {cases[-1]['seed']}, min greedy margin {cases[-1]['min_greedy_margin']:.4f}")
-    for name, spec in DS_CASES.items():
+    for name, spec in ds_cases().items():
         cases.append(make_deepseek_case(out, name, spec))
         print(f"{name}: seed {cases[-1]['seed']}, min greedy margin {cases[-1]['min_greedy_margin']:.4f}, "
               f"min routing margin {cases[-1]['min_routing_margin']}")
@@ -1061,28 +948,7 @@ def main() -> None:
     cases.append(make_eagle3_case(out, "eagle3_midlayer", target_dir, layout="midlayer", seed=8000))
     cases.append(make_eagle3_case(out, "eagle3_layers0", target_dir, layout="layers.0", seed=8100))
     cases.append(make_eagle1_case(out, "eagle1", target_dir, seed=9000))
-    write_manifest(out, cases, "scripts/make_golden.py")
-
-
-
-def write_manifest(out: Path, cases: list[dict], generator: str) -> None:
-    """``out/manifest.json``: the generator, the library versions, the cases. Cases written there
-    by sibling scripts (scripts/make_golden_dsa.py) and not remade here stay in the manifest."""
-    path = out / "manifest.json"
-    own = {c["name"] for c in cases}
-    if path.exists():
-        cases = cases + [c for c in json.loads(path.read_text())["cases"] if c["name"] not in own]
-    manifest = {
-        "generator": generator,
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "safetensors_version": safetensors.__version__,
-        "numpy_version": np.__version__,
-        "cases": cases,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wrote {len(cases)} cases to {out} ({total / 1e6:.2f} MB)")
+    write_manifest(out, cases, __file__)
 
 
 if __name__ == "__main__":

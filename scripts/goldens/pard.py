@@ -6,7 +6,7 @@ NOT run in CI. It needs torch and transformers (in a venv of their own). Set-up 
 committed files:
 
     python3.11 -m venv VENV && VENV/bin/pip install torch==2.13.0 transformers==5.19.0 safetensors numpy
-    VENV/bin/python scripts/make_pard_golden.py        # rewrites tests/data/golden/pard/
+    VENV/bin/python scripts/goldens/pard.py        # rewrites tests/data/golden/pard/
 
 No pip-installable library defines PARD for torch, so the reference here is written from what the
 PARD repository (AMD-AGI/PARD) publishes:
@@ -41,21 +41,19 @@ prompts, margins, tolerances.
 from __future__ import annotations
 
 import functools
-import json
-import math
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import torch.nn.functional as F
-import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TARGET_DIR = REPO_ROOT / "tests" / "data" / "golden" / "dflash" / "target"
-OUT = REPO_ROOT / "tests" / "data" / "golden" / "pard"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import (  # noqa: E402
+    GOLDEN, arguments, checked_speculative_greedy, draft_target, f32, finish, generate_entries, head, log,
+    record_prompts, recorded_prompts, smallest_margin, start,
+)
+
+OUT = GOLDEN / "pard"
 MASK = 255  # pard_token: the prompts never use it
 PARA = 5  # P: copies in training, so up to K = 5 drafts per block
 K = 5  # drafts per block in the recorded loop
@@ -72,27 +70,25 @@ TEST_PROMPTS = [[3, 71, 200, 14, 9, 120, 33], [250, 17, 40], [1, 2, 3, 4, 5, 6, 
 FOCUS_NEW = 16
 FOCUS_PROMPTS: list[list[int]] = []  # TEST_PROMPTS + the candidates (filled in main)
 
-# name -> (HF class, config). Both have the target's vocabulary; the Llama one is narrower than the target.
-DRAFTS = {
-    "pard_qwen3": (Qwen3ForCausalLM, Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    "pard_llama": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-}
+
+
+def drafts() -> dict:
+    """name -> (HF class, config). Both have the target's vocabulary; the Llama one is narrower than the target."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    return {
+        "pard_qwen3": (Qwen3ForCausalLM, Qwen3Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        "pard_llama": (LlamaForCausalLM, LlamaConfig(
+            vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    }
+
+
 TRAIN_STEPS = {"pard_qwen3": 1500, "pard_llama": 800}
-
-
-def f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def top2_margin(logits: torch.Tensor) -> float:
-    v = torch.topk(logits.float(), 2, dim=-1).values
-    return float((v[..., 0] - v[..., 1]).min())
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -103,6 +99,8 @@ def pard_layout(L: int, P: int):
     """PARD's training layout of one sequence of L tokens repeated P times (row m * L + j is
     position j of copy m). Returns (visible bool[P*L, P*L], positions i64[P*L], copy i64[P*L],
     base i64[P*L]: the last real token a row's block starts from, j - m)."""
+    import torch
+
     m = torch.arange(P).repeat_interleave(L)
     j = torch.arange(L).repeat(P)
     base = j - m
@@ -114,11 +112,13 @@ def pard_layout(L: int, P: int):
     return visible, j, m, base
 
 
-def pard_batch(ids: torch.Tensor, P: int, lens: torch.Tensor | None = None):
+def pard_batch(ids, P: int, lens=None):
     """Inputs of PARD's objective for token rows ids i64[N, L] (``lens`` i64[N]: tokens of each row,
     the rest padding; default L): (input ids [N, P*L], additive attention mask f32[N, 1, P*L, P*L],
     position ids [N, P*L], labels [N, P*L]: row (m, j) predicts token j + 1; rows without a real
     token before their block, or past the end, -100)."""
+    import torch
+
     N, L = ids.shape
     lens = torch.full((N,), L) if lens is None else lens
     visible, pos, copy, base = pard_layout(L, P)
@@ -130,16 +130,20 @@ def pard_batch(ids: torch.Tensor, P: int, lens: torch.Tensor | None = None):
     return inputs, mask[None, None].expand(N, 1, -1, -1), pos[None].expand(N, -1), labels
 
 
-def pard_loss(draft, ids: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+def pard_loss(draft, ids, lens=None):
+    import torch.nn.functional as F
+
     inputs, mask, pos, labels = pard_batch(ids, PARA, lens)
     logits = draft(input_ids=inputs, attention_mask=mask, position_ids=pos).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def train(draft, ids: torch.Tensor, focus: tuple[torch.Tensor, torch.Tensor], *, steps: int, seed: int, log) -> None:
+def train(draft, ids, focus: tuple, *, steps: int, seed: int, log) -> None:
     """PARD's objective (cross-entropy of every row of every copy) with Adam on the target's greedy
     continuations ``ids`` [N, T], 32 windows of ``CROP`` tokens a step (at random offsets), plus
     every ``focus`` sequence (padded ids [F, Tf], lens [F]) whole."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     for step in range(steps):
@@ -156,9 +160,11 @@ def train(draft, ids: torch.Tensor, focus: tuple[torch.Tensor, torch.Tensor], *,
 # ---------------------------------------------------------------------------------------------- the reference loop
 
 
-def draft_block(draft, context: list[int], bonus: int, num: int) -> torch.Tensor:
+def draft_block(draft, context: list[int], bonus: int, num: int):
     """PARD's drafting rule: the draft over [context..., bonus, pard_token x (num - 1)] (plain causal
     attention, recomputed from scratch); the logits of its last ``num`` rows f32[num, V]."""
+    import torch
+
     x = torch.tensor([context + [bonus] + [MASK] * (num - 1)])
     return draft(x).logits[0, -num:]
 
@@ -167,34 +173,19 @@ def generate(draft, target, prompt: list[int], num: int):
     """Greedy speculative decoding with the reference loop: (tokens after the prompt, accept
     lengths, min draft margin, min target margin). Checks the output equals the target's own
     greedy output."""
-    ids = list(prompt)
-    bonus = int(target(torch.tensor([ids])).logits[0, -1].argmax())
-    new, accepts, margin = [], [], math.inf
-    while len(new) < MAX_NEW:
+
+    def propose(ids, bonus):
         logits = draft_block(draft, ids, bonus, num)
-        margin = min(margin, top2_margin(logits))
-        drafted = logits.argmax(-1).tolist()
-        verify = target(torch.tensor([ids + [bonus] + drafted])).logits[0, len(ids):]  # after each node
-        pred = verify.argmax(-1).tolist()
-        a = 0
-        while a < num and drafted[a] == pred[a]:
-            a += 1
-        emitted = [bonus] + drafted[:a]
-        ids += emitted
-        new += emitted
-        bonus = pred[a]
-        accepts.append(a + 1)
-    new = new[:MAX_NEW]
-    plain = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0]
-    tlogits = target(plain[None]).logits[0, len(prompt) - 1:-1]
-    if plain[len(prompt):].tolist() != new:
-        raise AssertionError("the reference loop's greedy output differs from the target's")
-    return new, accepts, margin, top2_margin(tlogits)
+        return logits.argmax(-1).tolist(), smallest_margin(logits)
+
+    return checked_speculative_greedy(target, propose, prompt, num, MAX_NEW)
 
 
-def check_layout(draft, ids: torch.Tensor) -> None:
+def check_layout(draft, ids) -> None:
     """The training layout means what the drafting rule does: row (m, j) of a PARD batch has the
     logits of block row m after real token j - m (``draft_block`` over the tokens before it)."""
+    import torch
+
     inputs, mask, pos, _ = pard_batch(ids[:1], PARA)
     logits = draft(input_ids=inputs, attention_mask=mask, position_ids=pos).logits[0]
     L = ids.shape[1]
@@ -212,53 +203,35 @@ def check_layout(draft, ids: torch.Tensor) -> None:
 def record_generate(name, draft, target, candidates: list[list[int]], gen, golden: dict, case: dict, log):
     """The reference loop over the first of ``candidates`` of each length 5, 11, 17 whose target and
     draft margins are >= MIN_MARGIN (then fresh random prompts)."""
-    prompts, tries = [], 0
-    case.update(max_new_tokens=MAX_NEW, generate=[])
-    while len(prompts) < NUM_PROMPTS:
-        tries += 1
-        if tries > 300:
-            raise RuntimeError(f"{name}: no prompts with margins >= {MIN_MARGIN}")
-        length = [5, 11, 17][len(prompts)]
+    import torch
+
+    def draw(length):
         fits = [c for c in candidates if len(c) == length]
         if fits:
-            p = fits[0]
-            candidates.remove(p)
-        else:
-            p = torch.randint(0, MASK, (length,), generator=gen).tolist()
-        try:
-            toks, acc, dm, tm = generate(draft, target, p, K)
-        except AssertionError:  # a near-tie flipped by the verify forward's rounding
-            continue
-        if min(dm, tm) < MIN_MARGIN:
-            continue
-        j = len(prompts)
-        prompts.append(p)
-        golden[f"{name}/generate/p{j}/tokens"] = np.asarray(toks, np.int32)
-        golden[f"{name}/generate/p{j}/accept"] = np.asarray(acc, np.int32)
-        case["generate"].append({"prompt": j, "acceptance_lengths": acc, "min_draft_margin": dm,
-                                 "min_target_margin": tm})
+            candidates.remove(fits[0])
+            return fits[0]
+        return torch.randint(0, MASK, (length,), generator=gen).tolist()
+
+    def run(p):
+        toks, acc, dm, tm = generate(draft, target, p, K)
+        return min(dm, tm), (toks, acc, dm, tm)
+
+    prompts, runs = record_prompts(name, run, draw, min_margin=MIN_MARGIN, tries=300, lengths=(5, 11, 17)[:NUM_PROMPTS])
+    case.update(max_new_tokens=MAX_NEW, generate=generate_entries(name, runs, golden))
     case["prompts"] = prompts
     case["prompts_trained_on"] = [p in FOCUS_PROMPTS for p in prompts]
     log(f"{name}: acceptance lengths {[g['acceptance_lengths'] for g in case['generate']]}")
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():  # everything but the hand-written README
-        if old.name != "README.md":
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    log = functools.partial(print, flush=True)
-    target = Qwen3ForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(2)
-    prompt_len, total = 8, 56
-    prompts = torch.randint(0, MASK, (512, prompt_len), generator=gen)
-    ids = target.generate(prompts, max_new_tokens=total - prompt_len, do_sample=False,
-                          min_new_tokens=total - prompt_len, pad_token_id=0)
+    arguments(__doc__).parse_args()
+    import torch
+
+    start(threads=1)
+    target, ids = draft_target(OUT, num=512, mask=MASK)
     golden: dict[str, np.ndarray] = {}
     cases = []
-    prompt_gen = torch.Generator().manual_seed(3)
-    block_prompt = torch.randint(0, MASK, (BLOCK_CTX,), generator=prompt_gen).tolist()
+    prompt_gen, block_prompt = recorded_prompts(MASK, BLOCK_CTX)
     candidates = [torch.randint(0, MASK, (n,), generator=prompt_gen).tolist() for n in [5] * 3 + [11] * 3 + [17] * 3]
     FOCUS_PROMPTS.extend(TEST_PROMPTS + candidates)
     focus = [target.generate(torch.tensor([p]), max_new_tokens=FOCUS_NEW, min_new_tokens=FOCUS_NEW, do_sample=False,
@@ -267,7 +240,7 @@ def main() -> None:
     focus_ids = torch.full((len(focus), int(focus_lens.max())), MASK)
     for r, f in enumerate(focus):
         focus_ids[r, :len(f)] = f
-    for i, (name, (cls, cfg)) in enumerate(DRAFTS.items()):
+    for i, (name, (cls, cfg)) in enumerate(drafts().items()):
         torch.manual_seed(10 + i)
         cfg._attn_implementation = "eager"  # the custom training mask is additive
         draft = cls(cfg).float()
@@ -281,25 +254,19 @@ def main() -> None:
         golden[f"{name}/block/logits"] = f32(logits)
         golden[f"{name}/block/tokens"] = np.asarray(logits.argmax(-1).tolist(), np.int32)
         case = {"name": name, "dir": name, "architecture": cls.__name__, "pard_token": MASK, "para_num": PARA,
-                "num_speculative_tokens": K, "block_prompt": block_prompt, "block_margin": top2_margin(logits)}
+                "num_speculative_tokens": K, "block_prompt": block_prompt, "block_margin": smallest_margin(logits)}
         record_generate(name, draft, target, list(candidates), prompt_gen, golden, case, log)
         draft.config.pard_token = MASK
         draft.config.spd_type = "pard"
         draft.save_pretrained(OUT / name, safe_serialization=True)
         cases.append(case)
-    np.savez(OUT / "golden.npz", **golden)
     manifest = {
-        "generator": "scripts/make_pard_golden.py", "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__, "safetensors_version": safetensors.__version__,
-        "numpy_version": np.__version__, "target": "../dflash/target", "pard_token": MASK,
+        **head(__file__, "torch", "transformers", "safetensors", "numpy"), "target": "../dflash/target", "pard_token": MASK,
         "min_margin": MIN_MARGIN, "atol": 2e-4, "rtol": 2e-4, "focus_new_tokens": FOCUS_NEW,
         "focus_prompts": FOCUS_PROMPTS, "cases": cases,
     }
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    log(f"wrote {OUT}")
+    finish(OUT, golden, manifest)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(1)
     main()

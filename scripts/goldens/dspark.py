@@ -8,7 +8,7 @@ import pulls heavy dependencies, so it lives in its own venv). Set-up used for t
     python3.11 -m venv VENV && VENV/bin/pip install torch==2.13.0 transformers==5.19.0 safetensors numpy \
         pydantic pydantic-settings loguru openai "datasets<=5.1.0" rich typer psutil protobuf aiohttp httpx
     VENV/bin/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0
-    VENV/bin/python scripts/make_dspark_golden.py        # rewrites tests/data/golden/dspark/
+    VENV/bin/python scripts/goldens/dspark.py        # rewrites tests/data/golden/dspark/
 
 The target is the DFlash goldens' tiny Qwen3 (tests/data/golden/dflash/target, read, not
 rewritten). The drafts are ``speculators``' ``DSparkDraftModel`` / ``DFlashDraftModel`` with
@@ -38,27 +38,20 @@ target's own greedy output: checked). ``manifest.json``: versions, prompts, marg
 from __future__ import annotations
 
 import copy
-import functools
-import importlib.metadata
-import json
 import math
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import torch.nn.functional as F
-import transformers
-from transformers import Qwen3ForCausalLM
 
-import speculators
-from speculators.models.dflash import DFlashDraftModel
-from speculators.models.dspark import DSparkDraftModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TARGET_DIR = REPO_ROOT / "tests" / "data" / "golden" / "dflash" / "target"
-OUT = REPO_ROOT / "tests" / "data" / "golden" / "dspark"
+from scripts.goldens.common import (  # noqa: E402
+    DRAFT_TARGET, GOLDEN, TRAIN_PROMPT_LEN, arguments, checked_speculative_greedy, draft_target, draft_vocab, f32,
+    finish, generate_entries, head, log, record_prompts, recorded_prompts, save_speculators, smallest_margin, start,
+)
+
+OUT = GOLDEN / "dspark"
 MASK = 255
 MAX_NEW = 32
 NUM_PROMPTS = 3
@@ -69,33 +62,34 @@ BLOCK_CTX = 11
 # name -> (class, library kwargs, draft layers). Taps are HF hidden_states indices (0: embeddings).
 DRAFTS = {
     # vanilla Markov head, confidence on [h, W1[prev]], every slot drafting (the DSpark default)
-    "dspark_vanilla": (DSparkDraftModel, dict(block_size=5, target_layer_ids=[2, 5], markov_rank=16,
+    "dspark_vanilla": ("DSparkDraftModel", dict(block_size=5, target_layer_ids=[2, 5], markov_rank=16,
                                               markov_head_type="vanilla"), 2),
     # rnn head, the anchor drafting nothing, confidence on h alone, the last layer tapped (HF's normed state)
-    "dspark_rnn": (DSparkDraftModel, dict(block_size=6, target_layer_ids=[1, 3, 6], markov_rank=8,
+    "dspark_rnn": ("DSparkDraftModel", dict(block_size=6, target_layer_ids=[1, 3, 6], markov_rank=8,
                                           markov_head_type="rnn", sample_from_anchor=False,
                                           confidence_head_with_markov=False), 2),
     # gated head over a reduced draft vocabulary (its own lm_head, d2t / t2d)
-    "dspark_gated_dv": (DSparkDraftModel, dict(block_size=4, target_layer_ids=[2, 4], markov_rank=8,
+    "dspark_gated_dv": ("DSparkDraftModel", dict(block_size=4, target_layer_ids=[2, 4], markov_rank=8,
                                                markov_head_type="gated", draft_vocab_size=192), 1),
     # the library's DFlash: the z-lab drafting with a nested config
-    "speculators_dflash": (DFlashDraftModel, dict(block_size=6, target_layer_ids=[1, 4]), 2),
+    "speculators_dflash": ("DFlashDraftModel", dict(block_size=6, target_layer_ids=[1, 4]), 2),
 }
 
 
-def f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy().astype(np.float32)
+def draft_class(name: str):
+    """The library's model class of a DRAFTS entry."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    return {"DSparkDraftModel": DSparkDraftModel, "DFlashDraftModel": DFlashDraftModel}[name]
 
 
-def top2_margin(logits: torch.Tensor) -> float:
-    v = torch.topk(logits.float(), 2, dim=-1).values
-    return float((v[..., 0] - v[..., 1]).min())
-
-
-def reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
+def reinit_(model, gen) -> None:
     """Norms 1 + 0.1 N, matrices 1.2 / sqrt(fan_in) N, biases 0.3 N, the Markov embedding 0.5 N
     (the library's init: zeros, ones and 0.01-scale tables that hide bugs). Leaves what is loaded
     from the verifier (embedding, its head) alone."""
+    import torch
+
     for name, p in model.named_parameters():
         if name.startswith(("embed_tokens", "verifier_lm_head", "verifier_norm")) or (
                 name.startswith("lm_head") and not model.use_draft_vocab):
@@ -118,14 +112,18 @@ def reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
 # ---------------------------------------------------------------------------------------------- the forward
 
 
-def features(draft, hs) -> torch.Tensor:  # HF hidden_states -> [N, T, F]
+def features(draft, hs):  # HF hidden_states -> [N, T, F]
+    import torch
+
     return torch.cat([hs[a] for a in draft.config.aux_hidden_state_layer_ids], dim=-1)
 
 
-def block_forward(draft, ctx: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+def block_forward(draft, ctx, block):
     """The draft over context features ctx [N, C, F] (positions 0..C-1) and block tokens
     block [N, Q] (positions C..C+Q-1): every block query sees the whole context and block.
     Returns the normed hidden [N, Q, H]."""
+    import torch
+
     N, C, _ = ctx.shape
     Q = block.shape[1]
     target_hidden = draft.hidden_norm(draft.fc(ctx))
@@ -142,14 +140,16 @@ def first_slot(draft) -> int:
     return 0 if draft.config.sample_from_anchor else 1
 
 
-def prev_tokens(draft, block_tokens: torch.Tensor) -> torch.Tensor:
+def prev_tokens(draft, block_tokens):
     """The library's ``prev_token_ids`` for a block's true tokens [N, Q] (the anchor first)."""
+    import torch
+
     if draft.config.sample_from_anchor:
         return block_tokens
     return torch.cat([block_tokens[:, :1], block_tokens[:, :-1]], dim=1)
 
 
-def slot_logits(draft, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+def slot_logits(draft, hidden, prev):
     """Draft-vocabulary logits of every slot (Markov-corrected) given the prev tokens [N, Q]."""
     logits = draft.lm_head(hidden)
     if getattr(draft, "markov_head", None) is not None:
@@ -157,13 +157,15 @@ def slot_logits(draft, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor
     return logits
 
 
-def to_target(draft, idx: torch.Tensor) -> torch.Tensor:
+def to_target(draft, idx):
     return idx + draft.d2t[idx] if draft.use_draft_vocab else idx
 
 
-def draft_block(draft, ctx: torch.Tensor, anchor: int, num: int):
+def draft_block(draft, ctx, anchor: int, num: int):
     """The reference drafting loop's proposal: ``num`` greedy tokens chosen slot by slot.
     Returns (target ids, hidden [Q, H], per-drafting-slot corrected logits [num, Vd], margin)."""
+    import torch
+
     s = first_slot(draft)
     Q = num + s
     hidden = block_forward(draft, ctx, torch.tensor([[anchor] + [MASK] * (Q - 1)]))
@@ -172,7 +174,7 @@ def draft_block(draft, ctx: torch.Tensor, anchor: int, num: int):
     for k in range(s, Q):
         prev = prev_tokens(draft, torch.tensor([true]))[:, : k + 1]
         logits = slot_logits(draft, hidden[:, : k + 1], prev)[0, k]  # the rnn state runs from slot 0
-        margin = min(margin, top2_margin(logits))
+        margin = min(margin, smallest_margin(logits))
         tok = int(to_target(draft, logits.argmax()))
         drafted.append(tok)
         out.append(logits)
@@ -182,7 +184,9 @@ def draft_block(draft, ctx: torch.Tensor, anchor: int, num: int):
     return drafted, hidden[0], torch.stack(out), margin
 
 
-def confidence_logits(draft, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+def confidence_logits(draft, hidden, prev):
+    import torch
+
     x = hidden
     if draft.config.confidence_head_with_markov:
         x = torch.cat([hidden, draft.markov_head.prev_embeddings(prev)], dim=-1)
@@ -191,33 +195,16 @@ def confidence_logits(draft, hidden: torch.Tensor, prev: torch.Tensor) -> torch.
 
 def generate(draft, target, prompt: list[int], num: int):
     """Greedy speculative decoding with the reference loop: (tokens after the prompt, accept
-    lengths, min draft margin). Checks the output equals the target's own greedy output."""
-    ids = list(prompt)
-    with torch.no_grad():
-        out = target(torch.tensor([ids]), output_hidden_states=True)
-    bonus = int(out.logits[0, -1].argmax())
-    new, accepts, margin = [], [], math.inf
-    while len(new) < MAX_NEW:
+    lengths, min draft margin, min target margin). Checks the output equals the target's own
+    greedy output."""
+    import torch
+
+    def propose(ids, bonus):
         hs = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
         drafted, _, _, m = draft_block(draft, features(draft, hs), bonus, num)
-        margin = min(margin, m)
-        verify = target(torch.tensor([ids + [bonus] + drafted])).logits[0, len(ids):]  # after each node
-        pred = verify.argmax(-1).tolist()
-        a = 0
-        while a < num and drafted[a] == pred[a]:
-            a += 1
-        emitted = [bonus] + drafted[:a]
-        ids += emitted
-        new += emitted
-        bonus = pred[a]
-        accepts.append(a + 1)
-    new = new[:MAX_NEW]
-    with torch.no_grad():
-        plain = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0]
-        tlogits = target(plain[None]).logits[0, len(prompt) - 1:-1]
-    if plain[len(prompt):].tolist() != new:
-        raise AssertionError("the reference loop's greedy output differs from the target's")
-    return new, accepts, margin, top2_margin(tlogits)
+        return drafted, m
+
+    return checked_speculative_greedy(target, propose, prompt, num, MAX_NEW)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -228,6 +215,9 @@ def train(draft, target, ids, hs, *, prompt_len: int, steps: int, seed: int, log
     anchor's position, the context before it): cross-entropy of every drafting slot's corrected
     logits to the target's greedy token (weight exp(-j/2)), plus the confidence head's BCE to
     whether the draft's argmax is that token."""
+    import torch
+    import torch.nn.functional as F
+
     gen = torch.Generator().manual_seed(seed)
     feats = features(draft, hs)
     s, Q = first_slot(draft), draft.block_size
@@ -267,6 +257,8 @@ def train(draft, target, ids, hs, *, prompt_len: int, steps: int, seed: int, log
 
 def block_golden(draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
     """The block outputs for real context features and an anchor, the greedy path included."""
+    import torch
+
     num = draft.block_size - first_slot(draft)
     with torch.no_grad():
         hs = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
@@ -288,91 +280,60 @@ def block_golden(draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
 
 
 def record_generate(name, draft, target, gen, golden: dict, case: dict, log):
+    import torch
+
     num = draft.block_size - first_slot(draft)
-    prompts, tries = [], 0
-    case.update(prompts=[], max_new_tokens=MAX_NEW, generate=[])
-    while len(prompts) < NUM_PROMPTS:
-        tries += 1
-        if tries > 300:
-            raise RuntimeError(f"{name}: no prompts with margins >= {MIN_MARGIN}")
-        p = torch.randint(0, MASK, ([5, 11, 17][len(prompts)],), generator=gen).tolist()
-        try:
-            toks, acc, dm, tm = generate(draft, target, p, num)
-        except AssertionError:
-            continue
-        if min(dm, tm) < MIN_MARGIN:
-            continue
-        j = len(prompts)
-        prompts.append(p)
-        golden[f"{name}/generate/p{j}/tokens"] = np.asarray(toks, np.int32)
-        golden[f"{name}/generate/p{j}/accept"] = np.asarray(acc, np.int32)
-        case["generate"].append({"prompt": j, "acceptance_lengths": acc, "min_draft_margin": dm,
-                                 "min_target_margin": tm})
-    case["prompts"] = prompts
+
+    def run(p):
+        toks, acc, dm, tm = generate(draft, target, p, num)
+        return min(dm, tm), (toks, acc, dm, tm)
+
+    prompts, runs = record_prompts(name, run, lambda n: torch.randint(0, MASK, (n,), generator=gen).tolist(),
+                                   min_margin=MIN_MARGIN, tries=300, lengths=(5, 11, 17)[:NUM_PROMPTS])
+    case.update(prompts=prompts, max_new_tokens=MAX_NEW, generate=generate_entries(name, runs, golden))
     log(f"{name}: acceptance lengths {[g['acceptance_lengths'] for g in case['generate']]}")
 
 
-def make_draft(name: str, target, target_cfg) -> torch.nn.Module:
+def make_draft(name: str, target, target_cfg):
     cls, kwargs, layers = DRAFTS[name]
+    cls = draft_class(cls)
     layer_cfg = copy.deepcopy(target_cfg)
     layer_cfg.num_hidden_layers = layers
     kwargs = dict(kwargs, mask_token_id=MASK, draft_attn_impl="eager")
     vocab = kwargs.pop("draft_vocab_size", target_cfg.vocab_size)
     t2d = d2t = None
     if vocab != target_cfg.vocab_size:  # the draft vocabulary: the tokens the target's greedy text uses most
-        counts = torch.bincount(target_data.ids.reshape(-1), minlength=target_cfg.vocab_size)
-        keep = torch.sort(torch.argsort(-counts, stable=True)[:vocab]).values
-        d2t = keep - torch.arange(vocab)
-        t2d = torch.zeros(target_cfg.vocab_size, dtype=torch.bool)
-        t2d[keep] = True
-    draft = cls.from_training_args(layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(TARGET_DIR),
+        d2t, t2d = draft_vocab(target_data.ids, target_cfg.vocab_size, vocab)
+    draft = cls.from_training_args(layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(DRAFT_TARGET),
                                    draft_vocab_size=vocab, **kwargs)
     if draft.use_draft_vocab:  # from_training_args fills its head from the verifier's; give it its own
         draft.lm_head.weight.requires_grad_(True)
     return draft.float()
 
 
-def save(draft, name: str) -> None:
-    """``save_pretrained``; then the verifier's path made relative to the draft's directory (no
-    machine path committed) and the library's own config module, which it copies beside the
-    weights, removed (only our data is committed)."""
-    draft.save_pretrained(OUT / name, safe_serialization=True)
-    (OUT / name / "config.py").unlink(missing_ok=True)
-    path = OUT / name / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["speculators_config"]["verifier"]["name_or_path"] = "../../dflash/target"
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
 class target_data:  # noqa: N801  (filled once in main)
-    ids: torch.Tensor
+    ids: object  # torch.Tensor [N, T]
     hs: tuple
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():  # everything but the hand-written README
-        if old.name != "README.md":
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    log = functools.partial(print, flush=True)
-    target = Qwen3ForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(2)
-    prompt_len, total = 8, 56
-    prompts = torch.randint(0, MASK, (256, prompt_len), generator=gen)
-    target_data.ids = target.generate(prompts, max_new_tokens=total - prompt_len, do_sample=False,
-                                      min_new_tokens=total - prompt_len, pad_token_id=0)
+    arguments(__doc__).parse_args()
+    import speculators.models.dflash  # noqa: F401  (the library loaded first, as a top-level import would)
+    import speculators.models.dspark  # noqa: F401
+    import torch
+
+    start(threads=1)
+    target, target_data.ids = draft_target(OUT, num=256, mask=MASK)
     target_data.hs = target(target_data.ids, output_hidden_states=True).hidden_states
     golden: dict[str, np.ndarray] = {}
     cases = []
-    prompt_gen = torch.Generator().manual_seed(3)
-    block_prompt = torch.randint(0, MASK, (BLOCK_CTX,), generator=prompt_gen).tolist()
+    prompt_gen, block_prompt = recorded_prompts(MASK, BLOCK_CTX)
     for i, name in enumerate(DRAFTS):
         draft = make_draft(name, target, target.config)
         reinit_(draft, torch.Generator().manual_seed(10 + i))
         log(f"training {name}")
         with torch.enable_grad():
-            train(draft, target, target_data.ids, target_data.hs, prompt_len=prompt_len, steps=TRAIN_STEPS,
+            train(draft, target, target_data.ids, target_data.hs, prompt_len=TRAIN_PROMPT_LEN, steps=TRAIN_STEPS,
                   seed=20 + i, log=log)
         draft.eval()
         for k, v in block_golden(draft, target, block_prompt).items():
@@ -383,21 +344,15 @@ def main() -> None:
                 "sample_from_anchor": draft.config.sample_from_anchor, "block_prompt": block_prompt,
                 "num_speculative_tokens": draft.config.speculators_config.proposal_methods[0].speculative_tokens}
         record_generate(name, draft, target, prompt_gen, golden, case, log)
-        save(draft, name)
+        save_speculators(draft, OUT / name)
         cases.append(case)
-    np.savez(OUT / "golden.npz", **golden)
     manifest = {
-        "generator": "scripts/make_dspark_golden.py", "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__, "speculators_version": importlib.metadata.version("speculators"),
-        "safetensors_version": safetensors.__version__, "numpy_version": np.__version__,
+        **head(__file__, "torch", "transformers", "speculators", "safetensors", "numpy"),
         "target": "../dflash/target", "mask_token_id": MASK, "min_margin": MIN_MARGIN, "atol": 2e-4, "rtol": 2e-4,
         "cases": cases,
     }
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    log(f"wrote {OUT}")
+    finish(OUT, golden, manifest)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(1)
     main()

@@ -3,9 +3,9 @@
 outputs for jaxspec's tests (tests/data/golden/peagle).
 
 NOT run in CI. It needs torch, transformers and ``speculators`` 0.9.0, in the venv
-scripts/make_dspark_golden.py describes:
+scripts/goldens/dspark.py describes:
 
-    VENV/bin/python scripts/make_peagle_golden.py        # rewrites tests/data/golden/peagle/
+    VENV/bin/python scripts/goldens/peagle.py        # rewrites tests/data/golden/peagle/
 
 The target is the DFlash goldens' tiny Qwen3 (tests/data/golden/dflash/target, read, not
 rewritten). The drafts are ``speculators``' ``PEagleDraftModel`` (``from_training_args``: its
@@ -37,28 +37,20 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.metadata
-import json
 import math
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import transformers
-from transformers import LlamaConfig, Qwen3ForCausalLM
 
-import speculators
-import speculators.models.peagle.core as peagle_core
-from speculators.losses import resolve_loss_config
-from speculators.models.attention import create_float_mask
-from speculators.models.peagle import PEagleDraftModel
-from speculators.models.peagle.attention import create_peagle_mask_mod
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TARGET_DIR = REPO_ROOT / "tests" / "data" / "golden" / "dflash" / "target"
-OUT = REPO_ROOT / "tests" / "data" / "golden" / "peagle"
+from scripts.goldens.common import (  # noqa: E402
+    DRAFT_TARGET, GOLDEN, TRAIN_PROMPT_LEN, arguments, checked_speculative_greedy, draft_target, draft_vocab, f32,
+    finish, generate_entries, head, log, record_prompts, recorded_prompts, save_speculators, smallest_margin, start,
+)
+
+OUT = GOLDEN / "peagle"
 MASK = 255
 MAX_NEW = 32
 NUM_PROMPTS = 3
@@ -66,7 +58,14 @@ MIN_MARGIN = 2e-3
 TRAIN_STEPS = 1000
 DOCS_PER_STEP = 8
 BLOCK_CTX = 11
-LOSS = resolve_loss_config("kl_div", "eager")  # the library's default loss for P-EAGLE, without Triton
+
+
+@functools.cache
+def loss_config():
+    """The library's default loss for P-EAGLE, without Triton."""
+    from speculators.losses import resolve_loss_config
+
+    return resolve_loss_config("kl_div", "eager")
 
 # name -> (layer config kind, draft layers, library kwargs). Taps are HF hidden_states indices.
 DRAFTS = {
@@ -80,19 +79,12 @@ DRAFTS = {
 }
 
 
-def f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def top2_margin(logits: torch.Tensor) -> float:
-    v = torch.topk(logits.float(), 2, dim=-1).values
-    return float((v[..., 0] - v[..., 1]).min())
-
-
-def reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
+def reinit_(model, gen) -> None:
     """Norms 1 + 0.1 N, matrices 1.2 / sqrt(fan_in) N, ``mask_hidden`` N (as the library draws
     it). Leaves what the library loads from the verifier alone (the embedding, which P-EAGLE then
     trains, and the heads)."""
+    import torch
+
     for name, p in model.named_parameters():
         if name.startswith(("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")):
             continue
@@ -112,15 +104,21 @@ def reinit_(model: torch.nn.Module, gen: torch.Generator) -> None:
 # ---------------------------------------------------------------------------------------------- the forward
 
 
-def features(draft, hs) -> torch.Tensor:  # HF hidden_states -> [N, T, F]
+def features(draft, hs):  # HF hidden_states -> [N, T, F]
+    import torch
+
     return torch.cat([hs[a] for a in draft.config.eagle_aux_hidden_state_layer_ids], dim=-1)
 
 
-def rows_forward(draft, feats: torch.Tensor, tokens: torch.Tensor, anchor_pos: torch.Tensor, depth: torch.Tensor):
+def rows_forward(draft, feats, tokens, anchor_pos, depth):
     """``PEagleDraftModel.forward``'s body over chosen rows of one document, without the COD draw
     and the loss: feats [T, F] (row p's target features: those at position p), tokens [T] (row p's
     token: the one at position p + 1), anchor_pos / depth [N]. Returns (hidden [N, H] before the
     final norm, logits [N, Vd])."""
+    import torch
+    from speculators.models.attention import create_float_mask
+    from speculators.models.peagle.attention import create_peagle_mask_mod
+
     orig = anchor_pos + depth
     is_depth_0 = depth == 0
     real = torch.where(is_depth_0, orig, anchor_pos)  # mask rows may sit past the last real row
@@ -148,6 +146,9 @@ def rows_forward(draft, feats: torch.Tensor, tokens: torch.Tensor, anchor_pos: t
 def check_rows_forward_is_the_librarys(draft, feats, tokens, y) -> None:
     """The library's forward over the same rows (its COD draw replaced by ours) produces the
     same logits as ``rows_forward``."""
+    import speculators.models.peagle.core as peagle_core
+    import torch
+
     T = feats.shape[0]
     K = draft.config.speculators_config.proposal_methods[0].speculative_tokens
     anchor_pos = torch.cat([torch.arange(T), torch.full((K - 1,), T - K, dtype=torch.long)])
@@ -158,7 +159,7 @@ def check_rows_forward_is_the_librarys(draft, feats, tokens, y) -> None:
     peagle_core.generate_cod_sample_indices = lambda **_: (anchor_pos, depth)
     try:
         draft(hidden_states=feats[None], input_ids=tokens[None], document_ids=torch.zeros(1, T, dtype=torch.long),
-              verifier_last_hidden_states=y[None], num_depths=K, loss_config=LOSS)
+              verifier_last_hidden_states=y[None], num_depths=K, loss_config=loss_config())
     finally:
         peagle_core.generate_cod_sample_indices = orig_draw
         hook.remove()
@@ -166,67 +167,54 @@ def check_rows_forward_is_the_librarys(draft, feats, tokens, y) -> None:
     torch.testing.assert_close(seen[0][0], ours, atol=1e-5, rtol=1e-5)
 
 
-def to_target(draft, idx: torch.Tensor) -> torch.Tensor:
+def to_target(draft, idx):
     return idx + draft.d2t[idx] if draft.use_draft_vocab else idx
 
 
-def draft_chain(draft, feats: torch.Tensor, ids: list[int], bonus: int, num: int):
+def draft_chain(draft, feats, ids: list[int], bonus: int, num: int):
     """The reference loop's proposal after committed ``ids`` (n tokens) and ``bonus``: the
     anchor row (row n - 1) and ``num - 1`` mask rows. Returns (target ids, hidden [num, H],
     logits of every row [n + num - 1, Vd], min top-2 margin of the drafting rows)."""
+    import torch
+
     n = len(ids)
     tokens = torch.tensor(ids[1:] + [bonus])  # row p consumes the token at p + 1
     anchor_pos = torch.cat([torch.arange(n), torch.full((num - 1,), n - 1, dtype=torch.long)])
     depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, num)])
     hidden, logits = rows_forward(draft, feats[:n], tokens, anchor_pos, depth)
     drafting = logits[n - 1:]
-    return to_target(draft, drafting.argmax(-1)).tolist(), hidden[n - 1:], logits, top2_margin(drafting)
+    return to_target(draft, drafting.argmax(-1)).tolist(), hidden[n - 1:], logits, smallest_margin(drafting)
 
 
 def generate(draft, target, prompt: list[int], num: int):
     """Greedy speculative decoding with the reference loop: (tokens after the prompt, accept
     lengths, min draft margin, min target margin). Checks the output equals the target's own
     greedy output."""
-    ids = list(prompt)
-    with torch.no_grad():
-        bonus = int(target(torch.tensor([ids])).logits[0, -1].argmax())
-    new, accepts, margin = [], [], math.inf
-    while len(new) < MAX_NEW:
+    import torch
+
+    def propose(ids, bonus):
         hs = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
         drafted, _, _, m = draft_chain(draft, features(draft, hs)[0], ids, bonus, num)
-        margin = min(margin, m)
-        verify = target(torch.tensor([ids + [bonus] + drafted])).logits[0, len(ids):]  # after each node
-        pred = verify.argmax(-1).tolist()
-        a = 0
-        while a < num and drafted[a] == pred[a]:
-            a += 1
-        emitted = [bonus] + drafted[:a]
-        ids += emitted
-        new += emitted
-        bonus = pred[a]
-        accepts.append(a + 1)
-    new = new[:MAX_NEW]
-    with torch.no_grad():
-        plain = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0]
-        tlogits = target(plain[None]).logits[0, len(prompt) - 1:-1]
-    if plain[len(prompt):].tolist() != new:
-        raise AssertionError("the reference loop's greedy output differs from the target's")
-    return new, accepts, margin, top2_margin(tlogits)
+        return drafted, m
+
+    return checked_speculative_greedy(target, propose, prompt, num, MAX_NEW)
 
 
 # ---------------------------------------------------------------------------------------------- training
 
 
 class target_data:  # noqa: N801  (filled once in main)
-    ids: torch.Tensor  # [N, T] the target's greedy continuations of random prompts
+    ids: object  # torch.Tensor [N, T] the target's greedy continuations of random prompts
     hs: tuple  # HF hidden_states over them
-    last: torch.Tensor  # [N, T, H] the last layer's output before the final norm
+    last: object  # torch.Tensor [N, T, H] the last layer's output before the final norm
 
 
 def train(draft, *, prompt_len: int, steps: int, seed: int, log) -> None:
     """The library's training forward (its COD sampling and KL loss to the verifier's logits)
     on packed documents, aligned as its data pipeline (``shift_batch``) aligns them: row p holds
     the token at p + 1, the target's features at p and its last hidden state at p + 1."""
+    import torch
+
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     feats = features(draft, target_data.hs)
@@ -241,7 +229,7 @@ def train(draft, *, prompt_len: int, steps: int, seed: int, log) -> None:
         doc = torch.arange(DOCS_PER_STEP).repeat_interleave(T - 1)[None]
         loss_mask = (torch.arange(1, T) >= prompt_len - 1).float().repeat(DOCS_PER_STEP)[None]
         _, loss, metrics = draft(hidden_states=hidden, input_ids=ids, document_ids=doc, loss_mask=loss_mask,
-                                 verifier_last_hidden_states=last, num_depths=K, loss_config=LOSS)
+                                 verifier_last_hidden_states=last, num_depths=K, loss_config=loss_config())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -257,6 +245,8 @@ def train(draft, *, prompt_len: int, steps: int, seed: int, log) -> None:
 def block_golden(draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
     """The rows' outputs after the committed ``prompt`` with the target's greedy next token as the
     bonus: every context row's logits, the anchor and mask rows' hidden and logits, the chain."""
+    import torch
+
     num = draft.config.speculators_config.proposal_methods[0].speculative_tokens
     with torch.no_grad():
         hs = target(torch.tensor([prompt]), output_hidden_states=True)
@@ -269,31 +259,23 @@ def block_golden(draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
 
 
 def record_generate(name, draft, target, gen, golden: dict, case: dict, log):
+    import torch
+
     num = case["num_speculative_tokens"]
-    prompts, tries = [], 0
-    case.update(prompts=[], max_new_tokens=MAX_NEW, generate=[])
-    while len(prompts) < NUM_PROMPTS:
-        tries += 1
-        if tries > 300:
-            raise RuntimeError(f"{name}: no prompts with margins >= {MIN_MARGIN}")
-        p = torch.randint(0, MASK, ([5, 11, 17][len(prompts)],), generator=gen).tolist()
-        try:
-            toks, acc, dm, tm = generate(draft, target, p, num)
-        except AssertionError:
-            continue
-        if min(dm, tm) < MIN_MARGIN:
-            continue
-        j = len(prompts)
-        prompts.append(p)
-        golden[f"{name}/generate/p{j}/tokens"] = np.asarray(toks, np.int32)
-        golden[f"{name}/generate/p{j}/accept"] = np.asarray(acc, np.int32)
-        case["generate"].append({"prompt": j, "acceptance_lengths": acc, "min_draft_margin": dm,
-                                 "min_target_margin": tm})
-    case["prompts"] = prompts
+
+    def run(p):
+        toks, acc, dm, tm = generate(draft, target, p, num)
+        return min(dm, tm), (toks, acc, dm, tm)
+
+    prompts, runs = record_prompts(name, run, lambda n: torch.randint(0, MASK, (n,), generator=gen).tolist(),
+                                   min_margin=MIN_MARGIN, tries=300, lengths=(5, 11, 17)[:NUM_PROMPTS])
+    case.update(prompts=prompts, max_new_tokens=MAX_NEW, generate=generate_entries(name, runs, golden))
     log(f"{name}: acceptance lengths {[g['acceptance_lengths'] for g in case['generate']]}")
 
 
 def layer_config(kind: str, layers: int, target_cfg):
+    from transformers import LlamaConfig
+
     if kind == "qwen3":
         cfg = copy.deepcopy(target_cfg)
         cfg.num_hidden_layers = layers
@@ -305,47 +287,29 @@ def layer_config(kind: str, layers: int, target_cfg):
                        rms_norm_eps=target_cfg.rms_norm_eps)
 
 
-def make_draft(name: str, target_cfg) -> torch.nn.Module:
+def make_draft(name: str, target_cfg):
+    from speculators.models.peagle import PEagleDraftModel
+
     kind, layers, kwargs = DRAFTS[name]
     kwargs = dict(kwargs, mask_token_id=MASK, draft_attn_impl="eager")
     vocab = kwargs.pop("draft_vocab_size", target_cfg.vocab_size)
     t2d = d2t = None
     if vocab != target_cfg.vocab_size:  # the draft vocabulary: the tokens the target's greedy text uses most
-        counts = torch.bincount(target_data.ids.reshape(-1), minlength=target_cfg.vocab_size)
-        keep = torch.sort(torch.argsort(-counts, stable=True)[:vocab]).values
-        d2t = keep - torch.arange(vocab)
-        t2d = torch.zeros(target_cfg.vocab_size, dtype=torch.bool)
-        t2d[keep] = True
+        d2t, t2d = draft_vocab(target_data.ids, target_cfg.vocab_size, vocab)
     draft = PEagleDraftModel.from_training_args(layer_config(kind, layers, target_cfg), t2d=t2d, d2t=d2t,
-                                                verifier_name_or_path=str(TARGET_DIR), draft_vocab_size=vocab,
+                                                verifier_name_or_path=str(DRAFT_TARGET), draft_vocab_size=vocab,
                                                 **kwargs)
     return draft.float()
 
 
-def save(draft, name: str) -> None:
-    """``save_pretrained``, then the verifier's path made relative to the draft's directory and the
-    library's own config module, which it copies beside the weights, removed (only data is committed)."""
-    draft.save_pretrained(OUT / name, safe_serialization=True)
-    (OUT / name / "config.py").unlink(missing_ok=True)
-    path = OUT / name / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["speculators_config"]["verifier"]["name_or_path"] = "../../dflash/target"
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
 def main() -> None:
-    torch.manual_seed(0)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():  # everything but the hand-written README
-        if old.name != "README.md":
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    log = functools.partial(print, flush=True)
-    target = Qwen3ForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(2)
-    prompt_len, total = 8, 56
-    prompts = torch.randint(0, MASK, (256, prompt_len), generator=gen)
-    target_data.ids = target.generate(prompts, max_new_tokens=total - prompt_len, do_sample=False,
-                                      min_new_tokens=total - prompt_len, pad_token_id=0)
+    arguments(__doc__).parse_args()
+    import speculators.models.peagle  # noqa: F401  (the library loaded first, as a top-level import would)
+    import torch
+
+    loss_config()
+    start(threads=1)
+    target, target_data.ids = draft_target(OUT, num=256, mask=MASK)
     seen = []
     hook = target.model.norm.register_forward_hook(lambda m, i, o: seen.append(i[0]))
     target_data.hs = target(target_data.ids, output_hidden_states=True).hidden_states
@@ -353,8 +317,7 @@ def main() -> None:
     target_data.last = seen[0]
     golden: dict[str, np.ndarray] = {}
     cases = []
-    prompt_gen = torch.Generator().manual_seed(3)
-    block_prompt = torch.randint(0, MASK, (BLOCK_CTX,), generator=prompt_gen).tolist()
+    prompt_gen, block_prompt = recorded_prompts(MASK, BLOCK_CTX)
     for i, name in enumerate(DRAFTS):
         draft = make_draft(name, target.config)
         reinit_(draft, torch.Generator().manual_seed(10 + i))
@@ -363,7 +326,7 @@ def main() -> None:
         log(f"training {name}")
         with torch.enable_grad():
             draft.train()
-            train(draft, prompt_len=prompt_len, steps=TRAIN_STEPS, seed=20 + i, log=log)
+            train(draft, prompt_len=TRAIN_PROMPT_LEN, steps=TRAIN_STEPS, seed=20 + i, log=log)
         draft.eval()
         for k, v in block_golden(draft, target, block_prompt).items():
             golden[f"{name}/block/{k}"] = v
@@ -376,21 +339,15 @@ def main() -> None:
                 "draft_vocab_size": cfg.draft_vocab_size, "block_prompt": block_prompt,
                 "num_speculative_tokens": cfg.speculators_config.proposal_methods[0].speculative_tokens}
         record_generate(name, draft, target, prompt_gen, golden, case, log)
-        save(draft, name)
+        save_speculators(draft, OUT / name)
         cases.append(case)
-    np.savez(OUT / "golden.npz", **golden)
     manifest = {
-        "generator": "scripts/make_peagle_golden.py", "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__, "speculators_version": importlib.metadata.version("speculators"),
-        "safetensors_version": safetensors.__version__, "numpy_version": np.__version__,
+        **head(__file__, "torch", "transformers", "speculators", "safetensors", "numpy"),
         "target": "../dflash/target", "mask_token_id": MASK, "min_margin": MIN_MARGIN, "atol": 2e-4, "rtol": 2e-4,
         "train_steps": TRAIN_STEPS, "cases": cases,
     }
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    log(f"wrote {OUT}")
+    finish(OUT, golden, manifest)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(1)
     main()

@@ -4,9 +4,9 @@
 greedy continuations, and an MTP layer per checkpoint with its logits from an independent torch
 implementation of the documented forward.
 
-Not run in CI; it needs torch + transformers (the venv of ``scripts/make_golden.py``):
+Not run in CI; it needs torch + transformers (the venv of ``scripts/goldens/targets.py``):
 
-    VENV/bin/python scripts/make_golden_hybrid.py        # rewrites tests/data/golden/hybrid/
+    VENV/bin/python scripts/goldens/hybrid.py        # rewrites tests/data/golden/hybrid/
 
 Weights: HF initializes the zero-centred norms to 0 (a scale of 1), the shared-expert gate and router
 small; everything is redrawn here so the goldens exercise them: zero-centred norm weights 0.2 N(0, 1),
@@ -29,33 +29,21 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
-import torch
-import transformers
-from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    Qwen3_5Config,
-    Qwen3_5ForCausalLM,
-    Qwen3_5MoeConfig,
-    Qwen3_5MoeForConditionalGeneration,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "tests" / "data" / "golden" / "hybrid"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from scripts.goldens.common import GOLDEN, arguments, head, no_grad, start, text_model, write_json  # noqa: E402
+
+OUT = GOLDEN / "hybrid"
 VOCAB, NEW_TOKENS, MIN_MARGIN, MAX_TRIES = 160, 16, 2e-2, 60
 PROMPT_LENS = (5, 40, 150)
 # Float32 against HF's own chunked rule: the two round differently, more so as the recurrence runs longer.
 ATOL, RTOL = 2e-3, 1e-3
 LIN, FULL = "linear_attention", "full_attention"
-
-torch.set_grad_enabled(False)
 
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
            linear_conv_kernel_dim=4)
@@ -64,6 +52,15 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
 
 
 def cases() -> dict:
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
     return {
         # Six layers, a full-attention layer every third; layer 0 dense (mlp_only_layers), the rest MoE:
         # the period is the whole depth. Written with per-expert tensors, as the hub ships Qwen3-Next.
@@ -93,7 +90,10 @@ def cases() -> dict:
     }
 
 
-def reinit_(model, gen: torch.Generator) -> None:
+@no_grad
+def reinit_(model, gen) -> None:
+    import torch
+
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float32)
 
@@ -119,17 +119,16 @@ def reinit_(model, gen: torch.Generator) -> None:
         p.copy_(new.to(p.dtype))
 
 
-def text_of(model):
-    inner = model.model
-    return inner.language_model if hasattr(inner, "language_model") else inner
-
-
 def capture(model, prompt: list[int]) -> dict:
+    import torch
+
     out = model(torch.tensor([prompt]), output_hidden_states=True)
     return dict(logits=out.logits[0].float(), hidden_final=out.hidden_states[-1][0].float())
 
 
 def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
+    import torch
+
     out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     toks = out.sequences[0, len(prompt):].tolist()
@@ -144,11 +143,15 @@ def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
 
 
 def zc_norm(x, w, eps):
+    import torch
+
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
 
 
 def rope(x, pos, rotary_dim, theta):
+    import torch
+
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     f = pos[:, None].float() * inv[None]
     emb = torch.cat([f, f], dim=-1)
@@ -159,8 +162,10 @@ def rope(x, pos, rotary_dim, theta):
     return torch.cat([xr * cos + rot * sin, xp], dim=-1)
 
 
-def mtp_layer_forward(w: dict, prefix: str, x, pos, tcfg) -> torch.Tensor:
+def mtp_layer_forward(w: dict, prefix: str, x, pos, tcfg):
     """One full-attention decoder layer (gated attention, the target's MLP kind), causal over x [T, H]."""
+    import torch
+
     eps, D = tcfg.rms_norm_eps, tcfg.head_dim
     Hq, Hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
     T = x.shape[0]
@@ -213,9 +218,11 @@ def tcfg_theta(tcfg) -> float:
     return float(rp.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0)))
 
 
-def make_mtp(model, tcfg, n_layers: int, gen: torch.Generator, moe: bool) -> dict[str, torch.Tensor]:
+def make_mtp(model, tcfg, n_layers: int, gen, moe: bool) -> dict:
     """Random MTP tensors in the hub's names (``mtp.*``): fc, the two pre-fc norms, decoder layers of
     the target's kind (gated attention + its MLP), norm."""
+    import torch
+
     H = tcfg.hidden_size
 
     def randn(*shape, std=1.0):
@@ -223,7 +230,7 @@ def make_mtp(model, tcfg, n_layers: int, gen: torch.Generator, moe: bool) -> dic
 
     # A decoder layer's tensors, copied from the model's last full-attention layer then redrawn.
     full = max(i for i, t in enumerate(tcfg.layer_types) if t == FULL)
-    src = {k: v for k, v in text_of(model).layers[full].state_dict().items()}
+    src = {k: v for k, v in text_model(model).layers[full].state_dict().items()}
     w = {"mtp.fc.weight": randn(H, 2 * H, std=1.5 / math.sqrt(2 * H)),
          "mtp.pre_fc_norm_embedding.weight": randn(H, std=0.2), "mtp.pre_fc_norm_hidden.weight": randn(H, std=0.2),
          "mtp.norm.weight": randn(H, std=0.2)}
@@ -239,11 +246,13 @@ def make_mtp(model, tcfg, n_layers: int, gen: torch.Generator, moe: bool) -> dic
     return w
 
 
-def mtp_golden(model, tcfg, w: dict, prompt: list[int], hidden: torch.Tensor, n_layers: int) -> dict:
+def mtp_golden(model, tcfg, w: dict, prompt: list[int], hidden, n_layers: int) -> dict:
     """Step i of the MTP chain feeds layer i % n: inputs (token t + 1, the target's normed hidden at t),
     positions t; every layer keeps its own causal KV over the whole prompt (the engine's layout)."""
+    import torch
+
     eps = tcfg.rms_norm_eps
-    embed = text_of(model).embed_tokens.weight.float()
+    embed = text_model(model).embed_tokens.weight.float()
     head = model.lm_head.weight.float()
     ids = torch.tensor(prompt[1:])
     T = ids.shape[0]
@@ -267,6 +276,8 @@ def mtp_golden(model, tcfg, w: dict, prompt: list[int], hidden: torch.Tensor, n_
 
 def split_experts(case_dir: Path) -> None:
     """Rewrites fused ``experts.gate_up_proj`` / ``down_proj`` as per-expert tensors (the hub layout)."""
+    from safetensors.torch import load_file, save_file
+
     path = case_dir / "model.safetensors"
     t = load_file(path)
     out = {}
@@ -286,6 +297,10 @@ def split_experts(case_dir: Path) -> None:
 
 
 def make_case(name: str, spec: dict) -> dict:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
+
     seed = spec["seed"]
     prompts = None
     for attempt in range(MAX_TRIES):
@@ -341,11 +356,12 @@ def make_case(name: str, spec: dict) -> dict:
 
 
 def main() -> None:
+    arguments(__doc__).parse_args()
+    start()
     OUT.mkdir(parents=True, exist_ok=True)
-    manifest = dict(generator="scripts/make_golden_hybrid.py", transformers_version=transformers.__version__,
-                    torch_version=torch.__version__, safetensors_version=safetensors.__version__,
-                    cases=[make_case(n, s) for n, s in cases().items()])
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = {**head(__file__, "transformers", "torch", "safetensors"),
+                "cases": [make_case(n, s) for n, s in cases().items()]}
+    write_json(OUT / "manifest.json", manifest, indent=2)
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {len(manifest['cases'])} cases to {OUT} ({total / 1e6:.2f} MB)")
 

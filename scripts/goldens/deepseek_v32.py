@@ -1,20 +1,20 @@
 #!/usr/bin/env python
 """Tiny random DeepSeek-V3.2 checkpoints (HF ``DeepseekV32ForCausalLM``) whose sparse attention is
-active, and their goldens: the sibling of ``scripts/make_golden.py`` for DSA.
+active, and their goldens: the sibling of ``scripts/goldens/targets.py`` for DSA.
 
 ``index_topk`` is 8 while prompts and their greedy continuations reach 64 positions, so most query
 rows attend to 8 of the positions they see. Not run in CI (needs torch + transformers); the set-up is
-make_golden.py's:
+targets.py's:
 
-    VENV/bin/python scripts/make_golden_dsa.py     # rewrites tests/data/golden/<case>/, merges manifest.json
+    VENV/bin/python scripts/goldens/deepseek_v32.py     # rewrites tests/data/golden/<case>/, merges manifest.json
 
 Goldens per case (float32): prompt logits (prefill), greedy tokens and the logits of every cached
 decode step (HF's ``DynamicIndexedLayer`` cache), final hidden states, the logits the same model
 gives with the top-k disabled (dense attention: they must differ), and an MTP layer with its own
 indexer run through HF's ``DeepseekV32DecoderLayer`` (HF's model ignores the layer; only its block
-class is used, as make_golden.py does for DeepSeek-V3).
+class is used, as targets.py does for DeepSeek-V3).
 
-Seeds are searched until, besides make_golden.py's greedy and routing margins, every query row that
+Seeds are searched until, besides targets.py's greedy and routing margins, every query row that
 sees more than ``index_topk`` positions (every layer, prompt + greedy tokens, and the MTP block)
 has a gap >= MIN_INDEX_MARGIN between its k-th and (k+1)-th index score: torch and XLA break top-k
 ties differently, and ReLU scores of random weights tie at 0. The smallest gap goes to the manifest.
@@ -22,40 +22,28 @@ ties differently, and ReLU scores of random weights tie at 0. The smallest gap g
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM, GenerationConfig
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
-    DeepseekV32DecoderLayer,
-    DeepseekV32Indexer,
-    apply_rotary_pos_emb,
-)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-from scripts.make_golden import (  # noqa: E402
-    ATOL, DEFAULT_OUT, HIDDEN, INTER, MIN_DISTINCT, MIN_MARGIN, MIN_ROUTING_MARGIN, RTOL, VOCAB, RoutingProbe,
-    config_rope_form, ds_block_state_for_disk, eos_ids, f32, forward_capture, i64, list_files, mtp_forward, reinit_,
-    rewrite_config_classic, top2_margin,
+from scripts.goldens.common import (  # noqa: E402
+    ATOL, GOLDEN, HIDDEN, INTER, MIN_DISTINCT, MIN_MARGIN, MIN_ROUTING_MARGIN, RTOL, VOCAB, arguments,
+    config_rope_form, eos_ids, f32, forward_capture, i64, list_files, make_prompts, reinit_, replace_cases,
+    rewrite_config_classic, start, top2_margin,
 )
+from scripts.goldens.targets import RoutingProbe, mtp_forward, mtp_state, mtp_weights, read_mtp  # noqa: E402
 
 PROMPT_LENS = (14, 27, 40)
 NEW_TOKENS = 24  # the longest prompt reaches 64 positions
 INDEX_TOPK = 8
 MIN_INDEX_MARGIN = 1e-5  # >= 10x the float32 error of an O(1) index score
 MAX_SEED_TRIES = 400
-
-torch.set_grad_enabled(False)
 
 
 class IndexProbe:
@@ -65,12 +53,18 @@ class IndexProbe:
     (``min_margin``), and the smallest one that is not an exact tie (``min_nonzero_margin``)."""
 
     def __init__(self, modules):
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
         self.min_margin = self.min_nonzero_margin = float("inf")
         self.sparse_rows = 0
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in modules
                         if isinstance(m, DeepseekV32Indexer)]
 
     def _hook(self, mod, args, kwargs, picked):
+        import torch
+        import torch.nn.functional as F
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
         hs, q_resid, (cos, sin), mask = args[:4]
         if kwargs.get("past_key_values") is not None:
             return  # cached calls see keys the hook cannot; every row is probed by a no-cache forward
@@ -105,15 +99,13 @@ class IndexProbe:
             h.remove()
 
 
-def make_prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(20_000 + seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
 def greedy_with_logits(model, prompt: list[int], n: int):
     """Greedy continuation through HF's cache (prefill, then one-token decode steps), checked
     against a no-cache teacher-forced forward and generate(). Returns (tokens, smallest top-1
     minus top-2 margin, logits of every decode step f32[n, V])."""
+    import torch
+    from transformers import GenerationConfig
+
     out = model(torch.tensor([prompt]), use_cache=True)
     past, logits = out.past_key_values, out.logits[0, -1]
     toks, steps = [], []
@@ -137,8 +129,11 @@ def greedy_with_logits(model, prompt: list[int], n: int):
     return toks, min(float(top2_margin(steps).min()), float(top2_margin(tf).min())), steps
 
 
-def dense_logits(model, seq: list[int]) -> torch.Tensor:
+def dense_logits(model, seq: list[int]):
     """Logits with every indexer's top-k larger than the context: dense causal MLA."""
+    import torch
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
     indexers = [m for m in model.modules() if isinstance(m, DeepseekV32Indexer)]
     saved = [m.index_topk for m in indexers]
     for m in indexers:
@@ -177,28 +172,35 @@ NOTES_COMMON = [
     "+ greedy_0) is longer than index_topk, so the block's attention is sparse.",
 ]
 
-CASES = {
-    "deepseek_v32_dense": dict(
-        seed=11002, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
-        config=lambda: DeepseekV32Config(**DS32_COMMON, first_k_dense_replace=3, max_position_embeddings=512,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        notes=["All three layers and the MTP layer have dense MLPs. Default RoPE, transformers-5 config form."],
-    ),
-    "deepseek_v32_moe": dict(
-        seed=12000, rope_form="classic", mtp_block="moe", mtp_embed=True,
-        config=lambda: DeepseekV32Config(
-            **DS32_COMMON, first_k_dense_replace=1, max_position_embeddings=256,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-                             "mscale": 1.0, "mscale_all_dim": 1.0}),
-        notes=["Layer 0 dense, layers 1-2 and the MTP layer MoE (as deepseek_v3_moe). YaRN RoPE (the deepseek_v3_moe "
-               "parameters) shared by MLA and the indexer; config.json rewritten to the classic rope_scaling form. "
-               "The MTP layer ships embed_tokens.weight."],
-    ),
-}
+def case_specs() -> dict:
+    from transformers import DeepseekV32Config
+
+    return {
+        "deepseek_v32_dense": dict(
+            seed=11002, rope_form="rope_parameters", mtp_block="dense", mtp_embed=False,
+            config=lambda: DeepseekV32Config(**DS32_COMMON, first_k_dense_replace=3, max_position_embeddings=512,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            notes=["All three layers and the MTP layer have dense MLPs. Default RoPE, transformers-5 config form."],
+        ),
+        "deepseek_v32_moe": dict(
+            seed=12000, rope_form="classic", mtp_block="moe", mtp_embed=True,
+            config=lambda: DeepseekV32Config(
+                **DS32_COMMON, first_k_dense_replace=1, max_position_embeddings=256,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0}),
+            notes=["Layer 0 dense, layers 1-2 and the MTP layer MoE (as deepseek_v3_moe). YaRN RoPE (the deepseek_v3_moe "
+                   "parameters) shared by MLA and the indexer; config.json rewritten to the classic rope_scaling form. "
+                   "The MTP layer ships embed_tokens.weight."],
+        ),
+    }
 
 
 def build(spec: dict, seed: int):
+    import torch
+    from transformers import DeepseekV32ForCausalLM
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
+
     torch.manual_seed(seed)
     cfg = spec["config"]()
     cfg._attn_implementation = "eager"
@@ -210,18 +212,14 @@ def build(spec: dict, seed: int):
     block_cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse" if spec["mtp_block"] == "moe" else "dense"]
     block = DeepseekV32DecoderLayer(block_cfg, layer_idx=n).eval()
     reinit_(block, gen)
-    mtp_w = {
-        "enorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-        "hnorm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-        "eh_proj.weight": 1.5 / math.sqrt(2 * HIDDEN) * torch.randn(HIDDEN, 2 * HIDDEN, generator=gen),
-        "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-        "shared_head.head.weight": model.lm_head.weight.detach().clone(),
-    }
+    mtp_w = mtp_weights(model, gen)
     return model, block, block_cfg, mtp_w
 
 
 def goldens(model, block, mtp_w, prompts):
     """Every golden array of a case, and its margins (-inf when a continuation is degenerate)."""
+    import torch
+
     arrays, margin, greedies = {}, float("inf"), []
     routing = RoutingProbe(list(model.modules()) + list(block.modules()))
     index = IndexProbe(list(model.modules()) + list(block.modules()))
@@ -253,10 +251,12 @@ def goldens(model, block, mtp_w, prompts):
 
 
 def make_case(out: Path, name: str, spec: dict) -> dict:
+    from safetensors.torch import load_file, save_file
+
     for attempt in range(MAX_SEED_TRIES):
         seed = spec["seed"] + attempt
         model, block, block_cfg, mtp_w = build(spec, seed)
-        prompts = make_prompts(seed)
+        prompts = make_prompts(seed, lengths=PROMPT_LENS, offset=20_000)
         arrays, margin, routing_margin, index_margin, sparse_rows, greedies = goldens(model, block, mtp_w, prompts)
         print(f"  {name} seed {seed}: greedy margin {margin:.3g}, routing {routing_margin:.3g}, "
               f"index {index_margin:.3g}", flush=True)
@@ -275,12 +275,9 @@ def make_case(out: Path, name: str, spec: dict) -> dict:
     n_layers = model.config.num_hidden_layers
     pfx = f"model.layers.{n_layers}."
     assert not any(k.startswith(pfx) for k in state)
-    mtp_state = ds_block_state_for_disk(block, pfx)
-    mtp_state.update({pfx + k: v.contiguous() for k, v in mtp_w.items()})
-    if spec["mtp_embed"]:
-        mtp_state[pfx + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
-    assert pfx + "self_attn.indexer.wq_b.weight" in mtp_state
-    state.update(mtp_state)
+    mtp = mtp_state(model, block, mtp_w, pfx, embed=spec["mtp_embed"])
+    assert pfx + "self_attn.indexer.wq_b.weight" in mtp
+    state.update(mtp)
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, st_path, metadata={"format": "pt"})
     if spec["rope_form"] == "classic":
         rewrite_config_classic(case_dir, strip=("head_dim", "qk_head_dim"))
@@ -311,6 +308,10 @@ def make_case(out: Path, name: str, spec: dict) -> dict:
 def reload_check(case_dir: Path, arrays: dict, prompts, block_cfg, mtp_w) -> None:
     """The saved files reproduce every golden: the model through AutoModelForCausalLM, the MTP
     block rebuilt from the safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
+
     m = AutoModelForCausalLM.from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager").eval()
     for i, p in enumerate(prompts):
         cap = forward_capture(m, p)
@@ -319,16 +320,9 @@ def reload_check(case_dir: Path, arrays: dict, prompts, block_cfg, mtp_w) -> Non
         assert toks == arrays[f"greedy_{i}"].tolist(), f"reloaded greedy_{i} differs"
         assert float(np.abs(f32(steps) - arrays[f"decode_logits_{i}"]).max()) <= 1e-4  # cached decode: f32 noise
     n = m.config.num_hidden_layers
-    pfx = f"model.layers.{n}."
-    sd = {k[len(pfx):]: v for k, v in load_file(case_dir / "model.safetensors").items() if k.startswith(pfx)}
-    w = {k: sd.pop(k) for k in list(mtp_w)}
-    sd.pop("embed_tokens.weight", None)
-    if block_cfg.mlp_layer_types[n] == "sparse":
-        e = m.config.n_routed_experts
-        sd["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([sd.pop(f"mlp.experts.{i}.gate_proj.weight"), sd.pop(f"mlp.experts.{i}.up_proj.weight")])
-             for i in range(e)])
-        sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{i}.down_proj.weight") for i in range(e)])
+    sparse = block_cfg.mlp_layer_types[n] == "sparse"
+    sd, w = read_mtp(case_dir / "model.safetensors", f"model.layers.{n}.", mtp_w,
+                     m.config.n_routed_experts if sparse else None)
     cfg = copy.deepcopy(m.config)
     cfg.mlp_layer_types = list(block_cfg.mlp_layer_types)
     blk = DeepseekV32DecoderLayer(cfg, layer_idx=n).eval()
@@ -340,13 +334,12 @@ def reload_check(case_dir: Path, arrays: dict, prompts, block_cfg, mtp_w) -> Non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args()
+    args = arguments(__doc__, out=GOLDEN).parse_args()
+    start()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     cases = []
-    for name, spec in CASES.items():
+    for name, spec in case_specs().items():
         if (out / name).exists():
             shutil.rmtree(out / name)
         cases.append(make_case(out, name, spec))
@@ -355,11 +348,7 @@ def main() -> None:
               f"{c['min_routing_margin']}, index margin {c['index']['min_index_margin']:.2e} over "
               f"{c['index']['sparse_rows_checked']} sparse rows, dense-vs-sparse logit diff "
               f"{min(c['index']['dense_max_abs_logit_diff']):.3f}")
-    path = out / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.exists() else {"generator": "scripts/make_golden.py", "cases": []}
-    names = {c["name"] for c in cases}
-    manifest["cases"] = [c for c in manifest["cases"] if c["name"] not in names] + cases
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    replace_cases(out, cases)
 
 
 if __name__ == "__main__":

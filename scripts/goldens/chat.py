@@ -2,9 +2,9 @@
 """Records the chat-template golden: tokenizer directories with their own chat templates (written for
 these tests, in the styles checkpoints use) and what HF ``transformers`` renders from them.
 
-Not run in CI; it needs transformers (the venv of ``scripts/make_golden.py``):
+Not run in CI; it needs transformers (the venv of ``scripts/goldens/targets.py``):
 
-    VENV/bin/python scripts/make_chat_golden.py        # rewrites tests/data/chat/
+    VENV/bin/python scripts/goldens/chat.py        # rewrites tests/data/chat/
 
 Each directory under ``tests/data/chat/`` holds one small byte-level BPE ``tokenizer.json`` (trained
 here on a fixed text, with the special tokens the templates write added) and a template in one of the
@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-import tokenizers
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "tests" / "data" / "chat"
+from scripts.goldens.common import REPO_ROOT, arguments, head, write_json  # noqa: E402
+
+OUT = REPO_ROOT / "tests" / "data" / "chat"
 
 SPECIAL = ["<s>", "</s>", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>",
            "<|start_header_id|>", "<|end_header_id|>", "[INST]", "[/INST]"]
@@ -146,7 +145,9 @@ RUNS = [
 ]
 
 
-def train_tokenizer() -> Tokenizer:
+def train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -156,12 +157,12 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def added_tokens_decoder(tok: Tokenizer) -> dict:
+def added_tokens_decoder(tok) -> dict:
     return {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                       "single_word": False, "special": True} for t in SPECIAL}
 
 
-def write_dirs(tok: Tokenizer) -> None:
+def write_dirs(tok) -> None:
     if OUT.exists():
         shutil.rmtree(OUT)
     base = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
@@ -193,6 +194,9 @@ def write_dirs(tok: Tokenizer) -> None:
 
 
 def main() -> None:
+    arguments(__doc__).parse_args()
+    from transformers import AutoTokenizer
+
     tok = train_tokenizer()
     write_dirs(tok)
     records = []
@@ -211,10 +215,9 @@ def main() -> None:
                 records.append(rec)
         print(f"{directory:14s} {name or 'default':8s} {sorted(extra)}: "
               f"{sum('error' in r for r in records if r['dir'] == directory and r['template'] == name)} refusals")
-    golden = dict(generator="scripts/make_chat_golden.py", transformers_version=transformers.__version__,
-                  tokenizers_version=tokenizers.__version__, vocab_size=tok.get_vocab_size(),
+    golden = dict(**head(__file__, "transformers", "tokenizers"), vocab_size=tok.get_vocab_size(),
                   conversations=CONVERSATIONS, tools=TOOLS, documents=DOCUMENTS, records=records)
-    (OUT / "golden.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    write_json(OUT / "golden.json", golden, indent=1, ensure_ascii=False)
     print(f"wrote {len(records)} records to {OUT / 'golden.json'}")
 
 

@@ -3,9 +3,9 @@
 target's checkpoint, ``dspark_*`` config fields) on the tiny V4 golden target, and its goldens from an
 independent torch forward written from DeepSeek's documented one.
 
-Not run in CI (needs torch + transformers; the set-up of scripts/make_golden.py):
+Not run in CI (needs torch + transformers; the set-up of scripts/goldens/deepseek_v4.py):
 
-    VENV/bin/python scripts/make_golden_v4_dspark.py    # writes tests/data/golden/deepseek_v4_dspark/
+    VENV/bin/python scripts/goldens/deepseek_v4_dspark.py    # writes tests/data/golden/deepseek_v4_dspark/
 
 The target is tests/data/golden/deepseek_v4 (read, not rewritten; its MTP layer ``mtp.0.*`` is left out
 here). The draft: 3 stages, each an HF ``DeepseekV4DecoderLayer`` (sliding attention, top-k MoE with
@@ -22,7 +22,7 @@ shared expert) holding the weights; taps = the outputs of target layers 1, 2, 3;
     h = hc_head(x) (the last stage's);  logits_k = lm_head(RMSNorm(h_k, norm)) + W2 W1[prev_k]
     confidence_k = proj([h_k, W1[prev_k]]),  prev_0 = the anchor, prev_k = the token drafted at k - 1
 
-Random weights as in make_golden_v4.py (sinks, biases and hyper-connection weights included). So that
+Random weights as in deepseek_v4.py (sinks, biases and hyper-connection weights included). So that
 acceptance varies, the Markov head is set to the target's own bigram statistics over the golden
 prompts' greedy continuations (``W1`` a random invertible [V, V] embedding, ``W2`` solving
 ``W2 W1[a] = 12 * P(b | a)``); the backbone breaks ties. Seeds are searched until every drafted slot's
@@ -39,24 +39,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import functools
 import math
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, apply_rotary_pos_emb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-from scripts.make_golden import DEFAULT_OUT, f32, i64, list_files, top2_margin  # noqa: E402
-from scripts.make_golden_v4 import Probes, published_block_state, randomize_  # noqa: E402
+from scripts.goldens.common import (  # noqa: E402
+    GOLDEN, arguments, f32, generator, i64, list_files, speculative_greedy, start, top2_margin, write_json,
+)
+from scripts.goldens.deepseek_v4 import Probes, published_block_state, randomize_  # noqa: E402
 
-TARGET = DEFAULT_OUT / "deepseek_v4"
+TARGET = GOLDEN / "deepseek_v4"
 NAME = "deepseek_v4_dspark"
 BIGRAM_SCALE = 12.0
 MAX_NEW = 24
@@ -64,8 +62,6 @@ CONTEXT = 20  # the block golden's context length (> the window of 8)
 MIN_DRAFT_MARGIN = 2e-3
 MIN_ROUTING_MARGIN = 1e-4
 MAX_SEED_TRIES = 200
-
-torch.set_grad_enabled(False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +77,20 @@ class Shape:
 
 
 def rms(x, w, eps):
+    import torch
+
     xf = x.float()
     return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
-class DSpark(torch.nn.Module):
-    """The draft's weights: stages (HF decoder layers) and DeepSeek's first- and last-stage tensors."""
+class DSpark:
+    """The draft's weights: stages (HF decoder layers) and DeepSeek's first- and last-stage tensors;
+    ``gen`` the torch.Generator that draws them, ``bigram`` [V, V] the Markov head's target."""
 
-    def __init__(self, model, gen: torch.Generator, bigram: torch.Tensor, shape: Shape):
-        super().__init__()
+    def __init__(self, model, gen, bigram, shape: Shape):
+        import torch
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
         cfg = model.config
         STAGES, TAPS, RANK = shape.stages, shape.taps, shape.rank
         self.shape = shape
@@ -114,7 +115,7 @@ class DSpark(torch.nn.Module):
         }
         self.cfg = cfg
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def state(self) -> dict:
         """DeepSeek's published names."""
         last, w = f"mtp.{self.shape.stages - 1}.", self.w
         out = {"mtp.0.main_proj.weight": w["main_proj"], "mtp.0.main_norm.weight": w["main_norm"],
@@ -129,8 +130,10 @@ class DSpark(torch.nn.Module):
         return {k: v.contiguous() for k, v in out.items()}
 
 
-def taps_of(model, seq: list[int], taps: tuple[int, ...]) -> torch.Tensor:
+def taps_of(model, seq: list[int], taps: tuple[int, ...]):
     """The outputs of the tapped target layers over ``seq``: [T, n, N, H]."""
+    import torch
+
     got = {}
     hooks = [model.model.layers[l].register_forward_hook(lambda m, a, y, l=l: got.__setitem__(l, y.detach()[0]))
              for l in taps]
@@ -140,39 +143,60 @@ def taps_of(model, seq: list[int], taps: tuple[int, ...]) -> torch.Tensor:
     return torch.stack([got[l] for l in taps], dim=1)
 
 
-def main_x_of(draft: DSpark, taps: torch.Tensor) -> torch.Tensor:  # [T, n, N, H] -> [T, H]
+def main_x_of(draft: DSpark, taps):  # [T, n, N, H] -> [T, H]
+    import torch.nn.functional as F
+
     eps = draft.cfg.rms_norm_eps
     return rms(F.linear(taps.mean(dim=2).flatten(1), draft.w["main_proj"]), draft.w["main_norm"], eps)
 
 
-class Attention(torch.nn.Module):
-    """A stage's DSpark attention around the HF layer's projections: every block query sees the
-    context rows, every block row and the sink."""
+@functools.cache
+def attention_class():
+    """The module that stands in for a stage's ``self_attn`` (a torch.nn.Module, made on first use)."""
+    import torch
 
-    def __init__(self, attn, ctx_kv: torch.Tensor, rope_blk):
-        super().__init__()
-        self.attn, self.ctx_kv, self.rope_blk = attn, ctx_kv, rope_blk  # ctx_kv [1, 1, C, D]
+    class Attention(torch.nn.Module):
+        """A stage's DSpark attention around the HF layer's projections: every block query sees the
+        context rows, every block row and the sink."""
 
-    def forward(self, hidden_states, **kwargs):
-        a, (cos, sin) = self.attn, self.rope_blk
-        B, Q, _ = hidden_states.shape
-        q = a.q_b_proj(a.q_a_norm(a.q_a_proj(hidden_states))).view(B, Q, -1, a.head_dim).transpose(1, 2)
-        q = apply_rotary_pos_emb(a.q_b_norm(q), cos, sin)  # [B, Hq, Q, D]
-        kv = a.kv_norm(a.kv_proj(hidden_states)).view(B, Q, 1, a.head_dim).transpose(1, 2)
-        kv = apply_rotary_pos_emb(kv, cos, sin)  # [B, 1, Q, D]
-        keys = torch.cat([self.ctx_kv, kv], dim=2)  # [B, 1, C + Q, D]
-        s = torch.matmul(q, keys.transpose(2, 3)) * a.scaling  # [B, Hq, Q, C + Q]
-        sinks = a.sinks.reshape(1, -1, 1, 1).expand(B, -1, Q, 1)
-        p = torch.softmax(torch.cat([s, sinks], dim=-1), dim=-1)[..., :-1]
-        o = torch.matmul(p, keys)  # [B, Hq, Q, D]
-        o = apply_rotary_pos_emb(o, cos, -sin)  # the values' RoPE undone at the query's position
-        grouped = a.o_a_proj(o.transpose(1, 2).reshape(B, Q, a.config.o_groups, -1)).flatten(2)
-        return a.o_b_proj(grouped), None
+        def __init__(self, attn, ctx_kv, rope_blk):
+            super().__init__()
+            self.attn, self.ctx_kv, self.rope_blk = attn, ctx_kv, rope_blk  # ctx_kv [1, 1, C, D]
+
+        forward = attention_forward
+
+    return Attention
 
 
-def block_forward(model, draft: DSpark, main_x: torch.Tensor, anchor: int, start: int):
+def attention_forward(self, hidden_states, **kwargs):
+    """``Attention.forward``: queries of the block at its RoPE positions over the context rows, the
+    block's own rows and the sink; the output's RoPE undone, the grouped output projection."""
+    import torch
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    a, (cos, sin) = self.attn, self.rope_blk
+    B, Q, _ = hidden_states.shape
+    q = a.q_b_proj(a.q_a_norm(a.q_a_proj(hidden_states))).view(B, Q, -1, a.head_dim).transpose(1, 2)
+    q = apply_rotary_pos_emb(a.q_b_norm(q), cos, sin)  # [B, Hq, Q, D]
+    kv = a.kv_norm(a.kv_proj(hidden_states)).view(B, Q, 1, a.head_dim).transpose(1, 2)
+    kv = apply_rotary_pos_emb(kv, cos, sin)  # [B, 1, Q, D]
+    keys = torch.cat([self.ctx_kv, kv], dim=2)  # [B, 1, C + Q, D]
+    s = torch.matmul(q, keys.transpose(2, 3)) * a.scaling  # [B, Hq, Q, C + Q]
+    sinks = a.sinks.reshape(1, -1, 1, 1).expand(B, -1, Q, 1)
+    p = torch.softmax(torch.cat([s, sinks], dim=-1), dim=-1)[..., :-1]
+    o = torch.matmul(p, keys)  # [B, Hq, Q, D]
+    o = apply_rotary_pos_emb(o, cos, -sin)  # the values' RoPE undone at the query's position
+    grouped = a.o_a_proj(o.transpose(1, 2).reshape(B, Q, a.config.o_groups, -1)).flatten(2)
+    return a.o_b_proj(grouped), None
+
+
+def block_forward(model, draft: DSpark, main_x, anchor: int, start: int):
     """main_x [start, H] (context rows at 0..start-1) -> (h [Q, H] pre-norm, base logits [Q, V], per stage
     context rows [C, D])."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
     cfg = model.config
     W, N = cfg.sliding_window, cfg.hc_mult
     lo, BLOCK = max(0, start - W), draft.shape.block
@@ -188,7 +212,7 @@ def block_forward(model, draft: DSpark, main_x: torch.Tensor, anchor: int, start
         ctx = apply_rotary_pos_emb(ctx, *rope_ctx)
         ctx_rows.append(ctx[0, 0])
         orig = st.self_attn
-        st.self_attn = Attention(orig, ctx, rope_blk)
+        st.self_attn = attention_class()(orig, ctx, rope_blk)
         try:
             x = st(x, input_ids=tokens)
         finally:
@@ -203,6 +227,9 @@ def block_forward(model, draft: DSpark, main_x: torch.Tensor, anchor: int, start
 
 def draft_block(model, draft: DSpark, main_x, anchor: int, start: int):
     """The block and the Markov-corrected greedy choice, slot by slot."""
+    import torch
+    import torch.nn.functional as F
+
     h, base, ctx_rows = block_forward(model, draft, main_x, anchor, start)
     w = draft.w
     prev, path, biases, logits, margin, prevs = anchor, [], [], [], math.inf, []
@@ -222,31 +249,23 @@ def draft_block(model, draft: DSpark, main_x, anchor: int, start: int):
 
 def generate(model, draft: DSpark, prompt: list[int], greedy: list[int]):
     """Greedy speculative decoding with the reference loop: (tokens, accept lengths, min draft margin)."""
-    ids, BLOCK = list(prompt), draft.shape.block
-    bonus = int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
-    new, accepts, margin = [], [], math.inf
-    while len(new) < MAX_NEW:
-        main_x = main_x_of(draft, taps_of(model, ids, draft.shape.taps))  # context rows at 0 .. len(ids) - 1
-        out, m = draft_block(model, draft, main_x, bonus, len(ids))
-        margin = min(margin, m)
-        drafted = out["path"]
-        pred = model(torch.tensor([ids + [bonus] + drafted]), use_cache=False).logits[0, len(ids):].argmax(-1).tolist()
-        a = 0
-        while a < BLOCK and drafted[a] == pred[a]:
-            a += 1
-        emitted = [bonus] + drafted[:a]
-        ids += emitted
-        new += emitted
-        bonus = pred[a]
-        accepts.append(a + 1)
-    new = new[:MAX_NEW]
+    import torch
+
+    def propose(ids, bonus):  # context rows at 0 .. len(ids) - 1
+        out, m = draft_block(model, draft, main_x_of(draft, taps_of(model, ids, draft.shape.taps)), bonus, len(ids))
+        return out["path"], m
+
+    new, accepts, margin = speculative_greedy(lambda seq: model(torch.tensor([seq]), use_cache=False).logits[0],
+                                              propose, prompt, draft.shape.block, MAX_NEW)
     if new != greedy:
         raise AssertionError("the reference loop's greedy output differs from the target's")
     return new, accepts, margin
 
 
-def bigram(golden, vocab: int) -> torch.Tensor:
+def bigram(golden, vocab: int):
     """P(b | a) over the golden prompts' greedy continuations (each prompt's last token included)."""
+    import torch
+
     counts = torch.zeros(vocab, vocab)
     for i in range(3):
         seq = [int(golden[f"prompt_{i}"][-1])] + golden[f"greedy_{i}"].tolist()
@@ -259,12 +278,15 @@ def write_case(out_dir: Path, model, golden: dict, shape: Shape, seed_base: int,
     """Searches seeds from ``seed_base`` for a draft of ``shape`` with the required margins; writes the
     target's weights (its MTP layer left out) with the draft's stages, the config and ``golden.npz`` to
     ``out_dir``; returns the manifest."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     cfg = model.config
     table = bigram(golden, cfg.vocab_size)
     for attempt in range(MAX_SEED_TRIES):
         seed = seed_base + attempt
         draft = DSpark(model, torch.Generator().manual_seed(seed), table, shape)
-        probes = Probes(list(draft.modules()), cfg.index_topk, 2)
+        probes = Probes(list(draft.stages.modules()), cfg.index_topk, 2)
         try:
             arrays, accepts, margin = {}, [], math.inf
             for i in range(3):
@@ -300,10 +322,10 @@ def write_case(out_dir: Path, model, golden: dict, shape: Shape, seed_base: int,
     raw.update({"n_mtp_layers": shape.stages, "dspark_block_size": shape.block, "dspark_noise_token_id": shape.noise,
                 "dspark_target_layer_ids": list(shape.taps), "dspark_markov_rank": shape.rank,
                 "enable_confidence_head": shape.confidence})
-    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_json(out_dir / "config.json", raw, indent=2)
     np.savez(out_dir / "golden.npz", **arrays)
     manifest = {
-        "generator": "scripts/make_golden_v4_dspark.py", "target": "tests/data/golden/deepseek_v4 (its mtp.0 left out)",
+        "generator": generator(__file__), "target": "tests/data/golden/deepseek_v4 (its mtp.0 left out)",
         "seed": seed, "stages": shape.stages, "block_size": shape.block, "noise_token": shape.noise,
         "target_layer_ids": list(shape.taps), "markov_rank": shape.rank, "confidence_head": shape.confidence,
         "context": CONTEXT, "min_draft_margin": margin, "min_routing_margin": probes.routing_margin,
@@ -314,18 +336,23 @@ def write_case(out_dir: Path, model, golden: dict, shape: Shape, seed_base: int,
                   "taps: outputs of the target layers (HF layer forward hooks), flattened [n, N * H]."],
     }
     manifest["files"] = sorted(["manifest.json"] + list_files(out_dir))
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(out_dir / "manifest.json", manifest, indent=2)
     return manifest
 
 
 def load_target():
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32, attn_implementation="eager").eval()
     return model, dict(np.load(TARGET / "golden.npz"))
 
 
 def main() -> None:
+    arguments(__doc__).parse_args()
+    start()
     model, golden = load_target()
-    m = write_case(DEFAULT_OUT / NAME, model, golden, Shape(), 61_000, log=lambda s: print(s, flush=True))
+    m = write_case(GOLDEN / NAME, model, golden, Shape(), 61_000, log=lambda s: print(s, flush=True))
     print(f"{NAME}: seed {m['seed']}, draft margin {m['min_draft_margin']:.4f}, routing margin "
           f"{m['min_routing_margin']:.2e}, acceptance lengths {m['acceptance_lengths']}")
 
