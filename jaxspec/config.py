@@ -413,9 +413,9 @@ class EngineConfig:
         fixed-tile kernel, attention over fixed KV tiles from position 0), so a row's logits are bit
         for bit the same in a decode step, in any row of a verify, in a prefill, in a batch of any
         size and order: greedy speculative output equals plain greedy output bit for bit in bf16
-        too, tokens and log-probabilities. Off by default (it costs time: docs/architecture.md#the-
-        exact-mode). Refused, naming why, for a mesh and for targets whose layers the mode does
-        not cover yet.
+        too, tokens and log-probabilities. Off by default (it costs time; see
+        docs/architecture.md#the-exact-mode). Refused, naming why, for a mesh and for targets whose
+        layers the mode does not cover yet.
     """
 
     page_size: int = 16

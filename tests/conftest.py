@@ -163,10 +163,20 @@ def pytest_sessionfinish(session, exitstatus):
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="also run the exhaustive matrices (tests marked exhaustive; outside the default run)")
+
+
 def pytest_collection_modifyitems(config, items):
     # The tests that wait for a background job run last (stable sort: the rest keep their order), so
     # the workers run everything else while the jobs run.
     items.sort(key=lambda item: getattr(getattr(item, "module", None), "BACKGROUND_JOB", None) is not None)
+    if not config.getoption("--exhaustive"):
+        wide = pytest.mark.skip(reason="an exhaustive matrix: run with --exhaustive")
+        for item in items:
+            if "exhaustive" in item.keywords:
+                item.add_marker(wide)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -304,6 +304,9 @@ def errors():
         "too_many_devices": lambda: js.make_mesh(tensor_parallel=8),
         "heads_not_divisible": lambda: js.load_model(path, dtype="float32", progress=False,
                                                      mesh=js.make_mesh(tensor_parallel=3)),
+        "exact_on_a_mesh": lambda: js.Engine(js.load_model(path, dtype="bfloat16", progress=False,
+                                                           mesh=js.make_mesh(tensor_parallel=2)),
+                                             engine=js.EngineConfig(exact=True)),
     }.items():
         try:
             fn()

@@ -126,6 +126,8 @@ def test_bad_meshes_are_refused_before_device_work(results):
     assert "needs jax.distributed.initialize() on every host before make_mesh" in r["too_many_devices"]
     assert "num_attention_heads 4 is not divisible by tensor_parallel 3" in r["heads_not_divisible"]
     assert "vocab_size" not in r["heads_not_divisible"]  # any vocabulary is padded
+    # The exact mode on TP=2: the all-reduce's order is the collective's, so it is refused.
+    assert "EngineConfig(exact=True) runs on one device" in r["exact_on_a_mesh"]
 
 
 @pytest.mark.parametrize("name,runs", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.engine.engine import _check_exact
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.checkpoints.checkpoint import read_config
+from jaxspec.model.checkpoints.loader import target_family
 from jaxspec.model.targets import Model, create_target_pool, exact_support, target_forward, target_logits
 from tests.conftest import PROMPTS_4, TINY, tiny_model
 from tests.spec.test_lossless import drafts
@@ -95,47 +97,50 @@ def test_the_default_kernels_are_not_bit_exact():
     assert not all(np.array_equal(lg, ref) for lg in ways.values())
 
 
+GREEDY = js.SamplingParams(max_new_tokens=20, logprobs=2)
+
+
 @functools.cache
 def plain(page: int, **engine):
     eng = js.EngineConfig(page_size=page, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True, **engine)
-    return js.generate(bf16_target(), PROMPTS_4, sampling=js.SamplingParams(max_new_tokens=20, logprobs=2), engine=eng)
+    return js.generate(bf16_target(), PROMPTS_4, sampling=GREEDY, engine=eng)
 
 
-CASES = [  # (draft, spec, page, engine extras): chain and tree, pages 1 and 16, preemption, prefix cache
+CASES = [  # (draft, spec, page, engine extras): chain and tree, pages 1 and 16, preemption
     ("eagle3", js.SpecConfig.chain(3), 16, {}),
     ("perturbed", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), 1, {}),
     ("ngram", js.SpecConfig.chain(3), 1, dict(preempt_every=1, steps_per_call=2)),
-    ("perturbed", js.SpecConfig.chain(2), 16, dict(prefix_cache=True)),
 ]
+def assert_same_bits(out, ref):
+    assert out.token_ids == ref.token_ids
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("draft,spec,page,extra", CASES,
-                         ids=["eagle3-chain-p16", "tree-p1", "ngram-preempt-p1", "prefix-cache-p16"])
+@pytest.mark.parametrize("draft,spec,page,extra", CASES, ids=["eagle3-chain-p16", "tree-p1", "ngram-preempt-p1"])
 def test_speculative_greedy_equals_plain_greedy_bit_for_bit(draft, spec, page, extra):
     target = bf16_target()
     d = js.NgramDraft() if draft == "ngram" else drafts(target)[draft]
     eng = js.EngineConfig(**{**dict(page_size=page, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True),
                              **extra})
-    prompts = PROMPTS_4
-    if extra.get("prefix_cache"):  # requests sharing a prompt's first page, so later ones hit the cache
-        prompts = [PROMPTS_4[2] + p for p in PROMPTS_4]
-    out = js.generate(target, prompts, draft=d, spec=spec, sampling=js.SamplingParams(max_new_tokens=20, logprobs=2),
-                      engine=eng)
-    ref = plain(page) if not extra.get("prefix_cache") else js.generate(
-        target, prompts, sampling=js.SamplingParams(max_new_tokens=20, logprobs=2),
-        engine=js.EngineConfig(page_size=page, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True))
-    assert out.token_ids == ref.token_ids
-    for a, b in zip(out.logprobs, ref.logprobs):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    out = js.generate(target, PROMPTS_4, draft=d, spec=spec, sampling=GREEDY, engine=eng)
+    assert_same_bits(out, plain(page))
     if extra.get("preempt_every"):
         assert sum(s.preemptions for s in out.stats) > 0
-    if extra.get("prefix_cache"):
-        assert sum(s.cached_tokens for s in out.stats) > 0
 
 
-class _Mesh:  # what _check_exact reads of a mesh
-    class devices:
-        size = 2
+def test_prefix_cache_hits_change_no_bit():
+    """A persistent engine's second call finds the first call's prompt pages (one page of a
+    shared 26-token prefix): its chain output equals plain greedy without a cache, bit for bit."""
+    target = bf16_target()
+    prompts = [PROMPT + p for p in PROMPTS_4]
+    cfg = js.EngineConfig(page_size=P, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True)
+    engine = js.Engine(target, draft=drafts(target)["perturbed"], spec=js.SpecConfig.chain(2),
+                       engine=dataclasses.replace(cfg, prefix_cache=True))
+    engine.generate(prompts[:1], sampling=GREEDY)
+    out = engine.generate(prompts, sampling=GREEDY)
+    assert sum(s.cached_tokens for s in out.stats) >= len(prompts) * P
+    assert_same_bits(out, js.generate(target, prompts, sampling=GREEDY, engine=dataclasses.replace(cfg, prefix_cache=False)))
 
 
 @pytest.mark.parametrize("cfg,match", [
@@ -147,14 +152,28 @@ def test_what_the_mode_does_not_cover_is_refused_by_name(cfg, match):
     model = tiny_model(cfg=cfg)
     with pytest.raises(ValueError, match=match):
         js.Engine(model, engine=js.EngineConfig(exact=True))
-    with pytest.raises(ValueError, match="one device"):
-        _check_exact(tiny_model(), _Mesh())
+    # A mesh is refused too: tests/mesh/test_mesh.py::test_bad_meshes_are_refused_before_device_work.
 
 
-def test_other_families_are_refused_by_name():
-    from tests.model.targets.test_golden_deepseek import v32_model  # a DeepSeek-V3.2 (MLA + DSA) target
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "golden")
 
-    cfg, params = v32_model()
-    model = Model(config=cfg, params=params, dtype=np.dtype(np.float32), eos_token_ids=())
-    with pytest.raises(ValueError, match="DeepseekConfig target exactly"):
+
+@pytest.mark.parametrize("case,name", [
+    ("sliding_window/gemma4_text", "Gemma4Config"),
+    ("sliding_window/mistral_swa", "sliding-window"),
+    ("deepseek_v3_moe", "DeepseekConfig"),
+    ("deepseek_v32_dense", "DeepseekConfig"),
+    ("deepseek_v4", "DeepseekV4Config"),
+    ("hybrid/qwen3_5_dense", "HybridConfig"),
+    ("hybrid/qwen3_next", "HybridConfig"),
+])
+def test_other_families_are_refused_by_name(case, name):
+    """Every family the mode does not cover is refused when the engine is built, naming it (the
+    checkpoints' own configs; nothing runs)."""
+    path = os.path.join(GOLDEN, case)
+    raw = read_config(path)
+    family = target_family(raw, path)
+    cfg = family.parse(raw, path)
+    model = Model(config=cfg, params={}, dtype=np.dtype(jnp.bfloat16), eos_token_ids=())
+    with pytest.raises(ValueError, match=name):
         js.Engine(model, engine=js.EngineConfig(exact=True))
