@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 import jaxspec as js
@@ -118,6 +119,9 @@ def main(argv=None) -> int:
                     bad += exact and not ok
                 row.append(" / ".join(f"{t:.1f}" for t in times))
                 print("| " + " | ".join(row) + " |", flush=True)
+        # Each method compiles its own programs; dropping them keeps the process under the kernel's
+        # limit on memory mappings (a run of every method otherwise fails in LLVM with ENOMEM).
+        jax.clear_caches()
     print(f"exact mode: {'every run equal' if not bad else f'{bad} run(s) differ'}")
     return 1 if bad else 0
 
