@@ -17,7 +17,10 @@ class RequestStats:
     accepted_per_position[i]: verify steps whose i-th draft token was accepted (one entry per
     draft depth; empty for plain decoding). preemptions: how often the engine took the request off
     the batch to free pages and later resumed it (its output is the same either way).
-    cached_tokens: prompt tokens whose KV came from the prefix cache (not prefilled again).
+    cached_tokens: prompt tokens whose KV came from the prefix cache (not prefilled again) at its
+    first admission. admission_cached_tokens: the context positions found in the prefix cache at
+    every admission, the first and each resume after a preemption. prefilled_tokens: positions
+    prefilled for it over all its admissions (its contexts less their cached parts).
     verify_lens: tokens each verify step verified for the request, the root included (a confidence
     head's per-request count under ``SpecConfig.confidence_threshold``; else the whole tree, or the
     prefix an n-gram lookup's batch needed)."""
@@ -32,6 +35,8 @@ class RequestStats:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     cached_tokens: int = 0
+    admission_cached_tokens: list[int] = dataclasses.field(default_factory=list)
+    prefilled_tokens: int = 0
     verify_lens: list[int] = dataclasses.field(default_factory=list)
 
 

@@ -28,11 +28,17 @@ class PageAllocator:
         self.cached: set[int] = set()  # pages the prefix cache keeps (held or parked)
         self.parked: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
         self.on_evict = None  # called with a page the allocator takes back from the prefix cache
+        self.evictions = 0  # parked prefix-cache pages taken back for a grant
 
     @property
     def num_free(self) -> int:
         """Free pages, parked cache pages included (reclaimable)."""
         return len(self._free) + len(self.parked)
+
+    def held_by_others(self, pages: list[int]) -> int:
+        """How many of ``pages`` (cached pages a newcomer would share) some request holds now: they
+        are neither free nor parked, and sharing them costs no free page."""
+        return sum(1 for page in pages if self._holders.get(page, 0) > 0)
 
     @property
     def capacity(self) -> int:
@@ -60,6 +66,7 @@ class PageAllocator:
         while len(self._free) < need:  # reclaim parked prefix-cache pages, least recently used first
             page, _ = self.parked.popitem(last=False)
             self.cached.discard(page)
+            self.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(page)
             self._free.append(page)
@@ -97,9 +104,12 @@ class PageAllocator:
             self._drop(page)
 
     def release(self, owner: int) -> int:
-        """Lets go of every page of ``owner`` (free again, or parked in the prefix cache); returns how many."""
+        """Lets go of every page of ``owner`` (free again, or parked in the prefix cache); returns how
+        many. Last page first: a parked chain's tail is then older than its head, so eviction
+        (least recently used first) takes a prefix's tail pages before its first ones, and what
+        stays parked is still reachable from the chain's start."""
         pages = self._owned.pop(owner, [])
-        for page in pages:
+        for page in reversed(pages):
             self._drop(page)
         return len(pages)
 

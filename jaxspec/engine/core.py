@@ -460,6 +460,8 @@ class EngineCore:
         hits = sum(c.hits for c in sched.caches or ()) * sched.page_size
         return dict(running=self.running, waiting=self.waiting, free_pages=sched.num_free,
                     total_pages=sched.capacity, preemptions=sched.preempted, prefix_cache_hit_tokens=hits,
+                    prefix_cache_evictions=sum(a.evictions for a in sched.allocators),
+                    prefilled_tokens=sched.prefilled,
                     tokens_in=self.tokens_in, tokens_out=self.tokens_out, finished=self.finished,
                     faults=self.faults, rounds=self.rounds)
 

@@ -325,6 +325,7 @@ def request_stats(r: Request, depth: int) -> RequestStats:
         tokens_per_s=len(r.tokens) / secs, seconds=secs, finish_reason=r.finish_reason,
         stop_reason=r.stop_reason, accepted_per_position=accepted_per_position(r.accept_lens, depth),
         preemptions=r.preemptions, cached_tokens=r.cached_tokens, verify_lens=r.verify_lens,
+        admission_cached_tokens=list(r.admission_hits), prefilled_tokens=r.prefilled,
     )
 
 

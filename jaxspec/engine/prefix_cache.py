@@ -54,10 +54,15 @@ class PrefixCache:
         self.hits = 0  # pages reused
         allocator.on_evict = self._forget
 
-    def match(self, tokens) -> list[int]:
-        """The cached pages that begin ``tokens`` (the longest chain of cached keys)."""
+    def keys(self, tokens) -> list[bytes]:
+        """The keys of every cacheable page of ``tokens``."""
+        return page_keys(tokens, self.page_size, cacheable_pages(len(tokens), self.page_size))
+
+    def match(self, tokens, keys: list[bytes] | None = None) -> list[int]:
+        """The cached pages that begin ``tokens`` (the longest chain of cached keys; ``keys``: its
+        ``keys(tokens)`` when already computed)."""
         pages = []
-        for key in page_keys(tokens, self.page_size, cacheable_pages(len(tokens), self.page_size)):
+        for key in self.keys(tokens) if keys is None else keys:
             page = self.page_of.get(key)
             if page is None:
                 break

@@ -63,6 +63,9 @@ class Request:
     resume: Any = None  # what a preempted request carries back (``jaxspec.engine.host_loop.Resume``)
     start: int = 0  # positions of its context found in the prefix cache at its latest admission
     cached_tokens: int = 0  # prompt positions found in the prefix cache at its first admission
+    admission_hits: list[int] = dataclasses.field(default_factory=list)  # ``start`` of every admission
+    prefilled: int = 0  # positions prefilled over all its admissions (its context less the cached part)
+    page_keys: tuple[int, list[bytes]] | None = None  # (context length, its pages' prefix-cache keys)
     constraint: int | None = None  # which structured-output automaton of the call it follows (None: none)
 
     @property
@@ -110,6 +113,7 @@ class Scheduler:
         self.optimistic = admission == "optimistic"
         self.admitted = 0  # admissions so far (Request.order)
         self.preempted = 0
+        self.prefilled = 0  # positions prefilled so far (contexts less their cached parts)
         for r in requests:
             self.size(r)
 
@@ -189,7 +193,14 @@ class Scheduler:
         """Moves waiting requests (the preempted first) into free rows while they fit in the row's
         shard: their worst case (``reserve``), or their context and the next call's growth beside
         what the running requests need for that call (``optimistic``; ``seq_lens`` i32[B] the
-        running rows' committed lengths)."""
+        running rows' committed lengths).
+
+        With the prefix cache, a newcomer is matched before its need is counted: under
+        ``optimistic`` the cached pages it shares with running requests cost no free page (parked
+        ones are counted as free already; ``reserve`` counts a request's worst case whole). A
+        newcomer whose first page past its cached ones is a page of a request admitted in this same
+        round waits one round (the requests behind it go on): the leader's prefill writes the
+        shared pages once, and the follower finds them cached next round."""
         admitted = []
         spare = None
         if self.optimistic:
@@ -198,13 +209,18 @@ class Scheduler:
                 if req is not None:
                     held = len(self.allocator_of(row).pages_of(req.index))
                     spare[self.shard_of(row)] -= max(0, self._need(req, int(seq_lens[row]), self.step_growth) - held)
+        leaders: list[set[bytes]] = [set() for _ in self.allocators]  # page keys admitted this round, per shard
         for row, occupant in enumerate(self.rows):
             if occupant is not None or not self.waiting:
                 continue
             d = self.shard_of(row)
-            req = self.waiting[0]
+            i, hit, keys = self._next_waiting(d, leaders[d])
+            if i is None:
+                continue
+            req = self.waiting[i]
             if spare is not None:
-                need = self._need(req, len(req.context), 1 + self.step_growth)
+                credit = self.allocators[d].held_by_others(hit)  # shared with running requests: no new page
+                need = self._need(req, len(req.context), 1 + self.step_growth) - credit
                 if need > spare[d]:
                     continue
                 spare[d] -= need
@@ -213,7 +229,7 @@ class Scheduler:
             if (self.window is not None
                     and self.reserved_window[d] + req.worst_window_pages > self.window.allocators[d].capacity):
                 continue
-            self.waiting.popleft()
+            del self.waiting[i]
             self.reserved[d] += req.worst_pages
             self.reserved_window[d] += req.worst_window_pages
             req.row = row
@@ -223,18 +239,36 @@ class Scheduler:
                 req.t_admit = time.perf_counter()
             self.rows[row] = req
             req.start = 0
-            if self.caches is not None:
-                hit = self.caches[d].match(req.context)
-                if hit:
-                    self.allocator_of(row).share(req.index, hit)
-                    self.page_table[row, :len(hit)] = hit
-                    self.caches[d].hits += len(hit)
-                    req.start = len(hit) * self.page_size
-                if req.resume is None:
-                    req.cached_tokens = req.start
+            if hit:
+                self.allocator_of(row).share(req.index, hit)
+                self.page_table[row, :len(hit)] = hit
+                self.caches[d].hits += len(hit)
+                req.start = len(hit) * self.page_size
+            leaders[d].update(keys)
+            if req.resume is None:
+                req.cached_tokens = req.start
+            req.admission_hits.append(req.start)
+            req.prefilled += len(req.context) - req.start
+            self.prefilled += len(req.context) - req.start
             self._grant(req, len(req.context), 1)
             admitted.append(req)
         return admitted
+
+    def _next_waiting(self, d: int, leaders: set[bytes]) -> tuple[int | None, list[int], list[bytes]]:
+        """(the position in ``waiting`` of the first request that does not wait for a leader of
+        this round on shard ``d``, the cached pages it would share, its pages' keys), or None
+        first when every waiting request waits."""
+        if self.caches is None:
+            return 0, [], []
+        for i, req in enumerate(self.waiting):
+            if req.page_keys is None or req.page_keys[0] != len(req.context):  # its context grows on preemption
+                req.page_keys = (len(req.context), self.caches[d].keys(req.context))
+            keys = req.page_keys[1]
+            hit = self.caches[d].match(req.context, keys)
+            if len(hit) < len(keys) and keys[len(hit)] in leaders:
+                continue  # its next page is being prefilled by a leader this round: next round it hits
+            return i, hit, keys
+        return None, [], []
 
     def cache_prompts(self, admitted: list[Request]) -> None:
         """After their prefill: index the admitted requests' prefilled full pages in the prefix cache."""

@@ -35,6 +35,10 @@ class _CoreCollector:
                                ("jaxspec_preemptions", "preemptions", "Requests taken off the batch to free pages."),
                                ("jaxspec_prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
                                 "Prompt positions whose KV came from the prefix cache."),
+                               ("jaxspec_prefix_cache_evictions", "prefix_cache_evictions",
+                                "Parked prefix-cache pages taken back for new grants."),
+                               ("jaxspec_prefilled_tokens", "prefilled_tokens",
+                                "Positions prefilled (contexts less their cached parts, resumes included)."),
                                ("jaxspec_engine_faults", "faults", "Device calls that failed (the engine restarted).")):
             yield CounterMetricFamily(name, doc, value=s[key])
         programs = GaugeMetricFamily("jaxspec_compiled_programs", "Compiled variants of each program.",

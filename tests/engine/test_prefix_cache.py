@@ -12,6 +12,7 @@ import jaxspec as js
 from jaxspec.engine.allocator import PageAllocator
 from jaxspec.engine.prefix_cache import PrefixCache, cacheable_pages
 from jaxspec.engine.programs import compiled_programs
+from jaxspec.kvcache.paging import pages_needed
 from tests.conftest import engine
 from tests.spec.test_lossless import drafts
 
@@ -20,6 +21,7 @@ SHARED = RNG.integers(1, 96, 32).tolist()  # a "system prompt" of whole pages (o
 # Each prompt's next token differs (95 - i): a draft row at the shared part's end reads it.
 PROMPTS = [SHARED + [95 - i] + RNG.integers(1, 96, n).tolist() for i, n in enumerate((3, 9, 1, 20, 5, 0))]
 GREEDY = js.SamplingParams(max_new_tokens=16)
+PRESSURED_PAGES = 30  # 2 rows of page 4: preemptions and evictions, every request still fits alone
 TREE = js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 
 
@@ -37,7 +39,7 @@ def draft_of(target, kind):
     return drafts(target)[kind]
 
 
-CASES = [  # (draft, spec, page): max_batch 2, so later prompts are admitted after the first ones cached theirs
+CASES = [  # (draft, spec, page): max_batch 2, so later prompts are admitted after the first one cached its pages
     (None, None, 4),
     ("eagle3", js.SpecConfig.chain(3), 16),
     ("perturbed", TREE, 4),
@@ -56,7 +58,8 @@ def test_cache_on_equals_cache_off(tiny_target, kind, spec, page):
     assert on.token_ids == off.token_ids
     assert [s.accept_lens for s in on.stats] == [s.accept_lens for s in off.stats]  # the drafts' rows are exact
     expect = (len(SHARED) // page - 1) * page  # the shared part's last page is keyed with the token after it
-    assert [s.cached_tokens for s in on.stats] == [0, 0] + [expect] * 4
+    # The second prompt waits a round for the first one's pages (both would prefill them in one round).
+    assert [s.cached_tokens for s in on.stats] == [0] + [expect] * 5
     assert all(s.cached_tokens == 0 for s in off.stats)
     assert on.kv_pages_free == on.kv_pages_total
 
@@ -134,3 +137,96 @@ def test_models_whose_state_is_not_paged_are_refused_by_name():
     with pytest.raises(ValueError, match="recurrent state .* is not paged"):
         js.Engine(target("qwen3_5_dense"), engine=js.EngineConfig(prefix_cache=True))
     assert js.Engine(target("qwen3_5_dense")).pages.caches is None  # the default: on where it can be
+
+
+def test_same_round_sharing_resumed_hits_and_evictions_keep_the_output(tiny_target):
+    """Four prompts behind one prefix in one call, 2 rows, a pool that must preempt and evict: the
+    followers of the first prompt wait a round and hit its 7 pages (the shared positions are
+    prefilled once), a request resumed after a preemption is matched again and hits, parked pages
+    are evicted, and every output equals the cache-off run."""
+    draft, spec = drafts(tiny_target)["eagle3"], js.SpecConfig.chain(3)
+    prompts = PROMPTS[:4]
+    eng = js.Engine(tiny_target, draft=draft, spec=spec,
+                    engine=engine(4, 2, num_pages=PRESSURED_PAGES, preempt_every=2, check_pages=True))
+    out = eng.generate(prompts, sampling=GREEDY, progress=False)
+    ref = js.generate(tiny_target, prompts, draft=draft, spec=spec, sampling=GREEDY,
+                      engine=engine(4, 2, prefix_cache=False), progress=False)
+    assert out.token_ids == ref.token_ids
+    assert [s.cached_tokens for s in out.stats] == [0, 28, 28, 28]
+    for p, s in zip(prompts, out.stats):
+        assert s.admission_cached_tokens[0] == s.cached_tokens
+        if not s.preemptions:
+            assert s.prefilled_tokens == len(p) - s.cached_tokens
+    resumed = [s.admission_cached_tokens[1:] for s in out.stats if s.preemptions]
+    assert resumed and all(h > 0 for hits in resumed for h in hits), resumed
+    assert eng.pages.allocators[0].evictions > 0
+
+
+# ----------------------------------------------------------------------------- the scheduler alone
+
+
+def _requests(prompts, max_new=8):
+    from jaxspec.engine.scheduler import Request  # noqa: PLC0415
+
+    return [Request(i, list(p), js.SamplingParams(max_new_tokens=max_new), (), np.zeros(2, np.uint32))
+            for i, p in enumerate(prompts)]
+
+
+def _cached_scheduler(prompts, num_pages, batch=4):
+    from jaxspec.engine.scheduler import Scheduler  # noqa: PLC0415
+
+    alloc = PageAllocator(num_pages)
+    return Scheduler(_requests(prompts), batch=batch, width=16, num_pages=num_pages, page_size=4, lookahead=0,
+                     step_growth=4, admission="optimistic", allocators=[alloc], caches=[PrefixCache(alloc, 4)])
+
+
+def test_followers_of_a_prefix_admitted_in_one_round_wait_a_round_and_share_it():
+    """Four prompts behind one 32-token prefix arrive together: the first is admitted, the three
+    that would prefill the same pages wait one round (an unrelated prompt behind them goes on),
+    then all three find the leader's 7 pages cached: the shared positions are prefilled once."""
+    other = RNG.integers(1, 96, 10).tolist()
+    sched = _cached_scheduler(PROMPTS[:4] + [other], num_pages=64, batch=8)
+    seq = np.zeros(8, np.int32)
+    first = sched.admit(seq)
+    assert [r.index for r in first] == [0, 4]
+    sched.cache_prompts(first)  # after their prefill
+    second = sched.admit(seq)
+    assert [r.index for r in second] == [1, 2, 3] and [r.start for r in second] == [28, 28, 28]
+    assert sched.prefilled == sum(len(p) for p in PROMPTS[:4]) + len(other) - 3 * 28
+    assert [r.admission_hits for r in first + second] == [[0], [0], [28], [28], [28]]
+    sched.check()
+
+
+def test_admission_does_not_count_pages_it_shares_with_running_requests():
+    """A newcomer whose 7 first pages a running request holds needs only its other pages free."""
+    sched = _cached_scheduler(PROMPTS[:1], num_pages=16, batch=2)
+    seq = np.zeros(2, np.int32)
+    (leader,) = sched.admit(seq)
+    sched.cache_prompts([leader])
+    seq[leader.row] = len(PROMPTS[0])
+    leader.tokens = [1]
+    sched.grant_ahead(seq)
+    free = sched.num_free
+    follower = _requests([PROMPTS[1]])[0]
+    follower.index = 1
+    sched.enqueue(follower)
+    whole = pages_needed(len(PROMPTS[1]) + 1 + 4, 4)
+    assert whole > free >= whole - 7  # it fits only with the shared pages credited
+    assert [r.index for r in sched.admit(seq)] == [1] and follower.start == 28
+    sched.check()
+
+
+def test_eviction_takes_a_prefix_tail_before_its_head():
+    """Parked pages go least recently used first, and a released request's last page is parked
+    first: evicting one page leaves the chain's first pages reachable."""
+    alloc = PageAllocator(6)
+    cache = PrefixCache(alloc, page_size=2)
+    tokens = list(range(1, 10))  # 4 cacheable pages of 2
+    pages = alloc.grow(0, 4)
+    cache.insert(tokens, pages)
+    alloc.release(0)
+    alloc.grow(1, 2)  # one free page and one evicted
+    assert alloc.evictions == 1
+    assert cache.match(tokens) == pages[:3]
+    alloc.check()
+    cache.check()
