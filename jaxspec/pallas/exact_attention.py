@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.kvcache.paging import positions_to_slots
 from jaxspec.pallas import dispatch
 from jaxspec.pallas.block_sizes import next_pow2
-from jaxspec.pallas.triton_common import MASK_VALUE, init_carry, online_softmax_step, whole
+from jaxspec.pallas.paged_attention import paged_attention_reference
+from jaxspec.pallas.triton_common import init_carry, online_softmax_step, whole
 
 EXACT_KV_TILE = 64  # bk, pinned: the tile sequence must not change with the shapes of a call
 
@@ -50,40 +50,10 @@ def row_ancestors(block_mask: jax.Array | None, batch: int, rows: int) -> tuple[
     return depth, ancestors
 
 
-def exact_attention_reference(
-    q: jax.Array,  # [B, T, Hq, D]
-    k_pool: jax.Array,  # [L, N, Hkv, D]
-    v_pool: jax.Array,  # [L, N, Hkv, D]
-    layer: jax.Array,  # i32[]
-    page_table: jax.Array,  # i32[B, W]
-    prefix_lens: jax.Array,  # i32[B]
-    block_mask: jax.Array | None,  # bool[B, T, Wb] | None (causal)
-    *,
-    page_size: int,
-    sm_scale: float,
-) -> jax.Array:  # [B, T, Hq, D], q.dtype
-    """Pure-jnp: every row over logical positions 0 .. its own (the kernel's values up to its
-    summation order), softmax in f32."""
-    B, T, Hq, D = q.shape
-    Hkv = k_pool.shape[2]
-    G = Hq // Hkv
-    Wb = T if block_mask is None else block_mask.shape[-1]
-    depth, ancestors = row_ancestors(block_mask, B, T)
-    span = page_table.shape[1] * page_size  # logical positions the table can address
-    p = jnp.arange(span, dtype=jnp.int32)  # [S]
-    prefix = prefix_lens[:, None, None]  # [B, 1, 1]
-    rel = jnp.clip(p[None, None, :] - prefix, 0, Wb - 1)  # [B, T, S]
-    phys = jnp.where(p[None, None, :] < prefix, p[None, None, :], prefix + jnp.take_along_axis(ancestors, rel, axis=2))
-    visible = p[None, None, :] <= prefix + depth[:, :, None]  # [B, T, S]
-    slots = positions_to_slots(page_table, jnp.clip(phys, 0, span - 1).reshape(B, -1), page_size).reshape(B, T, span)
-    k = k_pool[layer][slots].astype(jnp.float32)  # [B, T, S, Hkv, D]
-    v = v_pool[layer][slots].astype(jnp.float32)
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    s = jnp.einsum("btkgd,btskd->btkgs", qf, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
-    s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
-    w = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("btkgs,btskd->btkgd", w, v, precision=jax.lax.Precision.HIGHEST)
-    return o.reshape(B, T, Hq, D).astype(q.dtype)
+# The reference is ``paged_attention``'s: the same visibility rule computed the plain way (a mask
+# over every position the page table covers, one softmax), independent of the kernel's walk over
+# logical tiles and its ancestor remap; the kernel equals it up to summation order.
+exact_attention_reference = paged_attention_reference
 
 
 def _exact_attention_kernel(layer_ref, q_ref, k_ref, v_ref, table_ref, prefix_ref, depth_ref, anc_ref, o_ref, *,
