@@ -65,6 +65,8 @@ Call 2:
                ctx 4096); the DSA indexer; KV moves; the gather of accepted extras; the exact mode's
                fixed-tile product against cuBLAS and its row-by-row attention against the default
                paged kernel.
+  exact        the plain step and EAGLE-3 chain 5 at batch 1 (8B shape) on the default path and in the
+               exact mode (``EngineConfig(exact=True)``), alternated: what the mode costs a step.
   hybrid       a Qwen3.5-9B-shaped hybrid target (8 x (3 Gated DeltaNet + 1 gated attention layer),
                published widths, weight bytes printed): plain step at batch 1 and 16 against its bound
                (weights, KV of its attention layers, recurrent state read and written), and its MTP
@@ -112,8 +114,8 @@ from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
     1: ["env", "copy", "plain", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
-    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "hybrid", "v4", "spec_controls", "check",
-        "pytest", "sweep"],
+    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
+        "check", "pytest", "sweep"],
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
 
@@ -517,14 +519,15 @@ def item_batch64(check: Check, sizes, models, deadline, args):
                      plain_s=_plain_seconds(check, bb), verified_expected=m.spec.num_draft_tokens)
 
 
-def _pair(check, sizes, models, deadline, method, *, grammars=None, temperature=0.0, label: str):
+def _pair(check, sizes, models, deadline, method, *, grammars=None, temperature=0.0, label: str, exact=False,
+          batch: int = 16):
     target = models.llama()
-    bb = sizes.batch(16)
+    bb = sizes.batch(batch)
     need(deadline, 2 * sizes.compile_s(), f"{method.name} {label}")
     with guarded(check, f"{method.name} + {label}"):
         draft = None if method.make is None else method.make(target, sizes.dry_run)
         off, on = st.time_pair(target, draft, method.spec, batch=bb, context=sizes.context, steps=sizes.steps,
-                               repeats=sizes.repeats, grammars=grammars, temperature=temperature)
+                               repeats=sizes.repeats, grammars=grammars, temperature=temperature, exact=exact)
         mode = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
         for r, suffix in ((off, ""), (on, f" + {label}")):
             step_row(check, sizes, target, r, batch=bb, config=method.name + suffix,
@@ -548,6 +551,11 @@ def item_controls(check: Check, sizes, models, deadline, args):
 
 def item_constraint(check: Check, sizes, models, deadline, args):
     _pair(check, sizes, models, deadline, st.PLAIN, grammars=_grammars(sizes), label="JSON-schema constraint")
+
+
+def item_exact(check: Check, sizes, models, deadline, args):
+    for m in (st.PLAIN, st.METHODS[0]):  # plain, EAGLE-3 chain 5
+        _pair(check, sizes, models, deadline, m, label="exact mode", exact=True, batch=1)
 
 
 def item_spec_controls(check: Check, sizes, models, deadline, args):
@@ -682,12 +690,13 @@ RUNNERS = dict(
     variants_b1=lambda *a: item_variants(*a, batch=1), compare=item_compare,
     variants_b16=lambda *a: item_variants(*a, batch=16),
     batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
-    hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, check=item_check, pytest=item_pytest, sweep=item_sweep,
+    hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
+    sweep=item_sweep,
 )
 assert set(RUNNERS) == set(ITEMS)
 # Items whose rows are decode-step timings (one Markdown table layout).
 STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "batch64", "controls", "constraint",
-              "spec_controls", "hybrid", "v4"}
+              "exact", "spec_controls", "hybrid", "v4"}
 
 
 # --------------------------------------------------------------------------- Markdown

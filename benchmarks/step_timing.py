@@ -321,10 +321,11 @@ class Stepper:
     def __init__(self, target: Model, draft: DraftModel | None, spec, *, batch: int, context: int, steps: int,
                  repeats: int, implementation=None, options: dict | None = None, controls: bool = False,
                  grammars=None, temperature: float = 0.0, seed: int = 0, page_size: int = 16,
-                 general: bool = False):
+                 general: bool = False, exact: bool = False):
         """``controls``: every row with every generation control on (and the plan compiling them in).
         ``general``: the serve core's plan (sampling, top-k / top-p sorts, controls and 20 logprobs
-        compiled in) over rows that use none of it (unless ``controls`` also sets them)."""
+        compiled in) over rows that use none of it (unless ``controls`` also sets them). ``exact``:
+        the exact mode's plan (``EngineConfig(exact=True)``)."""
         check_models(target, draft, spec)
         cfg, V = target.config, target.config.vocab_size
         self.plan = plan = Plan(target=cfg, draft=None if draft is None else draft.config, spec=spec,
@@ -332,7 +333,7 @@ class Stepper:
                                 compiler_options=resolve_options(None, program_backend()),  # the engine's table
                                 greedy_only=temperature == 0 and not general, filtering=general,
                                 controls=controls or general,
-                                logprobs=min(MAX_LOGPROBS, V) if controls or general else None)
+                                logprobs=min(MAX_LOGPROBS, V) if controls or general else None, exact=exact)
         # The page table as the engine sizes it (a power of two covering the positions in reach), for
         # rows that emit up to ACCEPT_ROOM tokens a step on average (random drafts: about 1); a row that
         # would outgrow it stops (max_new), and a call in which every row stopped is an error.
@@ -457,15 +458,16 @@ def time_steps(target, draft, spec, *, batch: int, context: int, steps: int, rep
 
 
 def time_pair(target, draft, spec, *, batch: int, context: int, steps: int, repeats: int, implementation=None,
-              grammars=None, temperature: float = 0.0, general: bool = False) -> tuple[dict, dict]:
+              grammars=None, temperature: float = 0.0, general: bool = False, exact: bool = False) -> tuple[dict, dict]:
     """The same configuration off and on (every control, or with ``grammars`` every row constrained
     instead, or with ``general`` the plan these rows need against the serve core's general plan over
-    the same rows), the timed calls alternated so both see the same machine load."""
+    the same rows, or with ``exact`` the default path against the exact mode), the timed calls
+    alternated so both see the same machine load."""
     kw = dict(batch=batch, context=context, steps=steps, repeats=repeats, implementation=implementation,
               temperature=temperature)
     off = Stepper(target, draft, spec, **kw)
-    on = Stepper(target, draft, spec, controls=grammars is None and not general, grammars=grammars,
-                 general=general, **kw)
+    on = Stepper(target, draft, spec, controls=grammars is None and not general and not exact, grammars=grammars,
+                 general=general, exact=exact, **kw)
     try:
         t0 = time.perf_counter()
         off.call(), on.call()  # compile
@@ -563,6 +565,8 @@ def main(argv=None) -> int:
     ap.add_argument("--general", action="store_true",
                     help="time every config again under the serve core's general plan (sampling, top-k / top-p "
                          "sorts, controls, 20 logprobs compiled in) with the same rows, and print the ratio")
+    ap.add_argument("--exact", action="store_true",
+                    help="also time each row in the exact mode (EngineConfig(exact=True)), alternated with the default")
     ap.add_argument("--tokenizer", default=None,
                     help="with --constraint: the tokenizer.json whose vocabulary the automaton is built over "
                          "(default: the demo's; its vocabulary must cover the shape's)")
@@ -587,13 +591,15 @@ def main(argv=None) -> int:
             draft = None if m.make is None else m.make(target, shape != "llama3-8b")
             kw = dict(batch=batch, context=args.context, steps=args.steps, repeats=args.repeats,
                       implementation=args.implementation, temperature=args.temperature)
-            if args.controls or args.constraint or args.general:
-                runs = time_pair(target, draft, m.spec, grammars=grammars, general=args.general, **kw)
+            if args.controls or args.constraint or args.general or args.exact:
+                runs = time_pair(target, draft, m.spec, grammars=grammars, general=args.general, exact=args.exact,
+                                 **kw)
             else:
                 runs = (time_steps(target, draft, m.spec, **kw),)
             plain = plain or runs[0]["seconds"]
             for j, r in enumerate(runs):
-                on = " + constraint" if grammars is not None else " + general plan" if args.general else " + controls"
+                on = (" + constraint" if grammars is not None else " + general plan" if args.general
+                      else " exact mode" if args.exact else " + controls")
                 config = m.name + (on if j else "")
                 positions = r.get("positions", args.context)
                 read = weight_bytes_read(target.params, batch) + kv_bytes_read(cfg, batch, positions, dtype)

@@ -71,6 +71,9 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert [r["batch"] for r in rows["batch64"]] == [4]
     for name, label in (("controls", "every control"), ("constraint", "JSON-schema constraint")):
         assert len(rows[name]) == 2 and label in rows[name][1]["config"] and rows[name][1]["vs_plain"] > 0
+    assert [r["config"] for r in rows["exact"]] == ["plain", "plain + exact mode", methods[0],
+                                                    methods[0] + " + exact mode"]
+    assert all(r["ms_per_step"] > 0 and r["batch"] == 1 for r in rows["exact"])
     assert [r["config"] for r in rows["hybrid"]] == ["hybrid plain", "hybrid MTP chain 3"]
     assert rows["hybrid"][1]["verified"] == 4 and rows["hybrid"][0]["bound_ms_measured"] > 0
     # (a difference of two wall times: at toy sizes on a busy CPU it can come out negative)
