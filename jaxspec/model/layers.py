@@ -22,7 +22,7 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.fused import shards_of, split_columns
-from jaxspec.pallas.exact import exact_on, matmul, row_sum
+from jaxspec.pallas.exact import exact_on, matmul, row_mean
 from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
 
@@ -32,10 +32,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
     arithmetic instead (``pow(ms + eps, -0.5)``, the weight applied in f32 before the cast back);
     ``weight=None`` is a norm without a scale (Gemma 4's v_norm)."""
     xf = x.astype(jnp.float32)
-    if exact_on():  # the sum of squares in the fixed-order kernel
-        ms = (row_sum(xf * xf) / x.shape[-1])[..., None] + eps
-    else:
-        ms = jnp.mean(xf * xf, axis=-1, keepdims=True) + eps
+    ms = row_mean(xf * xf) + eps  # the fixed-order kernel's sum in the exact mode
     xf = xf * (jnp.power(ms, -0.5) if gemma else jax.lax.rsqrt(ms))
     if weight is None:
         return xf.astype(x.dtype)

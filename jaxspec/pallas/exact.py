@@ -53,3 +53,12 @@ def row_sum(x: jax.Array) -> jax.Array:  # f32[..., K] -> f32[...]
     if exact_on():
         return fixed_matmul(x, jnp.ones((x.shape[-1], 1), jnp.float32))[..., 0]
     return jnp.sum(x, axis=-1)
+
+
+def row_mean(x: jax.Array) -> jax.Array:  # f32[..., K] -> f32[..., 1]
+    """The mean over the last axis in float32, kept as an axis of 1 (``row_sum``'s order in the
+    exact mode)."""
+    x = x.astype(jnp.float32)
+    if exact_on():
+        return (row_sum(x) / x.shape[-1])[..., None]
+    return jnp.mean(x, axis=-1, keepdims=True)
