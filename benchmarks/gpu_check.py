@@ -38,6 +38,9 @@ Call 1:
                at batch 1 and 16, and its bound: weights read (all but the embedding table) plus KV
                read, over the measured copy bandwidth and over the datasheet's (H200 4.8 TB/s, H100
                3.35), with the step's share of each.
+  copies       the optimized HLO of the 8B decode program at batch 1 (``OUT/decode_b1.hlo.txt.gz``):
+               every instruction that materializes a layer's slice of a stacked weight, a whole stacked
+               weight or a whole KV-pool array (``benchmarks/hlo_copies.py``), counted per array.
   spec_b1, spec_b16
                at batch 1, then 16: per-step time of EAGLE-3 chain 5, EAGLE-3 tree S=5 k=4 n=8,
                DFlash block 16 (chain 15), DSpark chain 8 and n-gram chain 5, each as a ratio to the
@@ -85,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import importlib.util
 import json
 import os
@@ -108,12 +112,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import hlo_copies  # noqa: E402  (benchmarks/hlo_copies.py)
 import kernels as kbench  # noqa: E402  (benchmarks/kernels.py)
 import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
 from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
-    1: ["env", "copy", "plain", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
+    1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
     2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
         "check", "pytest", "sweep"],
 }
@@ -414,6 +419,25 @@ def item_plain(check: Check, sizes, models, deadline, args, batches=(1, 16)):
                      options="engine default", bound=True)
 
 
+def item_copies(check: Check, sizes, models, deadline, args):
+    """What the decode program copies per layer iteration, read from its optimized HLO."""
+    target = models.llama()
+    need(deadline, sizes.compile_s(big=False), "the decode program's HLO")
+    stepper = st.Stepper(target, None, None, batch=1, context=sizes.context, steps=sizes.steps, repeats=1)
+    try:
+        hlo, copies = hlo_copies.decode_copies(stepper, target)
+    finally:
+        stepper.close()
+    with gzip.open(check.out / "decode_b1.hlo.txt.gz", "wt") as f:
+        f.write(hlo)
+    counts = hlo_copies.summarize(copies)
+    for c in copies:
+        check.row(**c)
+    check.note(f"{len(copies)} copying instruction(s) in the decode program: "
+               + (", ".join(f"{n} x {k}" for k, n in sorted(counts.items())) or "none")
+               + f" ({len(hlo) / 1e6:.1f} MB of optimized HLO in decode_b1.hlo.txt.gz)")
+
+
 def item_spec(check: Check, sizes, models, deadline, args, batch=1):
     target = models.llama()
     bb = sizes.batch(batch)
@@ -685,7 +709,7 @@ def item_sweep(check: Check, sizes, models, deadline, args):
 
 
 RUNNERS = dict(
-    env=item_env, copy=item_copy, plain=item_plain,
+    env=item_env, copy=item_copy, plain=item_plain, copies=item_copies,
     spec_b1=lambda *a: item_spec(*a, batch=1), spec_b16=lambda *a: item_spec(*a, batch=16),
     variants_b1=lambda *a: item_variants(*a, batch=1), compare=item_compare,
     variants_b16=lambda *a: item_variants(*a, batch=16),
@@ -748,6 +772,10 @@ def markdown(summary: dict) -> str:
             out += ["", "| method | draft | shape | accept | tokens/s | vs plain |", "|---|---|---|---:|---:|---:|"]
             out += [f"| {r['method']} | {r['draft']} | {r['shape']} | {r['accept']:.2f} | {r['tokens_per_s']:.1f} | "
                     f"{r['speedup']} |" for r in rows]
+        elif name == "copies" and rows:
+            out += ["| kind | array | op | fusion kind | shape | computation |", "|---|---|---|---|---|---|"]
+            out += [f"| {r.get('kind')} | {r.get('array')} | {r.get('op')} | {r.get('fusion_kind') or ''} | "
+                    f"{r.get('shape')} | {r.get('computation')} |" for r in rows]
         elif name == "copy" and rows:
             r = rows[0]
             out.append(f"- {r['what']}: {r['bytes_per_s'] / 1e12:.2f} TB/s (read + written)"

@@ -55,6 +55,9 @@ def test_dry_run_runs_every_item_of_both_calls():
     for r in rows["plain"]:
         assert r["ms_per_step"] > 0 and r["verified"] == 1.0 and r["weight_bytes_read"] > 0 and r["kv_bytes_read"] > 0
         assert r["bound_ms_measured"] > 0 and r["share_of_bound_measured"] > 0
+    # The decode program's HLO read for copies (the CPU copies each layer's four weight slices).
+    assert sorted(r["array"] for r in rows["copies"]) == sorted(["['wqkv']", "['wo']", "['w_gate_up']", "['w_down']"])
+    assert (tmp_path / "decode_b1.hlo.txt.gz").exists()
     # Every method verifies its whole tree every step (n-gram included, matched or not).
     methods = [m.name for m in st.METHODS]
     assert [r["config"] for r in rows["spec_b1"]] == methods and [r["config"] for r in rows["spec_b16"]] == methods[:1]
