@@ -64,7 +64,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.ignore_eos else None, stop=args.stop or None,
         regex=args.regex, json_schema=_json_schema(args.json_schema),
     )
-    engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len)
+    engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len, exact=args.exact)
     if args.chat is not None:  # rendered with the checkpoint's own template
         chat = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -119,6 +119,12 @@ def cmd_generate(args) -> int:
     plain = next((median[i] for i, r in enumerate(runs) if r[1] is None), None)
     if args.compare:
         _print_comparison(runs, outs, median, plain)
+    if args.exact and plain is not None and draft is not None:
+        ref = outs[next(i for i, r in enumerate(runs) if r[1] is None)]
+        same = out.token_ids == ref.token_ids and out.logprobs == ref.logprobs
+        print("exact mode: speculative output " + ("equals plain output bit for bit" if same else
+              "DIFFERS from plain output (please report it)") + (" (tokens and log-probabilities)"
+                                                                  if out.logprobs is not None else " (tokens)"))
     print(f"tokens: {st.num_tokens}   tokens/s: {median[0]:.1f}", end="")
     if draft is not None:
         print(f"   mean accept length: {st.mean_accept_len:.2f}", end="")
@@ -201,6 +207,10 @@ def main(argv=None) -> int:
                    help="structured output: a JSON schema (its text, or a path to a .json file) the output must follow")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--exact", action="store_true",
+                   help="the exact mode: every product, sum and attention in a fixed order, so speculative output "
+                        "equals plain output bit for bit in bf16 (single device; slower; docs/architecture.md, "
+                        "'The exact mode')")
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos tokens")

@@ -1,7 +1,9 @@
-"""The exact mode's full matrix on the demo pair in bf16 (not run in CI: ``tests/spec/test_exact.py``
-runs a slice of it): every draft kind the demo ships (EAGLE-3, DFlash, DSpark, P-EAGLE, n-gram, the
-hybrid of EAGLE-3 and n-gram), chain and tree, pages 1 and 16, a ragged batch of real prompts, plus
-forced preemption and prefix-cache hits. Each speculative run is compared with plain greedy decoding
+"""The exact mode's full matrix in bf16 (not run in CI: ``tests/spec/test_exact.py`` runs a slice of
+it): every draft kind the demo ships (EAGLE-3, DFlash, DSpark, P-EAGLE, n-gram, the hybrid of EAGLE-3
+and n-gram) on the demo pair with a ragged batch of real prompts, and the two kinds it does not ship
+on the test suite's golden checkpoints (an EAGLE-1 head with its Llama target; a PARD draft with the
+DFlash goldens' target, ragged token-id prompts); chain and tree, pages 1 and 16, plus forced
+preemption and prefix-cache hits. Each speculative run is compared with plain greedy decoding
 of the same engine settings, tokens and raw log-probabilities bit for bit, in the exact mode
 (``EngineConfig(exact=True)``) and on the default path with the Pallas kernels (the path a GPU runs,
 in interpret mode here) for contrast. Prints one markdown table (``benchmarks/RESULTS.md`` keeps it):
@@ -14,12 +16,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 import jaxspec as js
 from jaxspec.demo import DEMO_DFLASH, DEMO_DRAFT, DEMO_DSPARK, DEMO_PEAGLE, DEMO_TARGET
+
+GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
+# The golden pairs for the kinds the demo does not ship: (target, draft, spec) per method.
+GOLDEN_METHODS = {
+    "eagle1-tree": ("llama3", "eagle1", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)),
+    "pard-chain": ("dflash/target", "pard/pard_llama", js.SpecConfig.chain(4)),
+}
 
 PROMPTS = [  # ragged: 9 to 40 tokens with the demo tokenizer
     'def read_lines(path):\n    """Return the lines of a text file."""\n    with open(path) as f:',
@@ -64,24 +74,39 @@ def first_difference(a, b) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--only", default=None, help="comma-separated method names (default: all)")
+    p.add_argument("--only", default=None, help="comma-separated method names (default: all): "
+                   "eagle3-chain, eagle3-tree, dflash-block, dspark-block, peagle-chain, ngram-chain, ngram-tree, "
+                   "hybrid, eagle1-tree, pard-chain")
     p.add_argument("--no-contrast", action="store_true", help="skip the default-path runs")
     args = p.parse_args(argv)
 
-    target = js.load_model(DEMO_TARGET, dtype="bfloat16", progress=False)
-    table = methods(target)
+    demo = js.load_model(DEMO_TARGET, dtype="bfloat16", progress=False)
+    table = {name: (demo, *pair) for name, pair in methods(demo).items()}
+    for name, (tdir, ddir, spec) in GOLDEN_METHODS.items():
+        golden = js.load_model(str(GOLDEN / tdir), dtype="bfloat16", progress=False)
+        table[name] = (golden, js.load_draft(str(GOLDEN / ddir), golden), spec)
     names = args.only.split(",") if args.only else list(table)
+    if unknown := set(names) - set(table):
+        p.error(f"unknown methods {sorted(unknown)}; choose from {list(table)}")
     sampling = js.SamplingParams(max_new_tokens=args.max_new, logprobs=2)
-    prompts = [target.tokenizer.encode(t) for t in PROMPTS]
-    shared = [target.tokenizer.encode(SHARED + t) for t in PROMPTS]
-    print(f"demo pair in bf16, {len(prompts)} prompts of {sorted(map(len, prompts))} tokens, "
-          f"{args.max_new} new tokens, greedy, log-probabilities compared as float32 bits")
+    rng = np.random.default_rng(0)
+    golden_prompts = [rng.integers(3, 250, n).tolist() for n in (9, 31, 4, 22)]  # ragged token ids
+    golden_shared = [rng.integers(3, 250, 17).tolist() + q for q in golden_prompts]
+    inputs = {id(demo): ([demo.tokenizer.encode(t) for t in PROMPTS],
+                         [demo.tokenizer.encode(SHARED + t) for t in PROMPTS])}
+    for target, _, _ in table.values():
+        inputs.setdefault(id(target), (golden_prompts, golden_shared))
+    prompts = inputs[id(demo)][0]
+    print(f"bf16; the demo pair's {len(prompts)} prompts of {sorted(map(len, prompts))} tokens, the golden "
+          f"pairs' {sorted(map(len, golden_prompts))} token ids; {args.max_new} new tokens, greedy, "
+          f"log-probabilities compared as float32 bits")
     print("| method | page | variant | exact: spec == plain | default (Pallas kernels): spec == plain | seconds exact / default |")
     print("|---|---:|---|---|---|---|")
     bad = 0
     plain_cache: dict = {}
     for name in names:
-        draft, spec = table[name]
+        target, draft, spec = table[name]
+        prompts, shared = inputs[id(target)]
         for page in (1, 16):
             for variant in ("", "preempt", "prefix cache"):
                 if variant and page == 1:
@@ -97,7 +122,7 @@ def main(argv=None) -> int:
                                           exact=exact, implementation=None if exact else "pallas",
                                           preempt_every=1 if preempt else 0)
                     ps = shared if variant == "prefix cache" else prompts
-                    key = (page, exact, variant == "prefix cache", cfg.steps_per_call)
+                    key = (id(target), page, exact, variant == "prefix cache", cfg.steps_per_call)
                     if key not in plain_cache:
                         plain_cache[key] = js.generate(target, ps, sampling=sampling,
                                                        engine=dataclasses.replace(cfg, prefix_cache=False,

@@ -100,3 +100,15 @@ def test_generate_with_regex_and_json_schema(capsys, tmp_path):
     assert "finished: stop" in out
     doc = json.loads(_printed_completion(out, DEMO_PROMPT))
     assert list(doc) == ["n"] and 3 <= doc["n"] <= 7
+
+
+def test_generate_exact_says_the_speculative_output_is_plain_output_bit_for_bit(capsys):
+    """``--exact`` in bf16 on a golden Llama (token-id prompt): the run is checked against its plain
+    baseline, tokens and log-probabilities, and says so."""
+    from tests.model.golden import GOLDEN
+
+    assert main(["generate", "--target", os.path.join(GOLDEN, "llama3"), "--prompt", "5 17 33 9 41 7 5 17",
+                 "--draft", "ngram", "--dtype", "bfloat16", "--exact", "--max-new-tokens", "12", "--ignore-eos",
+                 "--logprobs", "1", "--repeats", "1", "--max-seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "exact mode: speculative output equals plain output bit for bit (tokens and log-probabilities)" in out, out

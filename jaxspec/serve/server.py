@@ -60,7 +60,7 @@ def build_core(args, *, max_waiting: int | None = None):
     config = js.EngineConfig(page_size=getattr(args, "page_size", 16), max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, num_pages=getattr(args, "num_pages", None),
                              steps_per_call=args.steps_per_call, admission=getattr(args, "admission", "optimistic"),
-                             prefix_cache=prefix)
+                             prefix_cache=prefix, exact=getattr(args, "exact", False))
     engine = js.Engine(target, draft=draft, spec=spec, engine=config)
     return target, target_path, EngineCore(engine, max_waiting=max_waiting)
 

@@ -129,6 +129,43 @@ def test_speculative_greedy_equals_plain_greedy_bit_for_bit(draft, spec, page, e
         assert sum(s.preemptions for s in out.stats) > 0
 
 
+def test_requests_joining_a_running_core_equal_plain_bit_for_bit():
+    """The serving core in the exact mode (its general plan: sampling, filters, controls and top
+    log-probabilities compiled in): three requests at once and a fourth that joins the running
+    batch, each equal to plain greedy decoding bit for bit, tokens and log-probabilities."""
+    from jaxspec.engine.core import EngineCore
+
+    target = bf16_target()
+    eng = js.Engine(target, draft=drafts(target)["perturbed"], spec=js.SpecConfig.chain(3),
+                    engine=js.EngineConfig(page_size=P, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True))
+    ref = plain(P)
+    with EngineCore(eng) as core:
+        first = [core.add(p, GREEDY) for p in PROMPTS_4[:3]]
+        head = next(iter(first[0]))  # the batch is running: the fourth joins it
+        late = core.add(PROMPTS_4[3], GREEDY).result()
+        results = [h.result() for h in first]
+    results[0].token_ids = head.token_ids + results[0].token_ids
+    results[0].logprobs = head.logprobs + results[0].logprobs
+    for i, r in enumerate(results + [late]):
+        assert r.token_ids == ref.token_ids[i], i
+        np.testing.assert_array_equal(np.asarray(r.logprobs, np.float32), np.asarray(ref.logprobs[i], np.float32))
+
+
+def test_a_pard_draft_with_its_own_kv_equals_plain_bit_for_bit():
+    """PARD (a draft LM with its own paged KV, proposing a block per step) on the PARD goldens'
+    checkpoints loaded in bf16, ragged token-id prompts, page 16 (EAGLE-1 and the demo's kinds:
+    ``scripts/check_exact.py``)."""
+    from tests.model.golden import GOLDEN
+
+    target = js.load_model(os.path.join(GOLDEN, "dflash", "target"), dtype="bfloat16", progress=False)
+    draft = js.load_draft(os.path.join(GOLDEN, "pard", "pard_llama"), target)
+    prompts = PROMPTS_4  # ragged: 7, 3, 12 and 1 tokens
+    eng = js.EngineConfig(page_size=P, max_batch=4, max_seq_len=128, steps_per_call=4, exact=True)
+    out = js.generate(target, prompts, draft=draft, spec=js.SpecConfig.chain(3), sampling=GREEDY, engine=eng)
+    assert_same_bits(out, js.generate(target, prompts, sampling=GREEDY, engine=eng))
+    assert max(np.concatenate([s.accept_lens for s in out.stats])) > 1  # proposals were accepted
+
+
 def test_prefix_cache_hits_change_no_bit():
     """A persistent engine's second call finds the first call's prompt pages (one page of a
     shared 26-token prefix): its chain output equals plain greedy without a cache, bit for bit."""
