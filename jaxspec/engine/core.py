@@ -30,7 +30,8 @@ state that changes only between calls:
 A request's output does not depend on what runs beside it: greedy rows take the argmax of logits
 their neighbours do not touch, a sampled row draws from its own PRNG key (the request's seed, or
 the core's seed folded with the request's id) with its own filters (``target_probs`` gives a row
-without top-k / top-p the unfiltered distribution in every plan).
+without top-k / top-p the unfiltered distribution in every plan) and accepts only the drafts it
+proposed itself (``jaxspec.spec.step``: an n-gram step verifies what the batch needs).
 """
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ class Root:
     @staticmethod
     def accept(plan: Plan, rows: StepRows, tree, logits, q_all, limit=None):
         B = logits.shape[0]
-        predict = pick_tokens(logits[:, 0], rows.sampling, rows.keys, plan.greedy_only, plan.filtering)[:, None]
+        # The uniform a chain or tree draws its last token with (KEY_FINAL): a row that verifies
+        # its root alone draws the same token whether the step verified more for another row.
+        predict = pick_tokens(logits[:, 0], rows.sampling, sub_keys(rows.keys, KEY_FINAL), plan.greedy_only,
+                              plan.filtering)[:, None]
         return jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), predict
 
     @staticmethod

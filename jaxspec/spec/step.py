@@ -136,6 +136,11 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
         branch = jnp.sum(jnp.asarray(prefix.sizes[:-1], jnp.int32) < need)  # the smallest size >= need
         branches = [functools.partial(verify_first, m) for m in prefix.sizes]
         limit = prefix.wanted if prefix.cap else None
+        if limit is None and not plan.greedy_only:
+            # A sampled row accepts only what it proposed for itself: nodes verified for another
+            # row would change which of its drafts it tests, so its tokens for a seed would depend
+            # on its neighbours. Greedy rows keep them (their output is the argmax path anyway).
+            limit = jnp.where(rows.sampling.greedy, prefix.sizes[-1], prefix.wanted)
         accept_lens, verified, predict, feature, logprobs, tpool = jax.lax.switch(branch, branches, limit, tpool)
     bonus, seed, dpool = proposer.extend(plan, dparams, rows, predict, feature, accept_lens, dpool,
                                          DraftContext(page_table, rows.seq_lens, tpool))

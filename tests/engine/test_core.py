@@ -152,3 +152,26 @@ def test_the_cores_plans_are_built_like_the_engines(tiny_target):
     prefill_plan, decode_plan = loop._round_plans([])
     for plan in (loop.plan, prefill_plan, decode_plan):
         assert plan.exact and plan.compiler_options == eng.plan.compiler_options
+
+
+REPEATING = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [1, 2, 3, 1, 2, 3, 1, 2, 3], [9, 9, 9, 9, 9, 9], [4, 5, 4, 5, 4]]
+
+
+@pytest.mark.parametrize("spec", [js.SpecConfig.chain(3), js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)],
+                         ids=["chain", "tree"])
+def test_a_sampled_ngram_row_keeps_its_tokens_whatever_its_neighbours_verify(tiny_target, spec):
+    """N-gram lookup verifies per step the prefix the batch needs; a sampled row accepts only what it
+    proposed itself, and a row that proposed nothing draws its token with the uniform a verified
+    chain would use, so its tokens for a seed are the same alone, beside rows with long matches, and
+    as ``generate`` of it alone (with neither rule the mixed run differs)."""
+    hot = js.SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)
+    greedy = js.SamplingParams(max_new_tokens=24)
+    draft = js.NgramDraft(max_ngram=3)
+    with EngineCore(js.Engine(tiny_target, draft=draft, spec=spec, engine=engine(16, 4))) as c:
+        alone = c.add(REPEATING[1], hot).result().token_ids
+        mixed = c.add_group([(REPEATING[0], greedy), (REPEATING[1], hot), (REPEATING[2], greedy),
+                             (REPEATING[3], hot)]).results()
+    assert mixed[1].token_ids == alone
+    out = js.generate(tiny_target, [REPEATING[1]], draft=draft, spec=spec, sampling=hot, engine=engine(16, 4))
+    assert out.token_ids[0] == alone
+    assert max(np.concatenate([r.stats.accept_lens for r in mixed])) > 1  # drafts were accepted
