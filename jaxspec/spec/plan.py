@@ -129,8 +129,9 @@ class VerifyPrefix:
       own compiled branch.
     cap: static; True: a row accepts nothing past its ``wanted`` nodes even when the step verifies
       more for another row (its length is a per-request decision: DSpark's confidence head);
-      False: nodes past it are still proposals and may be accepted (an n-gram branch continues
-      past the length its match earned).
+      False: nodes past it are still proposals and a greedy row may accept them (an n-gram branch
+      continues past the length its match earned); a sampled row stops at its ``wanted`` either
+      way, so its tokens for a seed do not depend on its neighbours.
     """
 
     wanted: jax.Array
