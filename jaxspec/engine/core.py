@@ -209,6 +209,10 @@ def accumulate(out: RequestResult, e: CoreEvent) -> None:
         out.stop_reason = e.stats.stop_reason if e.stats is not None else None
 
 
+class GrammarTableFull(ValueError):
+    """The running requests' automata and a newcomer's do not fit in one table together."""
+
+
 class LiveGrammars:
     """The structured-output automata of the requests a core holds, joined into one table
     (``GrammarSet``: padded to power-of-two states and classes, so a table that grows within its
@@ -226,7 +230,8 @@ class LiveGrammars:
     def acquire(self, automaton: Automaton) -> tuple[int, tuple[np.ndarray, dict[int, int]] | None]:
         """(the automaton's index, None) when the table has it; else (its index, (state map: old
         global state -> new, index map: old automaton index -> new)) after a rebuild. Raises a
-        ValueError when the table would pass ``MAX_TABLE_CELLS``."""
+        ``GrammarTableFull`` when the table would pass ``MAX_TABLE_CELLS`` (the caller retries once
+        a hold is released: ``EngineCore.check`` refuses an automaton too large alone)."""
         for i, a in enumerate(self.automata):
             if a is automaton:
                 self.holds[i] += 1
@@ -235,9 +240,8 @@ class LiveGrammars:
         automata = [self.automata[i] for i in keep] + [automaton]
         joined = join_automata(automata, self.vocab_size)
         if joined.next_state.size > MAX_TABLE_CELLS:
-            raise ValueError(f"the structured-output table of the running requests would hold "
-                             f"{joined.next_state.size} cells (at most {MAX_TABLE_CELLS}): retry when fewer "
-                             f"constrained requests run")
+            raise GrammarTableFull(f"the structured-output table of the running requests would hold "
+                                   f"{joined.next_state.size} cells (at most {MAX_TABLE_CELLS})")
         old = self.set
         states = np.full(1 if old is None else old.next_state.shape[0], FREE, np.int32)
         if old is not None:
@@ -337,7 +341,7 @@ class _CoreLoop(HostLoop):
 class _Arrival:
     handle: RequestHandle
     automaton: Automaton | None
-    prompt_logprobs: int | None
+    prompt_scores: tuple | None  # ``prompt_logprobs``' result, computed by the thread that added it
 
 
 class EngineCore:
@@ -366,6 +370,7 @@ class EngineCore:
         self._loop = _CoreLoop(engine, max_stop_ids)
         self._cv = threading.Condition()
         self._inbox: list[_Arrival] = []
+        self._deferred: list[_Arrival] = []  # core thread: constrained arrivals waiting for table room
         self._cancels: list[int] = []
         self._handles: dict[int, RequestHandle] = {}  # core thread: the requests it holds
         self._requests: dict[int, Request] = {}
@@ -384,7 +389,7 @@ class EngineCore:
         """Queues one request (token ids); returns its handle. Raises ValueError for a request the
         engine cannot serve (before any device work) and ``QueueFull`` when ``max_waiting``
         requests wait. ``prompt_logprobs``: also score the prompt, with that many top tokens per
-        position (the first event carries them). ``loop``: deliver events to this asyncio loop."""
+        position (the first event carries them; scored here, in the caller's thread). ``loop``: deliver events to this asyncio loop."""
         return self._queue_requests([(prompt, sampling)], [prompt_logprobs], loop, None)[0]
 
     def add_group(self, items, *, prompt_logprobs=None, loop: asyncio.AbstractEventLoop | None = None) -> RequestGroup:
@@ -396,15 +401,20 @@ class EngineCore:
 
     def _queue_requests(self, items, scores, loop, shared) -> list[RequestHandle]:
         checked = [self.check(p, s) for p, s in items]
+        # Scoring a prompt (echo) is one forward over it: done here, in the caller's thread, so the
+        # core thread's decode calls never wait for it.
+        with run_context(self.eng.target.mesh):
+            scores = [None if k is None else prompt_logprobs(self.eng.target, ids, k)
+                      for ((ids, _), _), k in zip(checked, scores)]
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine core is closed")
             if self.max_waiting is not None and self.waiting + len(items) > self.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting})")
             handles = []
-            for ((p, s), automaton), k in zip(checked, scores):
+            for ((p, s), automaton), scored in zip(checked, scores):
                 h = RequestHandle(self, next(self._ids), p, s, loop, shared)
-                self._inbox.append(_Arrival(h, automaton, k))
+                self._inbox.append(_Arrival(h, automaton, scored))
                 handles.append(h)
             self._cv.notify()
         return handles
@@ -437,6 +447,10 @@ class EngineCore:
             if target.tokenizer is None:
                 raise ValueError("structured output (regex / json_schema) needs the target's tokenizer")
             automaton = compile_constraint(target.tokenizer, padded_vocab_size(target.config), *sampling.constraint)
+            cells = join_automata([automaton], padded_vocab_size(target.config)).next_state.size
+            if cells > MAX_TABLE_CELLS:
+                raise ValueError(f"the constraint's automaton needs a table of {cells} cells, more than the "
+                                 f"{MAX_TABLE_CELLS} the engine holds for every running request together")
         return (ids, sampling), automaton
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -449,7 +463,7 @@ class EngineCore:
     @property
     def waiting(self) -> int:
         """Requests held that are not running yet (just added, queued, or preempted)."""
-        return len(self._inbox) + len(self._loop.sched.waiting)
+        return len(self._inbox) + len(self._deferred) + len(self._loop.sched.waiting)
 
     @property
     def running(self) -> int:
@@ -489,11 +503,13 @@ class EngineCore:
         with run_context(self.eng.target.mesh):
             while True:
                 with self._cv:
-                    while not self._closed and not self._inbox and not self._cancels and self._loop.idle:
+                    while (not self._closed and not self._inbox and not self._cancels and self._loop.idle
+                           and not self._deferred):
                         self._cv.wait()
                     if self._closed:
                         break
-                    arrivals, self._inbox = self._inbox, []
+                    # Deferred arrivals first (they came earlier); one still without room waits again.
+                    arrivals, self._inbox, self._deferred = self._deferred + self._inbox, [], []
                     cancels, self._cancels = self._cancels, []
                 try:
                     for a in arrivals:
@@ -525,9 +541,14 @@ class EngineCore:
                         if r.constraint is not None:
                             r.constraint = index[r.constraint]
                     loop.set_grammar(states)
-            scores = None
-            if a.prompt_logprobs is not None:
-                scores = prompt_logprobs(self.eng.target, h.prompt, a.prompt_logprobs)
+            scores = a.prompt_scores
+        except GrammarTableFull as e:
+            if any(loop.grammars.holds):
+                self._deferred.append(a)  # room comes when a constrained request ends
+                return
+            h._push(CoreEvent(index=h.id, token_ids=[], text=None, finished=True, finish_reason="error",
+                              time=time.perf_counter(), error=str(e)))  # too large even alone
+            return
         except ValueError as e:
             if which is not None:
                 self._release_grammar(which)
@@ -551,6 +572,12 @@ class EngineCore:
     def _cancel(self, rid: int) -> None:
         r = self._requests.pop(rid, None)
         if r is None:
+            waiting = [a for a in self._deferred if a.handle.id == rid]
+            if waiting:  # still waiting for room in the grammar table
+                self._deferred.remove(waiting[0])
+                waiting[0].handle._push(CoreEvent(index=rid, token_ids=[], text=None, finished=True,
+                                                  finish_reason="cancelled", time=time.perf_counter(),
+                                                  error="cancelled"))
             return  # finished already (or never accepted)
         h = self._handles.pop(rid)
         row = self._loop.sched.drop(r)
@@ -587,6 +614,7 @@ class EngineCore:
         now = time.perf_counter()
         with self._cv:
             arrivals, self._inbox = self._inbox, []
+        arrivals, self._deferred = self._deferred + arrivals, []
         held = [a.handle for a in arrivals] + list(self._handles.values())
         for h in held:
             h._push(CoreEvent(index=h.id, token_ids=[], text=None, finished=True, finish_reason="error", time=now,

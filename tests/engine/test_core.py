@@ -3,6 +3,7 @@ would have alone, cancellation, and a bounded set of programs under a mixed load
 
 from __future__ import annotations
 
+import re
 import threading
 
 import jax
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.engine.core import EngineCore, LiveGrammars, QueueFull
+from jaxspec.engine.core import EngineCore, LiveGrammars, QueueFull, collect
+from jaxspec.model.config import padded_vocab_size
+from jaxspec.structured import compile_constraint
 from jaxspec.engine.programs import compiled_programs
 from jaxspec.sampling.distributions import RowSampling, target_probs
 from jaxspec.structured.automaton import compile_automaton
@@ -175,3 +178,63 @@ def test_a_sampled_ngram_row_keeps_its_tokens_whatever_its_neighbours_verify(tin
     out = js.generate(tiny_target, [REPEATING[1]], draft=draft, spec=spec, sampling=hot, engine=engine(16, 4))
     assert out.token_ids[0] == alone
     assert max(np.concatenate([r.stats.accept_lens for r in mixed])) > 1  # drafts were accepted
+
+
+def test_a_prompt_is_scored_in_the_thread_that_adds_it(core, monkeypatch):
+    """Echo's prompt scoring (a forward over the prompt) runs in the caller's thread, never in the
+    core thread between decode calls; its first event carries the scores."""
+    from jaxspec.engine import core as core_module
+
+    threads = []
+
+    def scoring(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    real = core_module.prompt_logprobs
+    monkeypatch.setattr(core_module, "prompt_logprobs", scoring)
+    h = core.add(PROMPTS_4[0], GREEDY, prompt_logprobs=2)
+    first = next(iter(h))
+    assert threads == [threading.current_thread().name] and first.prompt_logprobs is not None
+    values, tops = first.prompt_logprobs
+    assert values[0] is None and len(values) == len(PROMPTS_4[0]) and len(tops[1]) == 2
+    h.result()
+
+
+@pytest.fixture(scope="module")
+def demo_core():
+    """The demo target (it has a tokenizer, for constraints), plain decoding."""
+    from jaxspec.demo import DEMO_TARGET
+
+    target = js.load_model(DEMO_TARGET, dtype="float32", progress=False)
+    with EngineCore(js.Engine(target, engine=engine(16, 2, max_seq_len=64))) as c:
+        yield c
+
+
+def test_a_constraint_without_room_in_the_table_waits_for_it(demo_core, monkeypatch):
+    """Two constraints whose automata fit the grammar table alone but not together: the second waits
+    (queued, counted as waiting) until the first request ends, then runs; a waiting one can be
+    cancelled; one too large alone is refused when added."""
+    from jaxspec.engine import core as core_module
+    from jaxspec.structured.automaton import join_automata
+
+    tok, vocab = demo_core.eng.target.tokenizer, padded_vocab_size(demo_core.eng.target.config)
+    # Hundreds of states each: the table pads states to powers of two, so two fill more than one.
+    a, b, c = (js.SamplingParams(max_new_tokens=6, regex=r) for r in (r"[ab]{2,400}", r"[0-9]{3,400}", r"z[0-9]+"))
+    auto = [compile_constraint(tok, vocab, *s.constraint) for s in (a, b)]
+    alone = max(join_automata([x], vocab).next_state.size for x in auto)
+    assert join_automata(auto, vocab).next_state.size > alone  # the test's premise
+    monkeypatch.setattr(core_module, "MAX_TABLE_CELLS", alone)
+    prompt = tok.encode("Answer:")
+    first, second, third = (demo_core.add(prompt, s) for s in (a, b, c))
+    demo_core.cancel(third)  # waits behind the first too
+    events = [list(h) for h in (first, second, third)]
+    out = [collect(e) for e in events]
+    reasons = [r.finish_reason for r in out]
+    assert set(reasons[:2]) <= {"stop", "length"}, [(r.finish_reason, r.error) for r in out]
+    assert reasons[2] == "cancelled"
+    assert events[1][0].time > events[0][-1].time  # it ran after the first had ended
+    assert re.fullmatch(r"[ab]+", out[0].text) and re.fullmatch(r"[0-9]+", out[1].text), (out[0].text, out[1].text)
+    monkeypatch.setattr(core_module, "MAX_TABLE_CELLS", alone // 4)
+    with pytest.raises(ValueError, match="more than the"):
+        demo_core.add(prompt, b)
