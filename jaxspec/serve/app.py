@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
+import threading
 import time
 import uuid
 
@@ -21,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.engine.core import EngineCore, QueueFull
 from jaxspec.serve.metrics import CONTENT_TYPE, Metrics
+from jaxspec.serve.constraints import ConstraintCompiler
 from jaxspec.serve.protocol import APIError, Limits, Prepared, bad, parse_body, prepare
 from jaxspec.structured import compile_constraint
 
@@ -45,11 +48,13 @@ def build_app(core: EngineCore, config: ServerConfig) -> FastAPI:
     depth = 0 if core.eng.spec is None else core.eng.spec.depth
     metrics = Metrics(core, depth)
     workers = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxspec-prepare")
-    # Constraints compile on threads of their own: one that runs past its time limit (and finishes in
-    # the background) never holds up tokenizing the other requests.
+    # Constraints compile in processes of their own (``ConstraintCompiler``: one past its time limit
+    # is stopped), each waited on by a thread of this pool.
     compilers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxspec-constraint")
     server = _Server(core, config, metrics, workers, compilers)
     app.state.server = server
+    if server.processes is not None:
+        threading.Thread(target=server.processes.start, name="jaxspec-constraint-start", daemon=True).start()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -96,6 +101,7 @@ class _Server:
     def __init__(self, core: EngineCore, config: ServerConfig, metrics: Metrics, workers, compilers):
         self.core, self.config, self.metrics, self.workers, self.compilers = core, config, metrics, workers, compilers
         self.tokenizer = config.limits.tokenizer
+        self.processes = None if self.tokenizer is None else ConstraintCompiler(self.tokenizer, core._loop.vocab)
         self._token_text: dict[int, str] = {}
 
     # --- checks ---
@@ -148,8 +154,9 @@ class _Server:
         return JSONResponse(await response.whole(request))
 
     async def _compile_constraints(self, prepared: Prepared, loop) -> None:
-        """Each distinct constraint compiled in a worker thread (cached by its text), at most
-        ``CONSTRAINT_SECONDS`` each: one slow constraint never stalls the server."""
+        """Each distinct constraint compiled in a worker process (cached by its text), at most
+        ``CONSTRAINT_SECONDS`` each, after which its process is stopped: one slow constraint never
+        stalls the server nor keeps compiling after its request was refused."""
         if not prepared.constraints:
             return
         if self.tokenizer is None:
@@ -157,9 +164,9 @@ class _Server:
         vocab = self.core._loop.vocab
         for kind, text in prepared.constraints:
             param = "regex" if kind == "regex" else "response_format"
-            future = loop.run_in_executor(self.compilers, compile_constraint, self.tokenizer, vocab, kind, text)
+            build = functools.partial(self.processes.compile, kind, text, CONSTRAINT_SECONDS)
             try:
-                await asyncio.wait_for(asyncio.shield(future), CONSTRAINT_SECONDS)
+                await loop.run_in_executor(self.compilers, compile_constraint, self.tokenizer, vocab, kind, text, build)
             except TimeoutError:
                 raise bad(f"the {param} took longer than {CONSTRAINT_SECONDS:g} s to compile", param=param) from None
             except ValueError as e:
@@ -179,6 +186,10 @@ class _Server:
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except ValueError as e:
             raise bad(str(e)) from None
+
+    def close(self) -> None:
+        if self.processes is not None:
+            self.processes.close()
 
     # --- tokens as text ---
 

@@ -87,5 +87,6 @@ def serve(args) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
+        app.state.server.close()
         core.close()
     return 0

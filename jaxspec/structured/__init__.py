@@ -20,7 +20,8 @@ from jaxspec.structured.automaton import Automaton, AutomatonCache, GrammarSet, 
 from jaxspec.structured.regex import ByteDFA, compile_dfa
 from jaxspec.structured.schema import schema_regex
 
-__all__ = ["Automaton", "GrammarSet", "compile_constraint", "compile_constraints", "constraint_dfa"]
+__all__ = ["Automaton", "GrammarSet", "build_automaton", "compile_constraint", "compile_constraints",
+           "constraint_dfa"]
 
 _CACHE = AutomatonCache()
 
@@ -33,14 +34,20 @@ def constraint_dfa(kind: str, text: str) -> ByteDFA:
     return compile_dfa(regex, re.ASCII, splices)
 
 
-def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str) -> Automaton:
+def build_automaton(token_bytes, first_bytes, vocab_size: int, kind: str, text: str) -> Automaton:
+    """The automaton of one constraint over a vocabulary's token bytes (uncached: the work
+    ``compile_constraint`` caches, also run in the server's constraint processes)."""
+    what = f"{kind} {text!r}" if len(text) < 200 else f"{kind} ({len(text)} characters)"
+    return compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size, first_bytes=first_bytes, what=what)
+
+
+def compile_constraint(tokenizer, vocab_size: int, kind: str, text: str, build=None) -> Automaton:
     """The automaton of one constraint over ``tokenizer``'s vocabulary (``vocab_size`` ids: the
-    model's, which may exceed the tokenizer's), cached."""
+    model's, which may exceed the tokenizer's), cached. ``build``: how a miss is compiled (default:
+    ``build_automaton`` here; the server passes its constraint processes')."""
     token_bytes, first_bytes = tokenizer.token_bytes, tokenizer.first_token_bytes
     key = (kind, text, vocab_size, len(token_bytes), hash(token_bytes), hash(first_bytes))
-    what = f"{kind} {text!r}" if len(text) < 200 else f"{kind} ({len(text)} characters)"
-    return _CACHE.get(key, lambda: compile_automaton(constraint_dfa(kind, text), token_bytes, vocab_size,
-                                                     first_bytes=first_bytes, what=what))
+    return _CACHE.get(key, build or (lambda: build_automaton(token_bytes, first_bytes, vocab_size, kind, text)))
 
 
 def compile_constraints(tokenizer, vocab_size: int, constraints) -> tuple[GrammarSet | None, list[int | None]]:

@@ -1,0 +1,129 @@
+"""Compiling constraints in worker processes that a time limit can stop.
+
+A regex or JSON schema can take long to turn into an automaton (a schema with many optional
+properties, a regex with large counted repetitions). A thread cannot be stopped, so a server that
+gave up on one would keep a core busy compiling it; here each compile runs in one of a few
+long-lived processes (spawned, so they share no JAX state with the server), and a compile past its
+time limit ends its process, which is replaced on the next use. Results come back pickled and go
+into the same cache as every other compile (``jaxspec.structured.compile_constraint``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+
+from jaxspec.structured import Automaton, build_automaton
+
+READY_SECONDS = 120.0  # a worker's start (spawn + imports) gets this long
+
+
+def _serve(conn, token_bytes, first_bytes, vocab_size: int) -> None:  # in the worker process
+    conn.send(("ready", None))
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            conn.send(("ok", build_automaton(token_bytes, first_bytes, vocab_size, *job)))
+        except ValueError as e:
+            conn.send(("error", str(e)))
+
+
+class _Worker:
+    def __init__(self, context, args):
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, *args), daemon=True,
+                                       name="jaxspec-constraint-compiler")
+        self.process.start()
+        child.close()
+        if not self.conn.poll(READY_SECONDS) or self.conn.recv()[0] != "ready":
+            self.stop()
+            raise RuntimeError("a constraint compiler process did not start")
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+class ConstraintCompiler:
+    """``processes`` worker processes compiling constraints over one tokenizer's vocabulary.
+    ``compile`` blocks its calling thread (call it from a thread pool) and raises ``TimeoutError``
+    past its limit (the worker that ran it is ended), ``ValueError`` for a constraint that cannot
+    be compiled."""
+
+    def __init__(self, tokenizer, vocab_size: int, processes: int = 2):
+        self._context = multiprocessing.get_context("spawn")
+        self._args = (tuple(tokenizer.token_bytes), tokenizer.first_token_bytes, vocab_size)
+        self._idle: queue.Queue = queue.Queue()
+        for _ in range(processes):
+            self._idle.put(None)  # a slot: its process starts on first use (or ``start``)
+        self._lock = threading.Lock()
+        self._workers: set[_Worker] = set()
+        self._closed = False
+
+    def start(self) -> None:
+        """Starts every slot's process now (so the first requests' limits count compiling only)."""
+        slots = [self._idle.get() for _ in range(self._idle.qsize())]
+        for w in slots:
+            self._idle.put(w if w is not None and w.alive else self._spawn())
+
+    def _spawn(self) -> _Worker:
+        w = _Worker(self._context, self._args)
+        with self._lock:
+            self._workers.add(w)
+        return w
+
+    def _retire(self, w: _Worker) -> None:
+        w.stop()
+        with self._lock:
+            self._workers.discard(w)
+
+    def compile(self, kind: str, text: str, timeout: float) -> Automaton:
+        deadline = time.monotonic() + timeout
+        try:
+            w = self._idle.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no constraint compiler was free within {timeout:g} s") from None
+        try:
+            if w is None or not w.alive:
+                w = self._spawn()
+            w.conn.send((kind, text))
+            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                self._retire(w)
+                w = None
+                raise TimeoutError(f"compiling the constraint took longer than {timeout:g} s")
+            status, value = w.conn.recv()
+        except TimeoutError:
+            raise
+        except (EOFError, OSError):  # the process died under it
+            if w is not None:
+                self._retire(w)
+            w = None
+            raise RuntimeError("the constraint compiler process died") from None
+        finally:
+            self._idle.put(w)  # the worker, or an empty slot to refill
+        if status == "error":
+            raise ValueError(value)
+        return value
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.process.pid for w in self._workers if w.alive]
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers), set()
+        for w in workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+            w.stop()

@@ -1,0 +1,49 @@
+"""The server's constraint processes: compiles that come back equal to the in-process ones, errors as
+ValueErrors, and a compile past its time limit stopped with its process (the next one gets a fresh
+process)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.demo import DEMO_TARGET
+from jaxspec.serve.constraints import ConstraintCompiler
+from jaxspec.structured import build_automaton
+
+SLOW = r"([a-z]{1,40}@){1,60}"  # about a second to compile on a CPU core (0.6 s at 30 repeats)
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tok = js.load_model(DEMO_TARGET, dtype="float32", progress=False).tokenizer
+    c = ConstraintCompiler(tok, 4096, processes=1)
+    c.start()
+    yield tok, c
+    c.close()
+
+
+def test_a_compile_equals_the_in_process_one_and_errors_are_value_errors(compiler):
+    tok, c = compiler
+    got = c.compile("regex", r"[0-9]{2,5}-[ab]+", timeout=60)
+    want = build_automaton(tok.token_bytes, tok.first_token_bytes, 4096, "regex", r"[0-9]{2,5}-[ab]+")
+    np.testing.assert_array_equal(got.next_state, want.next_state)
+    np.testing.assert_array_equal(got.final, want.final)
+    with pytest.raises(ValueError, match="regex"):
+        c.compile("regex", r"(unclosed", timeout=60)
+
+
+def test_a_compile_past_its_limit_ends_its_process(compiler):
+    _, c = compiler
+    before = c.pids()
+    assert len(before) == 1
+    t = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        c.compile("regex", SLOW, timeout=0.2)
+    assert time.perf_counter() - t < 5  # it did not wait for the compile
+    assert before[0] not in c.pids()  # that process is gone, not compiling on in the background
+    assert c.compile("regex", r"[ab]{2,9}", timeout=60).num_states > 0  # a fresh process serves the next
+    assert len(c.pids()) == 1 and c.pids() != before
