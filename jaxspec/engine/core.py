@@ -401,16 +401,16 @@ class EngineCore:
 
     def _queue_requests(self, items, scores, loop, shared) -> list[RequestHandle]:
         checked = [self.check(p, s) for p, s in items]
-        # Scoring a prompt (echo) is one forward over it: done here, in the caller's thread, so the
-        # core thread's decode calls never wait for it.
-        with run_context(self.eng.target.mesh):
-            scores = [None if k is None else prompt_logprobs(self.eng.target, ids, k)
-                      for ((ids, _), _), k in zip(checked, scores)]
+        if any(k is not None for k in scores):
+            with self._cv:
+                self._check_room(len(items))  # a request refused for room does no device work
+            # Scoring a prompt (echo) is one forward over it: done here, in the caller's thread, so
+            # the core thread's decode calls never wait for it.
+            with run_context(self.eng.target.mesh):
+                scores = [None if k is None else prompt_logprobs(self.eng.target, ids, k)
+                          for ((ids, _), _), k in zip(checked, scores)]
         with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine core is closed")
-            if self.max_waiting is not None and self.waiting + len(items) > self.max_waiting:
-                raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting})")
+            self._check_room(len(items))
             handles = []
             for ((p, s), automaton), scored in zip(checked, scores):
                 h = RequestHandle(self, next(self._ids), p, s, loop, shared)
@@ -418,6 +418,12 @@ class EngineCore:
                 handles.append(h)
             self._cv.notify()
         return handles
+
+    def _check_room(self, n: int) -> None:  # under self._cv
+        if self._closed:
+            raise RuntimeError("the engine core is closed")
+        if self.max_waiting is not None and self.waiting + n > self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting})")
 
     def check(self, prompt, sampling: SamplingParams | None) -> tuple[tuple[list[int], SamplingParams], Automaton | None]:
         """What ``add`` checks before queuing: ids, lengths, stop ids, page needs, the constraint
