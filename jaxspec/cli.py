@@ -9,7 +9,7 @@ import sys
 import time
 
 from jaxspec.demo import DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET, demo_default
-from jaxspec.spec_options import NGRAM, add_spec_args, draft_from, spec_from
+from jaxspec.spec_options import NGRAM, add_exact_arg, add_spec_args, draft_from, spec_from
 
 
 def _json_schema(value: str | None):
@@ -207,10 +207,7 @@ def main(argv=None) -> int:
                    help="structured output: a JSON schema (its text, or a path to a .json file) the output must follow")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--exact", action="store_true",
-                   help="the exact mode: every product, sum and attention in a fixed order, so speculative output "
-                        "equals plain output bit for bit in bf16 (single device; slower; docs/architecture.md, "
-                        "'The exact mode')")
+    add_exact_arg(g)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos tokens")

@@ -56,3 +56,11 @@ def draft_from(args, target, draft_path, ngram_tokens: int | None = None):
         return None
     draft = js.load_draft(draft_path, target)
     return js.HybridDraft(draft, ngram) if G else draft
+
+
+def add_exact_arg(parser) -> None:
+    """``--exact`` (``EngineConfig(exact=True)``), for ``generate`` and ``serve``."""
+    parser.add_argument("--exact", action="store_true",
+                        help="the exact mode: every product, sum and attention in a fixed order, so speculative "
+                             "output equals plain output bit for bit in bf16 (single device; slower; "
+                             "docs/architecture.md, 'The exact mode')")

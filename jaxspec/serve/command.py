@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxspec.spec_options import add_spec_args
+from jaxspec.spec_options import add_exact_arg, add_spec_args
 
 def add_parsers(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (defaults to the shipped demo pair)",
@@ -17,10 +17,7 @@ def add_parsers(sub) -> None:
     add_spec_args(s)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--exact", action="store_true",
-                   help="the exact mode: every product, sum and attention in a fixed order, so speculative output "
-                        "equals plain output bit for bit in bf16 (single device; slower; docs/architecture.md, "
-                        "'The exact mode')")
+    add_exact_arg(s)
     s.add_argument("--max-seq-len", type=int, default=2048, help="most tokens of one request, prompt included")
     s.add_argument("--max-batch", type=int, default=8, help="most requests decoded together")
     s.add_argument("--num-pages", type=int, default=None,

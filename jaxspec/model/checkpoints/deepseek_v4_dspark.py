@@ -27,7 +27,8 @@ from jaxspec.model.config import ConfigError
 from jaxspec.model.drafts.deepseek_v4_dspark import V4DSparkConfig
 from jaxspec.model.checkpoints.checkpoint import CheckpointError
 from jaxspec.model.checkpoints.deepseek_v4 import common_entries, layer_names, routing_entries
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, init_params, load_params, shardings_for, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, init_params, load_params, shardings_for,
+                                                   stacked, with_target_embedding)
 from jaxspec.model.targets.deepseek_v4_config import TOPK, DeepseekV4Config
 
 MAIN_PROJ = "mtp.0.main_proj.weight"
@@ -114,8 +115,7 @@ def v4_dspark_table(cfg: V4DSparkConfig) -> Table:
 
 
 def _with_target(params: dict, cfg: V4DSparkConfig, target_params: dict) -> dict:
-    params["embed"] = target_params["embed"]
-    params["head"] = target_params["lm_head"] if "lm_head" in target_params else jnp.asarray(target_params["embed"]).T
+    with_target_embedding(params, target_params)
     if cfg.confidence_head:
         params["confidence"]["b"] = jnp.zeros((1,), jnp.float32)  # DeepSeek's proj has no bias
     return params

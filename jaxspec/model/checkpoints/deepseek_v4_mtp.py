@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.drafts.deepseek_v4_mtp import V4MtpConfig
 from jaxspec.model.checkpoints.checkpoint import CheckpointError
 from jaxspec.model.checkpoints.deepseek_v4 import common_entries, layer_names, routing_entries
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, init_params, load_params, shardings_for, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, init_params, load_params, shardings_for,
+                                                   stacked, with_target_embedding)
 from jaxspec.model.targets.deepseek_v4_config import TOPK, DeepseekV4Config
 
 _E_PROJ = re.compile(r"^mtp\.(\d+)\.e_proj\.weight$")
@@ -54,14 +54,11 @@ def load_v4_mtp_params(ckpt, target_cfg: DeepseekV4Config, target_params: dict, 
     cfg = V4MtpConfig(target=target_cfg, layer=found[0])
     table = v4_mtp_table(cfg)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=True), fp8_block=fp8_block)
-    params["embed"] = target_params["embed"]
-    params["head"] = target_params["lm_head"] if "lm_head" in target_params else jnp.asarray(target_params["embed"]).T
+    with_target_embedding(params, target_params)
     return params, cfg
 
 
 def init_v4_mtp_params(cfg: V4MtpConfig, target_params: dict, seed=0, dtype=np.float32, scale: float = 0.02) -> dict:
     """Random MTP params around the target's embedding and head (tests)."""
     params = init_params(v4_mtp_table(cfg), seed, scale=scale, dtype=dtype)
-    params["embed"] = target_params["embed"]
-    params["head"] = target_params["lm_head"] if "lm_head" in target_params else target_params["embed"].T
-    return params
+    return with_target_embedding(params, target_params)

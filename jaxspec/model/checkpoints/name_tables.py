@@ -825,3 +825,11 @@ def shardings_for(table, mesh, split: bool):
         return None
     specs = partition_specs(table, MODEL if split else None)
     return lambda path: NamedSharding(mesh, PartitionSpec(*specs[path]))
+
+
+def with_target_embedding(params: dict, target_params: dict) -> dict:
+    """A draft's ``params`` with the target's input embedding (``embed``) and output head (``head``:
+    the target's ``lm_head``, or its tied embedding transposed), as MTP layers share them."""
+    params["embed"] = target_params["embed"]
+    params["head"] = target_params["lm_head"] if "lm_head" in target_params else jnp.asarray(target_params["embed"]).T
+    return params

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.drafts.qwen_mtp import QwenMtpConfig
 from jaxspec.model.checkpoints.checkpoint import CheckpointError
 from jaxspec.model.checkpoints.hybrid import full_attention_entries, mlp_entries
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, init_params, load_params, shardings_for, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, init_params, load_params, shardings_for,
+                                                   stacked, with_target_embedding)
 from jaxspec.model.targets.hybrid_config import HybridConfig
 
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -53,14 +53,11 @@ def load_qwen_mtp_params(ckpt, target_cfg: HybridConfig, target_params: dict, dt
     cfg = QwenMtpConfig(target=target_cfg, num_mtp_layers=n, moe=moe)
     table = qwen_mtp_table(cfg, fused_experts="mtp.layers.0.mlp.experts.gate_up_proj" in names)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, mesh, split=True))
-    params["embed"] = target_params["embed"]
-    params["head"] = target_params["lm_head"] if "lm_head" in target_params else jnp.asarray(target_params["embed"]).T
+    with_target_embedding(params, target_params)
     return params, cfg
 
 
 def init_qwen_mtp_params(cfg: QwenMtpConfig, target_params: dict, seed=0, dtype=np.float32, scale: float = 0.02) -> dict:
     """Random MTP params sharing ``target_params``' embedding and head (tests, benchmarks)."""
     params = init_params(qwen_mtp_table(cfg), seed, scale=scale, dtype=dtype)
-    params["embed"] = target_params["embed"]
-    params["head"] = target_params["lm_head"] if "lm_head" in target_params else target_params["embed"].T
-    return params
+    return with_target_embedding(params, target_params)
