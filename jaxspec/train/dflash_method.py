@@ -40,8 +40,8 @@ from jaxspec.model.drafts.dflash import (
     layer_params,
 )
 from jaxspec.model.checkpoints.dflash import dflash_table, export_dflash, shared_target_params
-from jaxspec.model.layers import lm_head, project_kv, rms_norm, rope_inv_freq
-from jaxspec.train.forward import dense_attention, frozen_target_forward
+from jaxspec.model.layers import project_kv, rms_norm, rope_inv_freq
+from jaxspec.train.forward import dense_attention, frozen_block_inputs
 
 
 def block_train_mask(
@@ -143,10 +143,8 @@ class DFlashMethod:
         """tokens: i32[B, T+1] windows. Returns (weighted loss, metrics: ``loss`` / ``acc`` per
         block position f32[S], ``accept`` the mean greedy accept length of the blocks)."""
         cfg = self.dcfg
-        hidden, aux = frozen_target_forward(target_params, tcfg, tokens,
-                                            aux_layers=tuple(l + 1 for l in cfg.target_layer_ids))
-        t_logits = jax.lax.stop_gradient(lm_head(target_params, hidden))  # [B, T+1, V]
-        features = jax.lax.stop_gradient(aux[:, :-1]).astype(jnp.float32)  # [B, T, F]
+        # [B, T+1, V] labels, [B, T, F] features
+        t_logits, features = frozen_block_inputs(target_params, tcfg, tokens, cfg.target_layer_ids)
         anchors = extra["anchors"]
         out = block_train_forward(params, cfg, features, tokens, anchors)[:, :, 1:]  # [B, nA, S, H]
         logits = dflash_logits(params, cfg, out)  # f32[B, nA, S, V]

@@ -29,9 +29,8 @@ from jaxspec.model.drafts.dflash import DFlashConfig, dflash_logits
 from jaxspec.model.drafts.dspark import DSparkConfig, confidence_logits, dspark_draft, markov_bias
 from jaxspec.model.checkpoints.dflash import shared_target_params
 from jaxspec.model.checkpoints.speculators import dspark_table, export_speculators
-from jaxspec.model.layers import lm_head
 from jaxspec.train.dflash_method import DFlashMethod, block_train_forward, position_weights, sample_anchors
-from jaxspec.train.forward import frozen_target_forward
+from jaxspec.train.forward import frozen_block_inputs
 
 
 def dspark_config_for(dcfg: DFlashConfig, *, markov_rank: int, markov_head_type: str = "vanilla",
@@ -101,10 +100,8 @@ class DSparkMethod(DFlashMethod):
         f32[S], ``accept`` the blocks' mean greedy accept length, ``confidence_error`` the mean
         |sigmoid(confidence) - acceptance rate|)."""
         cfg = self.dcfg
-        hidden, aux = frozen_target_forward(target_params, tcfg, tokens,
-                                            aux_layers=tuple(l + 1 for l in cfg.target_layer_ids))
-        t_logits = jax.lax.stop_gradient(lm_head(target_params, hidden))  # [B, T+1, V]
-        features = jax.lax.stop_gradient(aux[:, :-1]).astype(jnp.float32)  # [B, T, F]
+        # [B, T+1, V] labels, [B, T, F] features
+        t_logits, features = frozen_block_inputs(target_params, tcfg, tokens, cfg.target_layer_ids)
         anchors = extra["anchors"]
         B, nA = anchors.shape
         Q, s = cfg.block_size, cfg.first_draft_slot

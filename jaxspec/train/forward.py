@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.layers import attention_qkv, layer_tail, rms_norm, rope_inv_freq
+from jaxspec.model.layers import attention_qkv, layer_tail, lm_head, rms_norm, rope_inv_freq
 from jaxspec.model.targets import forward_fresh
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -91,6 +91,16 @@ def frozen_target_forward(params: dict, cfg, tokens: jax.Array, *, aux_layers: t
     dtype = jax.tree.leaves(params)[0].dtype
     _, hidden, aux = forward_fresh(cfg, params, tokens, dtype=dtype, aux_layers=aux_layers)
     return hidden, aux
+
+
+def frozen_block_inputs(target_params: dict, tcfg, tokens: jax.Array, target_layer_ids) -> tuple[jax.Array, jax.Array]:
+    """What a block drafter (DFlash, DSpark) trains against, from the frozen target over windows
+    ``tokens`` i32[B, T+1]: its logits f32[B, T+1, V] (the labels) and its features at positions
+    0..T-1 f32[B, T, F] (the taps after ``target_layer_ids``), no gradient into either."""
+    hidden, aux = frozen_target_forward(target_params, tcfg, tokens, aux_layers=tuple(l + 1 for l in target_layer_ids))
+    t_logits = jax.lax.stop_gradient(lm_head(target_params, hidden))  # [B, T+1, V]
+    features = jax.lax.stop_gradient(aux[:, :-1]).astype(jnp.float32)  # [B, T, F]
+    return t_logits, features
 
 
 def num_params(params) -> int:
