@@ -389,7 +389,8 @@ class EngineCore:
         """Queues one request (token ids); returns its handle. Raises ValueError for a request the
         engine cannot serve (before any device work) and ``QueueFull`` when ``max_waiting``
         requests wait. ``prompt_logprobs``: also score the prompt, with that many top tokens per
-        position (the first event carries them; scored here, in the caller's thread). ``loop``: deliver events to this asyncio loop."""
+        position (the first event carries them; scored here, in the caller's thread). ``loop``:
+        deliver events to this asyncio loop."""
         return self._queue_requests([(prompt, sampling)], [prompt_logprobs], loop, None)[0]
 
     def add_group(self, items, *, prompt_logprobs=None, loop: asyncio.AbstractEventLoop | None = None) -> RequestGroup:

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.engine.core import EngineCore, QueueFull
-from jaxspec.serve.metrics import CONTENT_TYPE, Metrics
 from jaxspec.serve.constraints import ConstraintCompiler
+from jaxspec.serve.metrics import CONTENT_TYPE, Metrics
 from jaxspec.serve.protocol import APIError, Limits, Prepared, bad, parse_body, prepare
 from jaxspec.structured import compile_constraint
 

@@ -30,6 +30,8 @@ def _serve(conn, token_bytes, first_bytes, vocab_size: int) -> None:  # in the w
             conn.send(("ok", build_automaton(token_bytes, first_bytes, vocab_size, *job)))
         except ValueError as e:
             conn.send(("error", str(e)))
+        except Exception as e:  # noqa: BLE001  a pathological pattern (RecursionError, ...): the request's fault
+            conn.send(("error", f"the constraint could not be compiled ({type(e).__name__}: {e})"))
 
 
 class _Worker:
@@ -67,7 +69,6 @@ class ConstraintCompiler:
             self._idle.put(None)  # a slot: its process starts on first use (or ``start``)
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
-        self._closed = False
 
     def start(self) -> None:
         """Starts every slot's process now (so the first requests' limits count compiling only)."""
