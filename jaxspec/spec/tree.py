@@ -145,7 +145,6 @@ def build_tree(
 ) -> Tree:
     """Links the chosen candidates into a tree (SGLang ``build_tree_kernel_efficient``)."""
     B, m = draft_tokens.shape
-    n = m + 1
     tokens = jnp.concatenate([bonus[:, None].astype(jnp.int32), draft_tokens.astype(jnp.int32)], axis=1)
     if num_steps > 1:
         parent_cand = jnp.take_along_axis(parent_list, top_scores_index // topk, axis=1)  # [B, m]
