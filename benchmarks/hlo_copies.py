@@ -18,6 +18,7 @@ reading on the 8B shape: ``gpu_check.py --items copies``).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -93,11 +94,11 @@ def find_copies(hlo: str, weights: dict[str, tuple[int, ...]], pools: dict[str, 
     wanted = {}
     for name, shape in weights.items():
         layer = shape[1:]
-        if int(jax.numpy.prod(jax.numpy.array(layer))) >= min_elements:
+        if math.prod(layer) >= min_elements:
             wanted.setdefault(_squeeze(layer), ("layer slice", name))
             wanted.setdefault(_squeeze(shape), ("whole weight", name))
     for name, shape in pools.items():
-        if int(jax.numpy.prod(jax.numpy.array(shape))) >= min_elements:
+        if math.prod(shape) >= min_elements:
             wanted.setdefault(_squeeze(shape), ("whole pool", name))
     comps = computations(hlo)
     roots = {name: root_op(lines) for name, lines in comps.items()}

@@ -60,7 +60,7 @@ from jaxspec.model.config import padded_vocab_size
 from jaxspec.results import RequestStats, StreamEvent
 from jaxspec.sampling.grammar_masks import DEAD, FREE, GrammarTable
 from jaxspec.structured import compile_constraint
-from jaxspec.structured.automaton import Automaton, GrammarSet, join_automata
+from jaxspec.structured.automaton import Automaton, GrammarSet, join_automata, table_cells
 
 # Most cells (states x token classes) of the structured-output table (int32: 64 MiB).
 MAX_TABLE_CELLS = 1 << 24
@@ -454,7 +454,7 @@ class EngineCore:
             if target.tokenizer is None:
                 raise ValueError("structured output (regex / json_schema) needs the target's tokenizer")
             automaton = compile_constraint(target.tokenizer, padded_vocab_size(target.config), *sampling.constraint)
-            cells = join_automata([automaton], padded_vocab_size(target.config)).next_state.size
+            cells = table_cells([automaton], padded_vocab_size(target.config))
             if cells > MAX_TABLE_CELLS:
                 raise ValueError(f"the constraint's automaton needs a table of {cells} cells, more than the "
                                  f"{MAX_TABLE_CELLS} the engine holds for every running request together")

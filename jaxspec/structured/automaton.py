@@ -303,18 +303,31 @@ def _pow2(x: int, least: int) -> int:
     return max(least, 1 << max(0, x - 1).bit_length())
 
 
+def _joint_classes(automata: list[Automaton], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a token of each joint class, each token's joint class i32[V]): tokens every automaton
+    treats alike share a class."""
+    if not automata:
+        return np.zeros(1, np.int64), np.zeros(vocab_size, np.int32)
+    classes = np.stack([a.token_class for a in automata])  # [A, V]
+    _, first, joint = np.unique(classes.T, axis=0, return_index=True, return_inverse=True)
+    return first, joint.reshape(-1).astype(np.int32)
+
+
+def _padded_shape(automata: list[Automaton], num_classes: int) -> tuple[int, int]:
+    return _pow2(2 + sum(a.num_states for a in automata), MIN_STATES), _pow2(num_classes + 1, MIN_CLASSES)
+
+
+def table_cells(automata: list[Automaton], vocab_size: int) -> int:
+    """Cells of the table ``join_automata`` would build (states x classes, padded), without it."""
+    S_pad, C_pad = _padded_shape(automata, len(_joint_classes(automata, vocab_size)[0]))
+    return S_pad * C_pad
+
+
 def join_automata(automata: list[Automaton], vocab_size: int) -> GrammarSet:
     """One table for ``automata`` (all over the same vocabulary of ``vocab_size``)."""
-    V = vocab_size
-    if automata:
-        classes = np.stack([a.token_class for a in automata])  # [A, V]
-        _, first, joint = np.unique(classes.T, axis=0, return_index=True, return_inverse=True)
-        joint = joint.reshape(-1).astype(np.int32)
-    else:
-        first, joint = np.zeros(1, np.int64), np.zeros(V, np.int32)
+    first, joint = _joint_classes(automata, vocab_size)
     C = len(first)
-    S = 2 + sum(a.num_states for a in automata)
-    S_pad, C_pad = _pow2(S, MIN_STATES), _pow2(C + 1, MIN_CLASSES)
+    S_pad, C_pad = _padded_shape(automata, C)
     table = np.full((S_pad, C_pad), DEAD, np.int32)  # padding rows behave as DEAD
     table[FREE, :] = FREE
     final = np.zeros(S_pad, bool)
