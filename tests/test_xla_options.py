@@ -14,6 +14,7 @@ import jaxspec as js
 from jaxspec import xla_options
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import Program, decode_program, prefill_program
+from jaxspec.engine.scoring import score_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.drafts.base import zero_pool
 from jaxspec.model.targets import create_target_pool
@@ -71,8 +72,8 @@ def test_overrides_merge_over_the_table_or_turn_it_off(monkeypatch):
 
 
 def _lowered_programs(plan, target):
-    """The prefill and decode programs of a plain-decoding ``plan`` lowered for two rows (nothing
-    runs)."""
+    """The prefill and decode programs of a plain-decoding ``plan`` lowered for two rows, and the
+    prompt-scoring program (echo) for one prompt (nothing runs)."""
     B, W, page = 2, 8, plan.page_size
     tpool = create_target_pool(target.config, num_pages=B * W + 1, page_size=page, dtype=jnp.float32)
     dpool = zero_pool(page, jnp.float32)
@@ -82,7 +83,8 @@ def _lowered_programs(plan, target):
                                     jnp.arange(B, dtype=jnp.int32), jnp.zeros((B, 16), jnp.int32),
                                     jnp.asarray([3, 2]), request_arrays(B, max_new=8))
     decode = decode_program.lower(plan, target.params, None, state, tpool, dpool, table)
-    return {"prefill": prefill, "decode": decode}
+    score = score_program.lower(plan, target.params, jnp.zeros((1, 16), jnp.int32), dtype="float32", k=2)  # echo
+    return {"prefill": prefill, "decode": decode, "score": score}
 
 
 def test_every_engine_program_compiles_with_the_table(tiny_target, monkeypatch):

@@ -408,7 +408,7 @@ class EngineCore:
             # Scoring a prompt (echo) is one forward over it: done here, in the caller's thread, so
             # the core thread's decode calls never wait for it.
             with run_context(self.eng.target.mesh):
-                scores = [None if k is None else prompt_logprobs(self.eng.target, ids, k)
+                scores = [None if k is None else prompt_logprobs(self.eng.target, self.eng.plan, ids, k)
                           for ((ids, _), _), k in zip(checked, scores)]
         with self._cv:
             self._check_room(len(items))
