@@ -47,12 +47,20 @@ Call 1:
                plain step of its batch, each verifying its whole tree every step (printed: nodes
                verified per step); random drafts at their published shapes
                (``benchmarks/step_timing.py``).
+  profile      where the time goes: the device kernels of the plain step at batch 1 and 16 and of
+               EAGLE-3 chain 5 at batch 1, from JAX's profiler (``benchmarks/kernel_trace.py``): per
+               step the device's busy time against the wall time, the time per kernel class (the
+               products, paged attention, XLA fusions, copies) and the heaviest kernels by name; the
+               traces kept as ``OUT/trace_*.json.gz`` (they open in Perfetto).
   variants_b1  the plain step at batch 1 compiled with XLA options (``VARIANTS``): none; cuBLAS
                instead of Triton GEMM fusions; that plus command buffers (CUDA graphs) over WHILE and
                CONDITIONAL too; that plus dynamic-slice fusion; the XLA attention path instead of
                Pallas under cuBLAS.
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
+  candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
+               merged over the table (CUDA graphs over loops, loop unrolling, cuBLASLt, the latency-hiding
+               scheduler, ...): the measurements that move an option into the table or drop it.
 
 Call 2:
   env, copy    as in call 1 (the kernels' floors use this call's copy bandwidth).
@@ -80,7 +88,9 @@ Call 2:
   spec_controls  EAGLE-3 chain 5 at batch 16 with every control and with the constraint.
   check        every kernel natively against its f32 reference (``kernels.py --check``).
   pytest       ``pytest -m gpu tests/pallas`` and ``tests/spec/test_lossless_pallas.py`` natively.
-  sweep        block sizes per shape class (``benchmarks/block_sweep.py``): ``OUT/block_table.json``.
+  sweep        block sizes and launch sizes per shape class, in device time (``benchmarks/block_sweep.py``):
+               ``OUT/block_table.json``; with ``--write-table`` also the checkout's table, so the items
+               after it in the same run (``--items sweep,plain,...``) use its entries.
 The last three rarely fit in call 2; they are kept for a session with time to spare.
 """
 
@@ -118,7 +128,8 @@ import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
 from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
-    1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "variants_b1", "compare", "variants_b16"],
+    1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "compare", "variants_b16",
+        "candidates"],
     2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
         "check", "pytest", "sweep"],
 }
@@ -487,6 +498,65 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
                      implementation=impl or "default", plain_s=plain, bound=True)
 
 
+def item_profile(check: Check, sizes, models, deadline, args):
+    """Device kernels per step of the 8B plain step (batch 1, 16) and EAGLE-3 chain 5 (batch 1), from
+    the profiler (``benchmarks/kernel_trace.py``); each trace kept as ``OUT/trace_*.json.gz``."""
+    import kernel_trace
+
+    target = models.llama()
+    eagle3 = st.METHODS[0]
+    configs = [(1, st.PLAIN), (16, st.PLAIN), (1, eagle3)]
+    for b, method in dry_subset(sizes, configs, keep=2):
+        bb = sizes.batch(b)
+        need(deadline, sizes.compile_s(big=False), f"profile of {method.name} at batch {bb}")
+        with guarded(check, f"profile {method.name} batch {bb}"):
+            draft = None if method.spec is None else method.make(target, sizes.dry_run)
+            s = st.Stepper(target, draft, method.spec, batch=bb, context=sizes.context, steps=sizes.steps, repeats=2)
+            try:
+                s.call()  # compiles (or finds the program an earlier item compiled)
+                wall = s.call()
+                name = f"trace_{'plain' if method.spec is None else 'eagle3_chain5'}_b{bb}.json.gz"
+                summary = kernel_trace.trace_kernels(s.call, sizes.steps, keep=str(check.out / name))
+            finally:
+                s.close()
+            row = dict(batch=bb, config=method.name, wall_ms_per_step=wall * 1e3, trace=name, **summary)
+            products = summary["kinds"].get(kernel_trace.KINDS[0][0])
+            if products:
+                row["product_bytes_per_s"] = st.weight_bytes_read(target.params, bb) / (products * 1e-6)
+            check.row(**row)
+            busy = summary["busy_us_per_step"]
+            print(f"  {method.name} batch {bb}: wall {wall * 1e3:.3f} ms/step, device busy "
+                  + ("n/a (no device events in the trace)" if busy is None else f"{busy / 1e3:.3f} ms, "
+                     + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in summary["kinds"].items())), flush=True)
+
+
+def item_candidates(check: Check, sizes, models, deadline, args):
+    """The plain step with each of ``xla_options.CANDIDATES`` merged over the table, at batch 1 then 16
+    (``--candidate-batches``)."""
+    from jaxspec import xla_options
+
+    batches = [int(b) for b in args.candidate_batches.split(",")]
+    target = models.llama()
+    base = dict(xla_options.TABLE["gpu"])
+    for b in batches:
+        bb = sizes.batch(b)
+        plain = _plain_seconds(check, bb)
+        for i, (name, extra) in enumerate(xla_options.CANDIDATES.items()):
+            options = {**base, **extra}
+            bad = _variant_options_ok(options)
+            if bad:
+                check.note(f"{name}: options refused by this jaxlib: {bad}")
+                continue
+            if sizes.dry_run and (i or b != batches[0]):
+                continue  # one compiled in a dry run: the others' options were accepted above
+            need(deadline, sizes.compile_s(), f"candidate {name} at batch {bb}")
+            with guarded(check, f"plain + {name}"):
+                r = _time(sizes, target, None, None, bb, options=options)
+                step_row(check, sizes, target, r, batch=bb, config=f"plain + {name}",
+                         what="decode_steps under jax.jit(compiler_options=table + candidate)",
+                         options=json.dumps(extra), plain_s=plain, bound=True)
+
+
 def item_compare(check: Check, sizes, models, deadline, args):
     """``jaxspec generate --compare`` on the demo pair, in a subprocess (its own memory and compiles)."""
     cmd = [sys.executable, "-m", "jaxspec", "generate", "--compare"]
@@ -702,7 +772,10 @@ def item_pytest(check: Check, sizes, models, deadline, args):
 def item_sweep(check: Check, sizes, models, deadline, args):
     import block_sweep
 
-    out = block_sweep.sweep(check.out, dry_run=sizes.dry_run, deadline=deadline)
+    if args.sweep_minutes:  # a budget of its own inside the call's
+        deadline = Deadline(min(args.sweep_minutes, deadline.left() / 60))
+    out = block_sweep.sweep(check.out, dry_run=sizes.dry_run, deadline=deadline,
+                            write_table=args.write_table and not sizes.dry_run)
     for r in out["results"]:
         check.row(**r)
     check.note(f"block table written to {out['table']} (GPU key {out['gpu']}); XLA entries: {out['xla']}")
@@ -712,14 +785,15 @@ RUNNERS = dict(
     env=item_env, copy=item_copy, plain=item_plain, copies=item_copies,
     spec_b1=lambda *a: item_spec(*a, batch=1), spec_b16=lambda *a: item_spec(*a, batch=16),
     variants_b1=lambda *a: item_variants(*a, batch=1), compare=item_compare,
-    variants_b16=lambda *a: item_variants(*a, batch=16),
+    variants_b16=lambda *a: item_variants(*a, batch=16), profile=item_profile, candidates=item_candidates,
     batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
     hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
     sweep=item_sweep,
 )
 assert set(RUNNERS) == set(ITEMS)
 # Items whose rows are decode-step timings (one Markdown table layout).
-STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "batch64", "controls", "constraint",
+STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "candidates", "batch64", "controls",
+              "constraint",
               "exact", "spec_controls", "hybrid", "v4"}
 
 
@@ -768,6 +842,23 @@ def markdown(summary: dict) -> str:
             copy = summary.get("items", {}).get("copy", {}).get("rows") or [{}]
             out += ["", kbench.markdown(rows, summary.get("device"), copy[0].get("datasheet_bytes_per_s"),
                                         copy[0].get("bytes_per_s"))]
+        elif name == "profile" and rows:
+            for r in rows:
+                if "wall_ms_per_step" not in r:
+                    continue
+                busy = r.get("busy_us_per_step")
+                out.append(f"- {r['config']} at batch {r['batch']}: wall {r['wall_ms_per_step']:.3f} ms a step; "
+                           + ("no device events in the trace" if busy is None else
+                              f"device busy {busy / 1e3:.3f} ms, span {r['span_us_per_step'] / 1e3:.3f} ms, "
+                              f"{r['kernels_per_step']:.0f} kernels a step; "
+                              + "; ".join(f"{k} {v / 1e3:.3f} ms" for k, v in r["kinds"].items())
+                              + (f"; products stream the weights at {r['product_bytes_per_s'] / 1e12:.2f} TB/s"
+                                 if r.get("product_bytes_per_s") else "")))
+                if r.get("top"):
+                    out += ["", "  | kernel | class | us / step | calls / step |", "  |---|---|---:|---:|"]
+                    out += [f"  | `{t['name'][:90]}` | {t['kind']} | {t['us_per_step']:.1f} | "
+                            f"{t['calls_per_step']:.1f} |" for t in r["top"][:12]]
+                    out.append("")
         elif name == "compare" and rows:
             out += ["", "| method | draft | shape | accept | tokens/s | vs plain |", "|---|---|---|---:|---:|---:|"]
             out += [f"| {r['method']} | {r['draft']} | {r['shape']} | {r['accept']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -788,13 +879,17 @@ def markdown(summary: dict) -> str:
                 out.append(f"- `{r['command']}`: {r['summary']}")
                 out += [f"  - FAIL {f}" for f in r.get("failures", [])]
         elif name == "sweep" and rows:
-            out += ["| shape | class | best tiles | Pallas (us) | XLA (us) |", "|---|---|---|---:|---:|"]
+            out += ["| shape | class | best tiles (programs aimed at) | Pallas (us) | XLA (us) | floor (us) | "
+                    "Pallas / floor | heuristic (us) |", "|---|---|---|---:|---:|---:|---:|---:|"]
             for r in rows:
                 b = r.get("best")
-                tiles = "" if not b else ", ".join(f"{k}={v}" for k, v in b["blocks"].items())
+                tiles = "" if not b else (", ".join(f"{k}={v}" for k, v in b["blocks"].items())
+                                          + f" ({b.get('target_programs')})")
                 why = tiles or r.get("error") or r.get("skipped", "")
+                first = r.get("tried", [{}])[r["heuristic_index"]] if "heuristic_index" in r else {}
                 out.append(f"| {r.get('shape')} | {r.get('class', '')} | {why} "
-                           f"| {_fmt(b and b['us'], 1)} | {_fmt(r.get('xla_us'), 1)} |")
+                           f"| {_fmt(b and b['us'], 1)} | {_fmt(r.get('xla_us'), 1)} | {_fmt(r.get('floor_us'), 1)} "
+                           f"| {_fmt(b and b.get('over_floor'))} | {_fmt(first.get('us'), 1)} |")
         elif name == "env" and rows:
             r = rows[0]
             out.append(f"- devices {r['devices']}, backend {r['backend']}, Python {r['python']}, XLA_FLAGS "
@@ -817,6 +912,12 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-minutes", type=float, default=None,
                     help="stop starting new work this long after the start (default 7.5; a dry run 60: its times "
                          "do not matter, only that every item runs)")
+    ap.add_argument("--write-table", action="store_true",
+                    help="the sweep also merges its entries into the checkout's jaxspec/pallas/block_table.json, "
+                         "so the items after it in this run use them")
+    ap.add_argument("--sweep-minutes", type=float, default=None,
+                    help="the sweep's own time limit inside the call's (shape classes in priority order)")
+    ap.add_argument("--candidate-batches", default="1,16", help="batches the option candidates are timed at")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "
                          "reuses them)")

@@ -67,13 +67,16 @@ class AttentionBlocks:
             raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
 
 
-def split_kv(*, programs: int, max_kv_len: int, block_k: int, interpret: bool) -> int:
-    """KV splits (flash-decoding) for a launch of ``programs`` programs: when too few to fill
-    the GPU (decode / verify at small batch), split the prefix across programs, as long as
-    each split keeps a few KV blocks. Interpret mode keeps one (the CPU runs programs in turn)."""
-    if interpret or programs >= _TARGET_PROGRAMS:
+def split_kv(*, programs: int, max_kv_len: int, block_k: int, interpret: bool,
+             target_programs: int = _TARGET_PROGRAMS) -> int:
+    """KV splits (flash-decoding) for a launch of ``programs`` programs: when too few to reach
+    ``target_programs`` (decode / verify at small batch), split the prefix across programs, as
+    long as each split keeps a few KV blocks. ``target_programs`` defaults to one program per SM;
+    a block-table entry may ask for more (several resident programs per SM hide memory latency
+    in a kernel that only streams KV). Interpret mode keeps one (the CPU runs programs in turn)."""
+    if interpret or programs >= target_programs:
         return 1
-    want = -(-_TARGET_PROGRAMS // programs)
+    want = -(-target_programs // programs)
     max_blocks = -(-max_kv_len // block_k)
     return _clamp(min(want, max_blocks // _MIN_BLOCKS_PER_SPLIT), 1, _MAX_KV_SPLITS)
 

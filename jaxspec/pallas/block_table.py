@@ -3,7 +3,7 @@
 ``block_table.json`` (next to this file) holds, per GPU kind (``"h100"``, ``"h200"``, ...):
 
 * ``"blocks"``: shape-class pattern -> tile fields (``block_m``, ``block_k``, ``block_w``,
-  ``num_warps``, ``num_stages``, ``reload_q`` for attention; ``num_warps``, ``tile_elems``
+  ``num_warps``, ``num_stages``, ``reload_q`` and the launch size ``target_programs`` for attention; ``num_warps``, ``tile_elems``
   for the copy kernels). Written by the block-size sweep of ``benchmarks/gpu_check.py``.
 * ``"xla"``: shape-class pattern -> the reason that shape runs on XLA on that GPU (a kernel
   that fails natively, spills, or loses to XLA). ``implementation=None`` routes matching
@@ -33,6 +33,8 @@ from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, split_
 
 TABLE_PATH = Path(__file__).with_name("block_table.json")
 ATTENTION_FIELDS = ("block_m", "block_k", "block_w", "num_warps", "num_stages", "reload_q")
+# An attention entry's launch size: programs to reach before the KV splits stop (``split_kv``).
+LAUNCH_FIELDS = ("target_programs",)
 COPY_FIELDS = ("num_warps", "tile_elems")
 
 
@@ -97,7 +99,8 @@ def attention_blocks_for(
     interpret: bool,
 ) -> AttentionBlocks:
     """Tiles of an attention launch: the table's entry for (GPU kind, shape class) over the
-    heuristics; KV splits always follow from the launch size (``block_sizes.split_kv``)."""
+    heuristics; KV splits always follow from the launch size (``block_sizes.split_kv``), towards
+    the entry's ``target_programs`` where it has one."""
     blocks = attention_blocks(batch=batch, kv_heads=kv_heads, rows=rows, block_width=block_width,
                               head_dim=head_dim, max_kv_len=max_kv_len, interpret=interpret)
     entry = None if interpret else lookup(gpu, "blocks", shape_class)
@@ -105,7 +108,9 @@ def attention_blocks_for(
         return blocks
     blocks = dataclasses.replace(blocks, **{k: v for k, v in entry.items() if k in ATTENTION_FIELDS})
     programs = batch * kv_heads * -(-rows // blocks.block_m)
-    splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=blocks.block_k, interpret=interpret)
+    target = {k: entry[k] for k in LAUNCH_FIELDS if k in entry}
+    splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=blocks.block_k, interpret=interpret,
+                      **target)
     return dataclasses.replace(blocks, kv_splits=splits)
 
 

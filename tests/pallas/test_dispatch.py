@@ -22,6 +22,7 @@ TABLE = {
         "blocks": {
             "paged_attention/*": {"block_m": 16, "num_warps": 4},
             "paged_attention/verify/d128/*": {"block_m": 64, "block_k": 32, "num_stages": 3},
+            "paged_attention/decode/d128/p64": {"block_k": 64, "target_programs": 1056},
             "kv_move": {"num_warps": 8, "tile_elems": 2048},
         },
         "xla": {"paged_attention/*/d512/*": "spills at head dim 512 (test table)"},
@@ -117,6 +118,17 @@ def test_attention_blocks_come_from_the_table_on_a_gpu_and_from_heuristics_elsew
     assert block_table.copy_overrides("kv_move", gpu="h100", interpret=False) == {"num_warps": 8, "tile_elems": 2048}
 
 
+def test_a_table_entry_sets_the_launch_size_the_kv_splits_aim_for(on_h100):
+    decode = "paged_attention/decode/d128/p64"
+    kw = dict(batch=16, kv_heads=8, rows=4, block_width=1, head_dim=128, max_kv_len=8192)
+    assert attention_blocks(interpret=False, **kw).kv_splits == 2  # 128 programs: one per SM
+    tuned = block_table.attention_blocks_for(decode, gpu="h100", interpret=False, **kw)
+    assert tuned.kv_splits == 1056 // 128 + 1  # about eight programs per SM
+    short = block_table.attention_blocks_for(decode, gpu="h100", interpret=False, **{**kw, "max_kv_len": 1024})
+    assert short.kv_splits == 1024 // 64 // 4  # each split keeps four KV blocks
+    assert block_table.attention_blocks_for(decode, gpu="h100", interpret=True, **kw).kv_splits == 1
+
+
 def test_shipped_table_is_valid():
     table = json.loads(block_table.TABLE_PATH.read_text())
     for gpu, sections in table.items():
@@ -127,8 +139,10 @@ def test_shipped_table_is_valid():
             op = pattern.split("/")[0]
             assert op in KERNEL_OPS, pattern
             if op in ("paged_attention", "mla_attention"):
-                assert set(entry) <= set(block_table.ATTENTION_FIELDS), pattern
-                AttentionBlocks(**{"block_m": 16, "block_k": 16, "block_w": 16, **entry})  # validates
+                assert set(entry) <= set(block_table.ATTENTION_FIELDS + block_table.LAUNCH_FIELDS), pattern
+                tiles = {k: v for k, v in entry.items() if k in block_table.ATTENTION_FIELDS}
+                AttentionBlocks(**{"block_m": 16, "block_k": 16, "block_w": 16, **tiles})  # validates
+                assert entry.get("target_programs", 1) >= 1, pattern
             else:
                 assert set(entry) <= set(block_table.COPY_FIELDS), pattern
         for pattern, reason in sections.get("xla", {}).items():

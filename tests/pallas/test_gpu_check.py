@@ -68,6 +68,12 @@ def test_dry_run_runs_every_item_of_both_calls():
         assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
         assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, cuBLAS, XLA attention"]
         assert json.loads(rows[name][1]["options"]) == {"xla_gpu_enable_triton_gemm": False}
+    # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
+    assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
+    assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])
+    # The option candidates: every one accepted by this jaxlib, the first compiled into the step.
+    assert not any("refused" in n for n in items["candidates"]["notes"]), items["candidates"]["notes"]
+    assert [r["config"] for r in rows["candidates"]] == ["plain + command_buffer_loops"]
     assert {r["method"] for r in rows["compare"]} == {"draft", "plain"}
     assert next(r for r in rows["compare"] if r["method"] == "plain")["speedup"] == "1.00x"
     # Call 2.
@@ -134,3 +140,23 @@ def test_the_comparison_table_is_parsed():
     assert [r["method"] for r in rows] == ["block", "hybrid", "plain"]
     assert rows[1] == dict(method="hybrid", draft="eagle3", shape="chain 3 + 8 ng", accept=5.7, tokens_per_s=4800.0,
                            speedup="2.63x")
+
+
+def test_the_kernel_trace_splits_device_time_by_kernel_class():
+    """Device events only (not the host's), overlapping intervals counted once, classes by name."""
+    kt = _module("kernel_trace")
+    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/host:CPU")),
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/device:GPU:0"))]
+    kernels = [("nvjet_tst_128x8_64x16_1x1_h_bz_TNT", 0, 40), ("loop_add_fusion", 40, 5),
+               ("paged_attention", 50, 20), ("nvjet_tst_128x8_64x16_1x1_h_bz_TNT", 60, 30),  # overlaps
+               ("Memcpy DtoD", 100, 10)]
+    events = meta + [dict(ph="X", pid=2, tid=7, name=n, ts=t, dur=d) for n, t, d in kernels]
+    events.append(dict(ph="X", pid=1, tid=1, name="PjitFunction(decode)", ts=0, dur=500))  # host: ignored
+    got = kt.summarize(kt.device_events(dict(traceEvents=events)), steps=2)
+    assert got["kernels"] == 5 and got["span_us_per_step"] == 55.0
+    assert got["busy_us_per_step"] == (40 + 5 + 40 + 10) / 2  # [50, 90) once
+    assert got["kinds"] == {"product (cuBLAS / GEMM)": 35.0, "paged attention (Pallas)": 10.0,
+                            "copy / memset": 5.0, "XLA fusions and other": 2.5}
+    assert got["top"][0] == dict(name="nvjet_tst_128x8_64x16_1x1_h_bz_TNT", kind="product (cuBLAS / GEMM)",
+                                 us_per_step=35.0, calls_per_step=1.0)
+    assert kt.summarize([], steps=2)["busy_us_per_step"] is None
