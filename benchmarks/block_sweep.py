@@ -162,14 +162,18 @@ def tile_candidates(s: SweepShape, best: AttentionBlocks, target_programs: int, 
     return out
 
 
-def sweep(out_dir: Path, *, dry_run: bool, deadline, write_table: bool = False) -> dict:
-    """Sweeps ``sweep_shapes``; ``deadline.passed(reserve_s)`` stops early."""
+def sweep(out_dir: Path, *, dry_run: bool, deadline, write_table: bool = False, only: str | None = None) -> dict:
+    """Sweeps ``sweep_shapes`` (``only``: those whose name holds one of its comma-separated parts);
+    ``deadline.passed(reserve_s)`` stops early."""
     interpret = not dispatch.on_gpu()
     gpu = dispatch.gpu_kind() or "cpu-dry-run"
     timing = dict(repeats=1, n_fixed=2) if dry_run else dict(repeats=5)
     bandwidth = kbench.bandwidth_bytes_per_s(None)
     blocks_entries, xla_entries, rows = {}, {}, []
+    parts = [p.strip() for p in (only or "").split(",") if p.strip()]
     for s in sweep_shapes(dry_run):
+        if parts and not any(p in s.shape.name for p in parts):
+            continue
         if deadline.passed(reserve_s=90):
             rows.append(dict(shape=s.shape.name, skipped="deadline"))
             continue

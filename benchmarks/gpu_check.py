@@ -50,7 +50,8 @@ Call 1:
   profile      where the time goes: the device kernels of the plain step at batch 1 and 16 and of
                EAGLE-3 chain 5 at batch 1, from JAX's profiler (``benchmarks/kernel_trace.py``): per
                step the device's busy time against the wall time, the time per kernel class (the
-               products, paged attention, XLA fusions, copies) and the heaviest kernels by name; the
+               products, paged attention, XLA fusions, copies) and the heaviest kernels by name; also
+               EAGLE-3 at batch 16 and n-gram chain 5 at batch 16 (in a dry run, the first two); the
                traces kept as ``OUT/trace_*.json.gz`` (they open in Perfetto).
   variants_b1  the plain step at batch 1 compiled with XLA options (``VARIANTS``): none; cuBLAS
                instead of Triton GEMM fusions; that plus command buffers (CUDA graphs) over WHILE and
@@ -103,6 +104,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -499,13 +501,14 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
 
 
 def item_profile(check: Check, sizes, models, deadline, args):
-    """Device kernels per step of the 8B plain step (batch 1, 16) and EAGLE-3 chain 5 (batch 1), from
-    the profiler (``benchmarks/kernel_trace.py``); each trace kept as ``OUT/trace_*.json.gz``."""
+    """Device kernels per step of the 8B plain step and of EAGLE-3 chain 5 (batch 1 and 16) and n-gram
+    chain 5 (batch 16), from the profiler (``benchmarks/kernel_trace.py``); each trace kept as
+    ``OUT/trace_*.json.gz``."""
     import kernel_trace
 
     target = models.llama()
-    eagle3 = st.METHODS[0]
-    configs = [(1, st.PLAIN), (16, st.PLAIN), (1, eagle3)]
+    eagle3, ngram = st.METHODS[0], st.METHODS[-1]
+    configs = [(1, st.PLAIN), (16, st.PLAIN), (1, eagle3), (16, eagle3), (16, ngram)]
     for b, method in dry_subset(sizes, configs, keep=2):
         bb = sizes.batch(b)
         need(deadline, sizes.compile_s(big=False), f"profile of {method.name} at batch {bb}")
@@ -515,7 +518,7 @@ def item_profile(check: Check, sizes, models, deadline, args):
             try:
                 s.call()  # compiles (or finds the program an earlier item compiled)
                 wall = s.call()
-                name = f"trace_{'plain' if method.spec is None else 'eagle3_chain5'}_b{bb}.json.gz"
+                name = f"trace_{re.sub(r'[^a-z0-9]+', '_', method.name.lower()).strip('_')}_b{bb}.json.gz"
                 summary = kernel_trace.trace_kernels(s.call, sizes.steps, keep=str(check.out / name))
             finally:
                 s.close()
@@ -774,7 +777,7 @@ def item_sweep(check: Check, sizes, models, deadline, args):
 
     if args.sweep_minutes:  # a budget of its own inside the call's
         deadline = Deadline(min(args.sweep_minutes, deadline.left() / 60))
-    out = block_sweep.sweep(check.out, dry_run=sizes.dry_run, deadline=deadline,
+    out = block_sweep.sweep(check.out, dry_run=sizes.dry_run, deadline=deadline, only=args.sweep_shapes,
                             write_table=args.write_table and not sizes.dry_run)
     for r in out["results"]:
         check.row(**r)
@@ -917,6 +920,8 @@ def main(argv=None) -> int:
                          "so the items after it in this run use them")
     ap.add_argument("--sweep-minutes", type=float, default=None,
                     help="the sweep's own time limit inside the call's (shape classes in priority order)")
+    ap.add_argument("--sweep-shapes", default=None,
+                    help="comma-separated parts of shape names: sweep only the shapes whose name holds one")
     ap.add_argument("--candidate-batches", default="1,16", help="batches the option candidates are timed at")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "

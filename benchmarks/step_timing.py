@@ -79,7 +79,7 @@ from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
 from jaxspec.sampling.controls import Controls  # noqa: E402
 from jaxspec.spec import proposers  # noqa: E402
 from jaxspec.spec.lookup_loop import Lookup  # noqa: E402
-from jaxspec.spec.plan import Plan  # noqa: E402
+from jaxspec.spec.plan import Plan, verify_branches_on  # noqa: E402
 
 # Datasheet HBM bandwidths, bytes/s, matched in the device kind.
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -331,6 +331,7 @@ class Stepper:
         self.plan = plan = Plan(target=cfg, draft=None if draft is None else draft.config, spec=spec,
                                 page_size=page_size, steps_per_call=steps, implementation=implementation,
                                 compiler_options=resolve_options(None, program_backend()),  # the engine's table
+                                verify_branches=verify_branches_on(program_backend()),
                                 greedy_only=temperature == 0 and not general, filtering=general,
                                 controls=controls or general,
                                 logprobs=min(MAX_LOGPROBS, V) if controls or general else None, exact=exact)

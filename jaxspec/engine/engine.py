@@ -18,7 +18,7 @@ from jaxspec.mesh import DATA, axis_size
 from jaxspec.model.drafts.base import DraftModel, zero_pool
 from jaxspec.model.targets import Model, create_target_pool, exact_support, kv_layout
 from jaxspec.results import GenerateOutput, StreamEvent
-from jaxspec.spec.plan import Plan
+from jaxspec.spec.plan import Plan, verify_branches_on
 from jaxspec.xla_options import program_backend, resolve_options
 
 
@@ -58,6 +58,7 @@ class Engine:
             data_shards=axis_size(mesh, DATA),
             compiler_options=resolve_options(engine.compiler_options, program_backend(mesh)),
             exact=engine.exact,
+            verify_branches=verify_branches_on(program_backend(mesh)),
         )
         if engine.exact:
             _check_exact(target, mesh)

@@ -31,7 +31,10 @@ class Plan:
     mapping). data_shards: shards of a mesh's data axis the rows and pool slots are split over.
     compiler_options: the XLA options the engine's programs compile with, resolved for their
     backend: sorted (name, value) pairs (``jaxspec.xla_options``; empty: XLA's defaults). exact: the
-    target's rows computed with fixed reduction orders (``EngineConfig.exact``).
+    target's rows computed with fixed reduction orders (``EngineConfig.exact``). verify_branches: a
+    draft loop whose proposals vary in length (n-gram, hybrid, confidence-scheduled chains: a
+    ``VerifyPrefix``) compiles one verify per size and switches among them at run time; False: it
+    verifies the longest every step (``verify_branches_on`` decides per backend).
     """
 
     target: Any
@@ -47,6 +50,7 @@ class Plan:
     data_shards: int = 1
     compiler_options: tuple[tuple[str, Any], ...] = ()
     exact: bool = False
+    verify_branches: bool = True
 
     def __post_init__(self):
         if (self.draft is None) != (self.spec is None):
@@ -137,6 +141,19 @@ class VerifyPrefix:
     wanted: jax.Array
     sizes: tuple[int, ...]
     cap: bool = False
+
+
+def verify_branches_on(backend: str) -> bool:
+    """Whether variable-length proposals switch among verify sizes on ``backend`` ("cpu", "gpu", ...).
+
+    On a CPU the verify's cost grows with its rows, so a step whose rows matched nothing verifies
+    the root alone (``benchmarks/ngram_no_match.py``). On a GPU the step reads its weights whatever
+    its rows, and the switch passes the KV pool through a conditional, which XLA copies: measured on
+    an H200 (Llama-3-8B shape, context 1024, ``benchmarks/gpu_check.py --items profile``), n-gram
+    chain 5 at batch 16 spent 6.86 of its 12.62 ms a step copying pools (2.33x a plain step, where
+    EAGLE-3 chain 5 verifying as many nodes took 1.47x). So a GPU verifies the longest size:
+    the branch the switch takes whenever one row wants it, with the same acceptance rules."""
+    return backend != "gpu"
 
 
 # Sub-streams of a step's key, one per use, so draws never share randomness.

@@ -124,6 +124,8 @@ def spec_step(plan: Plan, tparams, dparams, rows: StepRows, tpool, dpool, page_t
         verified = jnp.full_like(accept_lens, m) if limit is None else jnp.minimum(limit, m)
         return accept_lens, verified, *(_pad_rows(x, plan.max_accept) for x in outs), tpool
 
+    if prefix is not None and not plan.verify_branches:  # the longest only (``verify_branches_on``)
+        prefix = dataclasses.replace(prefix, sizes=prefix.sizes[-1:])
     if prefix is not None and rows.grammar.enabled:  # nodes the grammar rules out are not worth verifying
         allowed = allowed_prefix(rows.grammar, tree.tokens, tree.parent, plan.spec_depth)
         prefix = dataclasses.replace(prefix, wanted=jnp.minimum(prefix.wanted, allowed))

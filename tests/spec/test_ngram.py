@@ -27,7 +27,7 @@ from benchmarks.ngram_no_match import successor_model
 from jaxspec.spec import lookup_loop as lookup
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.graft_loop import graft
-from jaxspec.spec.plan import Plan
+from jaxspec.spec.plan import Plan, verify_branches_on
 from jaxspec.spec.verify import verify_tree_greedy
 from jaxspec.engine.prefill import request_arrays
 from jaxspec.engine.programs import decode_step, prefill_program
@@ -246,15 +246,19 @@ def _switches(jaxpr) -> list[int]:
 def test_only_draft_loops_with_varying_proposals_compile_a_switch(tiny_target):
     """An n-gram chain switches among the root alone and the lengths its match lengths ask for
     (S = 3: 1, 1 + 2, 1 + 3 nodes), a hybrid among its model tree plus 0 or 2 grafted tokens; a
-    model draft alone, or a hybrid that always verifies everything, compiles none."""
+    model draft alone, or a hybrid that always verifies everything, compiles none; nor does any
+    plan without verify branches (a GPU's: ``verify_branches_on``)."""
     eagle = drafts(tiny_target)["eagle3"]
     chain = js.SpecConfig.chain(3)
     hybrid_spec = js.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6, ngram_tokens=2)
-    for draft, spec, switches in [
-        (js.NgramDraft(), chain, [3]), (js.NgramDraft(adaptive=False), chain, [2]), (eagle, chain, []),
-        (js.HybridDraft(eagle), hybrid_spec, [2]), (js.HybridDraft(eagle, js.NgramDraft(adaptive=False)), hybrid_spec, []),
+    assert verify_branches_on("cpu") and not verify_branches_on("gpu")
+    for draft, spec, switches, branches in [
+        (js.NgramDraft(), chain, [3], True), (js.NgramDraft(adaptive=False), chain, [2], True), (eagle, chain, [], True),
+        (js.HybridDraft(eagle), hybrid_spec, [2], True),
+        (js.HybridDraft(eagle, js.NgramDraft(adaptive=False)), hybrid_spec, [], True),
+        (js.NgramDraft(), chain, [], False), (js.HybridDraft(eagle), hybrid_spec, [], False),
     ]:
-        plan = Plan(target=tiny_target.config, draft=draft.config, spec=spec, page_size=4)
+        plan = Plan(target=tiny_target.config, draft=draft.config, spec=spec, page_size=4, verify_branches=branches)
         tpool = create_target_pool(tiny_target.config, num_pages=9, page_size=4, dtype=jnp.float32)
         dpool = draft.config.create_pool(num_pages=9, page_size=4, dtype=jnp.float32)
         state = DecodeState.empty(batch=2, out_width=8, num_stop=1,
@@ -317,11 +321,23 @@ CASES = [  # (draft, spec, page, prompts): an n-gram chain and tree, a hybrid de
 def test_n_gram_and_hybrid_greedy_equal_plain_greedy(tiny_target, draft, spec, page, prompts):
     """Ragged batch 4. The ``plain4`` prompts hold no repeat: their first steps find no match in
     any row (the step verifies the root alone), later ones do, in the same compiled loop."""
+    _greedy_equal_plain(tiny_target, draft, spec, page, prompts)
+
+
+@pytest.mark.parametrize("draft,spec,page,prompts", [CASES[0], CASES[2]], ids=["ngram-chain", "hybrid-tree"])
+def test_without_verify_branches_greedy_equals_plain_greedy(tiny_target, draft, spec, page, prompts, monkeypatch):
+    """The GPU's plan (``verify_branches_on("gpu")``: every step verifies the longest size) on the CPU."""
+    monkeypatch.setattr("jaxspec.engine.engine.verify_branches_on", lambda backend: False)
+    _greedy_equal_plain(tiny_target, draft, spec, page, prompts, branches=False)
+
+
+def _greedy_equal_plain(tiny_target, draft, spec, page, prompts, branches=True):
     target = periodic_target(tiny_target)
     ps = tuple(tuple(p) for p in PROMPT_SETS[prompts])
     d = NGRAM if draft == "ngram" else js.HybridDraft(drafts(tiny_target)[draft], NGRAM)
-    out = js.generate(target, [list(p) for p in ps], draft=d, spec=spec,
-                      sampling=js.SamplingParams(max_new_tokens=MAX_NEW), engine=engine(page, len(ps)))
+    eng = js.Engine(target, d, spec, engine(page, len(ps)))
+    assert eng.plan.verify_branches == branches
+    out = eng.generate([list(p) for p in ps], sampling=js.SamplingParams(max_new_tokens=MAX_NEW))
     assert out.token_ids == plain(target, ps, page)
     assert out.kv_pages_free == out.kv_pages_total
     lens = np.concatenate([s.accept_lens for s in out.stats])

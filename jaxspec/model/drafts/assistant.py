@@ -52,8 +52,8 @@ from jaxspec.kvcache.paging import full_table, window_table
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import ConfigError, RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, zero_pool
-from jaxspec.model.layers import (attention_over, embed_lookup, gather_window, layer_tail, lm_head, mask_padded_vocab,
-                                  project_q, rms_norm, rope_inv_freq)
+from jaxspec.model.layers import (attention_over, embed_lookup, gather_window, head_logits, layer_tail, lm_head,
+                                  mask_padded_vocab, project_q, rms_norm, rope_inv_freq)
 from jaxspec.model.targets.gemma4 import GROUPS, gemma_layer_tail, gemma_query, norm
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -207,7 +207,7 @@ def assistant_logits(params: dict, cfg: AssistantConfig, y: jax.Array) -> jax.Ar
     """The head (module docstring): plain, or ordered embeddings with -inf outside the selected clusters."""
     if cfg.style == "llama":  # the head may be the target's (its padded vocabulary on a mesh)
         return mask_padded_vocab(lm_head(params, y), cfg.vocab_size)
-    logits = jnp.einsum("...h,vh->...v", y, params["head"], preferred_element_type=jnp.float32)
+    logits = head_logits(y, params["head"], rows_of_w=True)
     if not cfg.num_centroids:
         return mask_padded_vocab(logits, cfg.vocab_size)
     scores = jnp.einsum("...h,hc->...c", y, params["centroids"], preferred_element_type=jnp.float32)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.dspark import DSparkDraft
-from jaxspec.model.layers import embed_lookup, mask_padded_vocab
+from jaxspec.model.layers import embed_lookup, head_logits, mask_padded_vocab
 from jaxspec.model.targets.deepseek_v4 import create_v4_pool, hc_head, v4_block
 from jaxspec.model.targets.deepseek_v4_attention import (norm, sink_attention, v4_attention_output, v4_kv,
                                                          v4_query)
@@ -234,7 +234,7 @@ class V4DSparkDraft(DSparkDraft):
     def base_logits(self, params, hidden):  # [..., H] (pre-norm) -> f32[..., V]
         t = self.model.target
         h = norm(hidden, params["norm"], t.rms_norm_eps)
-        logits = jnp.einsum("...h,hv->...v", h, params["head"], preferred_element_type=jnp.float32)
+        logits = head_logits(h, params["head"])
         return mask_padded_vocab(logits, t.vocab_size)
 
 

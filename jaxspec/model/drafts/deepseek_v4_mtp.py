@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, mask_padded_vocab
+from jaxspec.model.layers import embed_lookup, head_logits, mask_padded_vocab
 from jaxspec.model.targets.base import AuxTaps
 from jaxspec.model.targets.deepseek_v4 import create_v4_pool, hc_head, run_layers
 from jaxspec.model.targets.deepseek_v4_attention import norm
@@ -77,7 +77,7 @@ def v4_mtp_logits(params: dict, cfg: V4MtpConfig, streams: jax.Array) -> jax.Arr
     lead = streams.shape[:-1]
     x = streams.reshape((-1, 1, t.hc_mult, t.hidden_size))
     h = norm(hc_head(params, t, x), params["norm"], t.rms_norm_eps).reshape(lead + (t.hidden_size,))
-    logits = jnp.einsum("...h,hv->...v", h, params["head"], preferred_element_type=jnp.float32)
+    logits = head_logits(h, params["head"])
     return mask_padded_vocab(logits, t.vocab_size)  # the target's head: a padded vocabulary's extra columns -inf
 
 

@@ -32,7 +32,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, layer_tail, mask_padded_vocab, project_qkv, rms_norm, rope_inv_freq, write_and_attend
+from jaxspec.model.layers import (embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_qkv, rms_norm,
+                                  rope_inv_freq, write_and_attend)
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -128,7 +129,7 @@ def eagle_logits(params: dict, cfg: EagleConfig, hidden: jax.Array) -> jax.Array
     """Draft-vocabulary logits (EAGLE-3: ``lm_head(norm(h))``; EAGLE-1: the target's head)."""
     if cfg.version == 3:
         hidden = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = head_logits(hidden, params["lm_head"])
     return mask_padded_vocab(logits, cfg.vocab_size)  # EAGLE-1: the target's head, padded on a mesh
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import MLAPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, mask_padded_vocab, rms_norm
+from jaxspec.model.layers import embed_lookup, head_logits, mask_padded_vocab, rms_norm
 from jaxspec.model.targets.deepseek import create_mla_pool, decoder_block
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
 
@@ -111,7 +111,7 @@ def mtp_forward(
 def mtp_logits(params: dict, cfg: MtpConfig, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]
     """``shared_head.head(shared_head.norm(hidden))`` in f32."""
     h = rms_norm(hidden, params["head_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("...h,hv->...v", h, params["head"], preferred_element_type=jnp.float32)
+    logits = head_logits(h, params["head"])
     return mask_padded_vocab(logits, cfg.vocab_size)  # the target's padded vocabulary
 
 

@@ -49,9 +49,9 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
-from jaxspec.sampling.grammar_masks import Grammar
-from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, mask_padded_vocab, project_qkv,
+from jaxspec.model.layers import (attention_qkv, embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_qkv,
                                   rms_norm, rope_inv_freq, write_and_attend)
+from jaxspec.sampling.grammar_masks import Grammar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,7 +214,7 @@ class PEagleDraft(Draft):
 
     def logits(self, params, logit_in):  # [..., H] -> f32[..., Vd]
         h = rms_norm(logit_in, params["norm"], self.model.rms_norm_eps)
-        return jnp.einsum("...h,hv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return head_logits(h, params["lm_head"])
 
     def to_target_ids(self, params, index):
         return params["hot_ids"][index] if "hot_ids" in params else index.astype(jnp.int32)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, gated_mlp, mask_padded_vocab
+from jaxspec.model.layers import embed_lookup, gated_mlp, head_logits, mask_padded_vocab
 from jaxspec.model.targets.hybrid import full_attention, moe_mlp, norm
 from jaxspec.model.targets.hybrid_config import HybridConfig
 
@@ -106,7 +106,7 @@ class QwenMtpDraft(Draft):
         return h, h, pool
 
     def logits(self, params, logit_in):  # the target's head: its padded vocabulary
-        logits = jnp.einsum("...h,hv->...v", logit_in, params["head"], preferred_element_type=jnp.float32)
+        logits = head_logits(logit_in, params["head"])
         return mask_padded_vocab(logits, self.vocab_size)
 
     @property
