@@ -129,13 +129,15 @@ def write_manifest(out: Path, cases: list[dict], file: str) -> None:
 
 
 def replace_cases(out: Path, cases: list[dict]) -> None:
-    """Puts ``cases`` at the end of ``out/manifest.json`` in place of their namesakes; the manifest's
-    head (the generator of the core targets, the versions) stays."""
+    """Puts ``cases`` into ``out/manifest.json``: each in its namesake's place, new ones at the end (so
+    rerunning one maker leaves the others' order alone); the manifest's head (the generator of the
+    core targets, the versions) stays."""
     path = out / "manifest.json"
     manifest = json.loads(path.read_text()) if path.exists() else {
         "generator": generator(str(Path(__file__).with_name("targets.py"))), "cases": []}
-    names = {c["name"] for c in cases}
-    manifest["cases"] = [c for c in manifest["cases"] if c["name"] not in names] + cases
+    new = {c["name"]: c for c in cases}
+    kept = [new.pop(c["name"], c) for c in manifest["cases"]]
+    manifest["cases"] = kept + list(new.values())
     write_json(path, manifest, indent=2)
 
 

@@ -359,11 +359,15 @@ def reload_check(case_dir: Path, mod_dir: Path, arrays: dict, prompts) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    for d in (case_dir, mod_dir):
+    # The default layout must give the golden's bits; the modules layout (experts fused) runs other
+    # kernels, whose last bits depend on the CPU (1.2e-6 apart on a Zen 4 machine): a tolerance there.
+    for d, atol in ((case_dir, 0.0), (mod_dir, 1e-5)):
         m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
         for i, p in enumerate(prompts):
-            lg = m(torch.tensor([p]), use_cache=False).logits[0]
-            assert np.array_equal(f32(lg), arrays[f"logits_{i}"]), f"{d.name}: reloaded logits_{i} differ"
+            lg = f32(m(torch.tensor([p]), use_cache=False).logits[0])
+            want = arrays[f"logits_{i}"]
+            ok = np.array_equal(lg, want) if atol == 0 else np.allclose(lg, want, rtol=0, atol=atol)
+            assert ok, f"{d.name}: reloaded logits_{i} differ (max {np.abs(lg - want).max():.2e})"
 
 
 def main() -> None:
