@@ -14,7 +14,7 @@ import dataclasses
 from jaxspec.config import EngineConfig
 from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.scheduler import PagePools
-from jaxspec.engine.window import WindowPages, ring_pages
+from jaxspec.engine.window import WindowPages, extra_pages, ring_pages
 from jaxspec.kvcache.compressed import entry_pages_for
 from jaxspec.kvcache.paging import pages_needed
 from jaxspec.model.targets import KVLayout
@@ -37,6 +37,8 @@ class Geometry:
       window pool keeps behind a request's length (the window, a longer span, + 1).
     entry_rates: compression rates of the compressed-KV pools (one page table each).
     uncacheable: why prompts cannot be prefix-cached (None: they can).
+    window_cache: pages per data shard the window pool holds beyond its rings for the prefix cache
+      (parked window pages and prefill checkpoints; 0 without a window pool or a prefix cache).
     """
 
     batch: int
@@ -50,6 +52,7 @@ class Geometry:
     retain: int = 0
     entry_rates: tuple[int, ...] = ()
     uncacheable: str | None = None
+    window_cache: int = 0
 
     @property
     def window_ring(self) -> int:
@@ -57,14 +60,18 @@ class Geometry:
         if self.window is None:
             return 0
         ahead = self.step_growth + self.lookahead
-        return min(self.width, ring_pages(retain=self.retain, ahead=ahead, page_size=self.page_size))
+        # With the window pages cached, a ring also keeps the window of its prompt's last full page
+        # (up to a page further back: ``WindowPages.advance``).
+        retain = self.retain + (self.page_size if self.window_cache else 0)
+        return min(self.width, ring_pages(retain=retain, ahead=ahead, page_size=self.page_size))
 
     @property
     def window_pages(self) -> int | None:
-        """Pages of the window pool over all data shards (a ring per row + each shard's scratch page)."""
+        """Pages of the window pool over all data shards (a ring per row, each shard's scratch page and
+        its ``window_cache`` pages)."""
         if self.window is None:
             return None
-        return self.data_shards * ((self.batch // self.data_shards) * self.window_ring + 1)
+        return self.data_shards * ((self.batch // self.data_shards) * self.window_ring + 1 + self.window_cache)
 
     def entry_width(self, rate: int) -> int:
         """Columns of a compressed-KV page table: the entries of W * P positions, + 2 for rounding."""
@@ -90,7 +97,7 @@ class Geometry:
         D, B, P = self.data_shards, self.batch, self.page_size
         window = None if self.window is None else WindowPages(
             batch=B, ring=self.window_ring, num_pages=self.window_pages, page_size=P, retain=self.retain,
-            data_shards=D)
+            data_shards=D, caching=prefix_cache and self.uncacheable is None)
         entries = tuple(EntryPages(rate=m, batch=B, width=self.entry_width(m), page_size=P, data_shards=D,
                                    pages_per_shard=pages // D)
                         for m, pages in zip(self.entry_rates, self.entry_pages() or ()))
@@ -128,9 +135,19 @@ def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: K
     num_pages = D * (-(-engine.num_pages // D) if engine.num_pages else (batch // D) * width + 1)
     # A frozen-KV assistant reads the last W + 1 committed positions, hence the + 1.
     retain = max(windows + [m.retained for m in layouts if m.retained]) + 1 if windows else 0
-    uncacheable = next((m.uncacheable for m in layouts if m.uncacheable), None) or (
-        "its sliding-window KV pages leave the window" if windows else None)
+    uncacheable = next((m.uncacheable for m in layouts if m.uncacheable), None)
+    window_cache = 0
+    if windows and uncacheable is None and engine.prefix_cache is not False:
+        # Parked window pages and checkpoints: by default four windows' pages per data shard (the
+        # Gemma-4-31B shape, window 1024, page 16: 260 pages, 3.4 GB, beside 32 rings' 27.7 GB).
+        window_cache = engine.window_cache_pages
+        if window_cache is None:
+            window_cache = 4 * extra_pages(retain, P)
+        else:
+            window_cache = -(-window_cache // D)
+    if windows and uncacheable is None and not window_cache:
+        uncacheable = "its sliding-window pages are not cached (EngineConfig.window_cache_pages=0, or the cache is off)"
     return Geometry(batch=batch, width=width, page_size=P, num_pages=num_pages, data_shards=D,
                     lookahead=plan.lookahead, step_growth=engine.steps_per_call * plan.max_accept,
                     window=max(windows) if windows else None, retain=retain, entry_rates=target.entry_rates,
-                    uncacheable=uncacheable)
+                    uncacheable=uncacheable, window_cache=window_cache)

@@ -378,18 +378,26 @@ def _live_table(page_table: np.ndarray, positions: int, engine: EngineConfig, me
     return place_table(page_table[:, : min(page_table.shape[1], next_pow2(want))], mesh)
 
 
-def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh):
+def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, prefill: bool = False):
     """The live page table, with the window pool's ring table (fixed width) and the compressed-KV
     entry tables (cut like the full one, at 1/rate of its positions) when there are (all with their
-    rows split over the data shards)."""
+    rows split over the data shards); for a ``prefill`` with the window pool's pages cached, its read
+    and checkpoint tables too (``jaxspec.engine.window``)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
     if sched.window is None and not sched.entries:
         return full
     w = sched.window
-    ring = None if w is None else WindowTable(pages=place_table(w.pages, mesh), first=place_rows(w.first, mesh))
+
+    def table(pages, first):
+        return WindowTable(pages=place_table(pages, mesh), first=place_rows(first, mesh))
+
+    ring = None if w is None else table(w.pages, w.first)
     compressed = tuple(place_table(e.table[:, : min(e.width, next_pow2(e.pages_for(positions)))], mesh)
                        for e in sched.entries)
-    return PageTables(full=full, window=ring, compressed=compressed)
+    extra = {}
+    if prefill and w is not None and w.caching:
+        extra = dict(window_read=table(w.read_pages, w.read_first), window_keep=table(w.keep_pages, w.keep_first))
+    return PageTables(full=full, window=ring, compressed=compressed, **extra)
 
 
 def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_stop, engine, grammars=None):
@@ -441,7 +449,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
         req["suffix"], req["start"] = suffix, start
     mesh = target.mesh
     return prefill_program(
-        plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh),
+        plan, target.params, dparams, state, tpool, dpool, _live_tables(sched, T, engine, mesh, prefill=True),
         place_rows(rows, mesh), place_rows(tokens, mesh), place_rows(lens, mesh),
         jax.tree.map(lambda v: place_rows(v, mesh), req),
     )

@@ -32,7 +32,7 @@ import numpy as np
 from jaxspec.config import SamplingParams
 from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator, check_no_strays, check_table
 from jaxspec.engine.entries import EntryPages
-from jaxspec.engine.prefix_cache import PrefixCache
+from jaxspec.engine.prefix_cache import PrefixCache, cacheable_pages
 from jaxspec.engine.window import WindowPages
 from jaxspec.kvcache.paging import pages_needed
 
@@ -180,6 +180,8 @@ class Scheduler:
         if self.window is not None:
             for a in self.window.allocators:
                 a.check()
+            if self.window.caching:
+                self.window.check_cache()
         owners = check_table(self.page_table, self.rows, self.allocator_of)
         check_no_strays(self.allocators + (self.window.allocators if self.window is not None else []), owners)
         for e in self.entries:
@@ -214,7 +216,7 @@ class Scheduler:
             if occupant is not None or not self.waiting:
                 continue
             d = self.shard_of(row)
-            i, hit, keys = self._next_waiting(d, leaders[d])
+            i, hit, keys, matched = self._next_waiting(d, leaders[d], row)
             if i is None:
                 continue
             req = self.waiting[i]
@@ -250,25 +252,40 @@ class Scheduler:
             req.admission_hits.append(req.start)
             req.prefilled += len(req.context) - req.start
             self.prefilled += len(req.context) - req.start
+            caching_window = self.window is not None and self.window.caching
+            if caching_window:
+                self.window.share_hit(row, req.index, len(req.context), keys, len(hit))
             self._grant(req, len(req.context), 1)
+            if caching_window:
+                self.window.checkpoint(row, req.index, keys, matched, len(hit), spare=self._window_spare(d))
             admitted.append(req)
         return admitted
 
-    def _next_waiting(self, d: int, leaders: set[bytes]) -> tuple[int | None, list[int], list[bytes]]:
+    def _next_waiting(self, d: int, leaders: set[bytes], row: int) -> tuple[int | None, list[int], list[bytes], int]:
         """(the position in ``waiting`` of the first request that does not wait for a leader of
-        this round on shard ``d``, the cached pages it would share, its pages' keys), or None
-        first when every waiting request waits."""
+        this round on shard ``d``, the cached pages it would share, its pages' keys, how many of its
+        full pages are cached), or None first when every waiting request waits. With a window pool
+        the pages shared stop where the cached window does (``WindowPages.hit``): never past it."""
         if self.caches is None:
-            return 0, [], []
+            return 0, [], [], 0
         for i, req in enumerate(self.waiting):
             if req.page_keys is None or req.page_keys[0] != len(req.context):  # its context grows on preemption
                 req.page_keys = (len(req.context), self.caches[d].keys(req.context))
             keys = req.page_keys[1]
             hit = self.caches[d].match(req.context, keys)
+            matched = len(hit)
+            if self.window is not None and self.window.caching:
+                hit = hit[:self.window.hit(row, keys, matched)]
             if len(hit) < len(keys) and keys[len(hit)] in leaders:
                 continue  # its next page is being prefilled by a leader this round: next round it hits
-            return i, hit, keys
-        return None, [], []
+            return i, hit, keys, matched
+        return None, [], [], 0
+
+    def _window_spare(self, d: int) -> int:
+        """Window pages of shard ``d`` free beyond what its running rings may still grow into."""
+        slack = sum(max(0, r.worst_window_pages - self.window.ring_held(r.row)) for r in self.rows
+                    if r is not None and self.shard_of(r.row) == d)
+        return self.window.allocators[d].num_free - slack
 
     def cache_prompts(self, admitted: list[Request]) -> None:
         """After their prefill: index the admitted requests' prefilled full pages in the prefix cache."""
@@ -276,6 +293,8 @@ class Scheduler:
             return
         for req in admitted:
             self.caches[self.shard_of(req.row)].insert(req.context, self.allocator_of(req.row).pages_of(req.index))
+            if self.window is not None and self.window.caching:
+                self.window.cache_prompt(req.row, req.page_keys[1], cacheable_pages(len(req.context), self.page_size))
 
     def to_preempt(self, seq_lens: np.ndarray, force: bool = False) -> list[int]:
         """Rows to preempt before the next decode call: per data shard, the most recently admitted
@@ -320,7 +339,10 @@ class Scheduler:
 
     def grant_ahead(self, seq_lens: np.ndarray) -> None:
         """Before a decode call: pages for every position the next call may touch (and, in the
-        window pool, the pages behind each request's window returned)."""
+        window pool, the pages behind each request's window returned, and those held only for a
+        prefill)."""
+        if self.window is not None:
+            self.window.drop_holds()
         for row, req in enumerate(self.rows):
             if req is not None:
                 self._grant(req, int(seq_lens[row]), self.step_growth)

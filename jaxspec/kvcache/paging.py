@@ -79,11 +79,20 @@ class PageTables:
     with compressed KV (DeepSeek-V4), one page table per compression rate (``compressed``,
     i32[B, We] each, addressed by entry index: entry ``e`` of rate ``m`` covers positions
     ``[e*m, (e+1)*m)``, so these tables advance at ``1/m`` of the token rate). Passed wherever a
-    page table goes; a bare ``[B, W]`` array means ``PageTables(full=array)``."""
+    page table goes; a bare ``[B, W]`` array means ``PageTables(full=array)``.
+
+    A prefill with the prefix cache on a model with a window pool also gets two tables of the
+    window pool beside the ring (``jaxspec.engine.window``): ``window_read``, the cached pages
+    before a request's cached prefix ends, which its sliding-window layers read (the ring holds
+    the prompt's tail, possibly far past them), and ``window_keep``, the pages where its prefill
+    also writes the window before the point another prompt's match ended (a checkpoint the
+    prefix cache keeps). Decode calls pass neither."""
 
     full: jax.Array
     window: WindowTable | None = None
     compressed: tuple[jax.Array, ...] = ()
+    window_read: WindowTable | None = None
+    window_keep: WindowTable | None = None
 
 
 def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
@@ -118,6 +127,9 @@ class AttentionInputs:
         committed; False (a prefill) writes the state after each row's last token.
       compressed: the page tables of the compressed-KV pools, one per compression rate
         (``PageTables.compressed``).
+      window_read, window_keep: a prefill's extra tables of the window pool (``PageTables``):
+        where its sliding-window layers read the positions before ``prefix_lens`` (None: the ring),
+        and where they also write their K/V (None: nowhere else).
     """
 
     page_table: jax.Array
@@ -129,6 +141,8 @@ class AttentionInputs:
     state_rows: jax.Array | None = None
     pending: bool = dataclasses.field(default=False, metadata=dict(static=True))
     compressed: tuple[jax.Array, ...] = ()
+    window_read: WindowTable | None = None
+    window_keep: WindowTable | None = None
 
     @classmethod
     def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None, *, state_rows=None,
@@ -146,4 +160,6 @@ class AttentionInputs:
             state_rows=state_rows,
             pending=pending,
             compressed=compressed_tables(page_table),
+            window_read=page_table.window_read if isinstance(page_table, PageTables) else None,
+            window_keep=page_table.window_keep if isinstance(page_table, PageTables) else None,
         )

@@ -214,7 +214,11 @@ def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs
     ring = attn.window
     slots = ring.slots(attn.write_positions, pool.page_size)  # [B, T]
     pool = pool.write(layer, slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-    kp, vp, ppos = gather_window(pool, layer, ring, attn.prefix_lens - (window - 1), window - 1)
+    if attn.window_keep is not None:  # a prefill's checkpoint pages for the prefix cache (scratch elsewhere)
+        keep = attn.window_keep.slots(attn.write_positions, pool.page_size)
+        pool = pool.write(layer, keep.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+    read = ring if attn.window_read is None else attn.window_read  # a prefill after a cached prefix: its pages
+    kp, vp, ppos = gather_window(pool, layer, read, attn.prefix_lens - (window - 1), window - 1)
     prefix_ok = (ppos >= 0)[:, None, :] & (ppos[:, None, :] > query_positions[:, :, None] - window)  # [B, T, W-1]
     if attn.block_mask is None:
         kb, vb = k.astype(pool.k.dtype), v.astype(pool.v.dtype)
