@@ -140,6 +140,28 @@ def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
 
 
+def window_cache_on_mesh(target_name, tp, dp, page=4):
+    """The prefix cache with a window pool on a TP x DP mesh: three questions behind one system
+    prompt, one call each to a persistent engine (the second writes a window checkpoint, the third
+    hits; each data shard caches on its own), every output equal to one device without the cache."""
+    from tests.model.sliding_golden import case_dir
+
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, 250, 26).tolist()
+    questions = [rng.integers(3, 250, n).tolist() for n in (13, 9, 11)]
+    sampling = js.SamplingParams(max_new_tokens=10, stop_token_ids=())
+    single = js.load_model(case_dir(target_name), dtype="float32", progress=False)
+    want = [js.generate(single, [system + q], sampling=sampling, engine=engine(page, 1, prefix_cache=False),
+                        progress=False).token_ids for q in questions]
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+    target = js.load_model(case_dir(target_name), dtype="float32", progress=False, mesh=mesh)
+    eng = js.Engine(target, engine=engine(page, 2 * dp, check_pages=True))
+    outs = [eng.generate([system + q], sampling=sampling, progress=False) for q in questions]
+    window = eng.pages.window
+    return dict(equal=[o.token_ids for o in outs] == want, cached=[o.stats[0].cached_tokens for o in outs],
+                window_hits=window.hits, checkpoints=window.checkpoints, shards=len(window.allocators))
+
+
 def hybrid_lossless(name, tp, dp, spec, page, draft_kind):
     """A hybrid target (Gated DeltaNet heads and their recurrent state split over model, rows over
     data): speculative greedy on the mesh == plain greedy on one device, ragged batch of 3 + 1."""
@@ -341,6 +363,7 @@ CASES = {
     "gemma4_tp2_dp2_tree_perturbed": lambda: sliding_lossless(
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
+    "gemma4_tp2_dp2_window_cache": lambda: window_cache_on_mesh("gemma4_text", 2, 2),
     "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(
         "qwen3_5_dense", 2, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "qwen3_5_tp2_dp2_chain_mtp": lambda: hybrid_lossless("qwen3_5_dense", 2, 2, js.SpecConfig.chain(3), 1, "mtp"),

@@ -120,6 +120,15 @@ def test_gemma4_assistant_on_a_mesh_matches_hf(results):
     assert r["embed_spec"] == "P('model', None)"  # the target's vocab-parallel embedding, read per shard
 
 
+def test_window_pages_are_cached_per_data_shard_on_a_mesh(results):
+    """Gemma 4 on TP=2 x DP=2 with the prefix cache (tests/engine/test_prefix_cache_window.py's system
+    prompt and questions): the third question hits the second's window checkpoint, outputs equal to
+    one device without the cache."""
+    r = case(results, "gemma4_tp2_dp2_window_cache")
+    assert r["shards"] == 2 and r["equal"], r
+    assert r["cached"] == [0, 0, 24] and r["checkpoints"] > 0 and r["window_hits"] > 0, r
+
+
 def test_bad_meshes_are_refused_before_device_work(results):
     r = case(results, "errors")
     assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
