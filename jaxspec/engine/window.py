@@ -26,8 +26,8 @@ window pages of the ``retain`` positions before ``k * P`` (``hit``). They come t
 A newcomer with a hit shares the cached pages of ``[k * P - retain, k * P)``: those its ring covers
 sit in the ring, and the prefill reads the ones before its cached prefix ends through its
 ``window_read`` table; pages it holds only for that read go back before the next decode call
-(``drop_holds``). The pool holds ``cache_pages`` pages per data shard beyond the rings for parked
-pages and checkpoints (``EngineConfig.window_cache_pages``); parked pages count as free and are
+(``drop_holds``). The pool is sized with ``EngineConfig.window_cache_pages`` pages beyond the rings
+for parked pages and checkpoints (``jaxspec.engine.geometry``); parked pages count as free and are
 evicted least recently used first, like the full pool's.
 """
 
@@ -181,10 +181,14 @@ class WindowPages:
         """The most pages ``k <= limit`` of a prompt with page keys ``keys`` whose window is cached
         (every page of ``[needed_from(k), k)``); 0: none."""
         index = self.page_of[self._shard(row)]
-        for k in range(limit, 0, -1):
-            if all(keys[j] in index for j in range(self.needed_from(k), k)):
-                return k
-        return 0
+        missing = -1  # the last page before k whose window page is not cached
+        best = 0
+        for k in range(1, limit + 1):
+            if keys[k - 1] not in index:
+                missing = k - 1
+            if missing < self.needed_from(k):
+                best = k
+        return best
 
     def share_hit(self, row: int, owner: int, committed: int, keys: list[bytes], k: int) -> None:
         """Before the first grant of a newcomer with a hit at ``k`` pages (``committed`` its context):
@@ -193,7 +197,7 @@ class WindowPages:
         self.read_pages[row], self.read_first[row] = 0, 0
         if k == 0:
             return
-        P, R, X = self.page_size, self.ring, self.read_pages.shape[1]
+        R, X = self.ring, self.read_pages.shape[1]
         index, lo = self.page_of[self._shard(row)], self.needed_from(k)
         pages = {j: index[keys[j]] for j in range(lo, k)}
         self.allocator_of(row).share(owner, list(pages.values()))

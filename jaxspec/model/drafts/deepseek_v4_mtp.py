@@ -22,7 +22,6 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
 from jaxspec.model.layers import embed_lookup, head_logits, mask_padded_vocab
