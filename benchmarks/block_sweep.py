@@ -5,7 +5,8 @@ causal 8-token draft extend: the launches the bandwidth goals name), then decode
 verify at page 64, a long prefill, DeepSeek-V3 MLA and Gemma-like wide heads. Each candidate (tiles
 and the launch size the KV splits aim for, ``target_programs``) runs against the f32 reference and
 is timed in device time (``kernels.device_seconds``: many calls in one compiled loop, so a small
-launch is not hidden under its dispatch); the fastest that matches is kept. The search is staged to
+launch is not hidden under its dispatch); the fastest that matches is kept, as what it changes over
+the heuristic's tiles (so a class's shapes the sweep did not launch keep the heuristic's). The search is staged to
 fit a GPU call: launch size x warps at the heuristic's tiles, then the tiles at the best launch, then
 deeper pipelines. ``sweep`` writes the repository's table with this GPU's entries merged into
 ``OUT/block_table.json`` (copy it to ``jaxspec/pallas/block_table.json``; ``write_table`` also
@@ -234,7 +235,10 @@ def sweep(out_dir: Path, *, dry_run: bool, deadline, write_table: bool = False, 
                                    xla_over_pallas=t_xla / best_t if best_t > 0 else None)
                 if "floor_us" in row and row["floor_us"] > 0:
                     row["best"]["over_floor"] = best_t * 1e6 / row["floor_us"]
-                entry = {k: getattr(best, k) for k in block_table.ATTENTION_FIELDS}
+                # Only what the winner changes over the heuristic: a class's other shapes (a long
+                # prefill, a wider verify) keep the heuristic's tiles, which this launch did not measure.
+                entry = {k: getattr(best, k) for k in block_table.ATTENTION_FIELDS
+                         if getattr(best, k) != getattr(heuristic, k)}
                 if best_tp != TARGET_PROGRAMS[0]:
                     entry["target_programs"] = best_tp
                 blocks_entries[cls] = entry
