@@ -168,6 +168,8 @@ def test_sliding_window_pools(name, draft, spec, page):
                       engine=pressured(page, prompts, n, every=2, max_seq_len=64, steps_per_call=1), progress=False)
     check_run(out, [arrays(name)[f"greedy_{i}"].tolist() for i in range(len(prompts))])
     assert out.kv_window_pages_free == out.kv_window_pages_total
+    # a resumed request finds its own pages, windows included, in the prefix cache
+    assert any(hit > 0 for s in out.stats for hit in s.admission_cached_tokens[1:]), out.stats
 
 
 def test_recurrent_state_with_mtp_draft():
