@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import kernels as kbench  # noqa: E402  (benchmarks/kernels.py)
 from jaxspec.pallas import block_table, dispatch  # noqa: E402
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, split_kv  # noqa: E402
+from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, with_kv_splits  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention_pallas, mla_attention_reference  # noqa: E402
 from jaxspec.pallas.paged_attention import paged_attention_pallas, paged_attention_reference  # noqa: E402
 
@@ -122,10 +122,8 @@ def sweep_shapes(dry_run: bool) -> list[SweepShape]:
 def with_launch(s: SweepShape, blocks: AttentionBlocks, max_kv_len: int, target_programs: int,
                 interpret: bool) -> AttentionBlocks:
     """``blocks`` with the KV splits its launch implies when they aim for ``target_programs``."""
-    programs = s.shape.batch * s.kv_heads * -(-s.rows // blocks.block_m)
-    splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=blocks.block_k, interpret=interpret,
-                      target_programs=target_programs)
-    return dataclasses.replace(blocks, kv_splits=splits)
+    return with_kv_splits(blocks, batch=s.shape.batch, kv_heads=s.kv_heads, rows=s.rows, max_kv_len=max_kv_len,
+                          interpret=interpret, target_programs=target_programs)
 
 
 def launch_candidates(s: SweepShape, start: AttentionBlocks, max_kv_len: int,

@@ -109,10 +109,19 @@ def attention_blocks(
     # (H200, B=16, context 8192, device time: verify n=8 187 vs 228 us, an 8-token draft extend
     # 181 vs 227 us; benchmarks/block_sweep.py).
     num_warps = 8 if block_m * d_pad >= 4096 and not (d_pad <= 128 and block_m <= 32) else 4
-    programs = batch * kv_heads * -(-rows // block_m)
-    kv_splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=block_k, interpret=interpret)
-    return AttentionBlocks(block_m=block_m, block_k=block_k, block_w=block_w, kv_splits=kv_splits,
-                           num_warps=num_warps, num_stages=2, reload_q=reload_q)
+    blocks = AttentionBlocks(block_m=block_m, block_k=block_k, block_w=block_w, num_warps=num_warps, num_stages=2,
+                             reload_q=reload_q)
+    return with_kv_splits(blocks, batch=batch, kv_heads=kv_heads, rows=rows, max_kv_len=max_kv_len,
+                          interpret=interpret)
+
+
+def with_kv_splits(blocks: AttentionBlocks, *, batch: int, kv_heads: int, rows: int, max_kv_len: int,
+                   interpret: bool, target_programs: int = _TARGET_PROGRAMS) -> AttentionBlocks:
+    """``blocks`` with the KV splits of its launch (B x Hkv x row blocks programs, ``split_kv``)."""
+    programs = batch * kv_heads * -(-rows // blocks.block_m)
+    return dataclasses.replace(blocks, kv_splits=split_kv(programs=programs, max_kv_len=max_kv_len,
+                                                          block_k=blocks.block_k, interpret=interpret,
+                                                          target_programs=target_programs))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, split_kv
+from jaxspec.pallas.block_sizes import AttentionBlocks, attention_blocks, with_kv_splits
 
 TABLE_PATH = Path(__file__).with_name("block_table.json")
 ATTENTION_FIELDS = ("block_m", "block_k", "block_w", "num_warps", "num_stages", "reload_q")
@@ -107,11 +107,9 @@ def attention_blocks_for(
     if not entry:
         return blocks
     blocks = dataclasses.replace(blocks, **{k: v for k, v in entry.items() if k in ATTENTION_FIELDS})
-    programs = batch * kv_heads * -(-rows // blocks.block_m)
-    target = {k: entry[k] for k in LAUNCH_FIELDS if k in entry}
-    splits = split_kv(programs=programs, max_kv_len=max_kv_len, block_k=blocks.block_k, interpret=interpret,
-                      **target)
-    return dataclasses.replace(blocks, kv_splits=splits)
+    launch = {k: entry[k] for k in LAUNCH_FIELDS if k in entry}
+    return with_kv_splits(blocks, batch=batch, kv_heads=kv_heads, rows=rows, max_kv_len=max_kv_len,
+                          interpret=interpret, **launch)
 
 
 def copy_overrides(op: str, *, gpu: str | None, interpret: bool) -> dict[str, int]:
