@@ -396,13 +396,18 @@ class EngineConfig:
         indexed by the tokens they hold and the one after them, and reuse them for later prompts
         that start the same way (in the call, and in later calls of a ``jaxspec.Engine``); cached
         pages count as free (evicted, least recently used first, when pages are needed). None:
-        on where the model allows it; True: on, or a ValueError naming why not (targets with
-        recurrent state, whose state is not paged, and DeepSeek-V4's compressed KV are not cached
-        yet); False: off. Sliding-window pools cache their pages too (``window_cache_pages``).
+        on where the model allows it; True: on, or a ValueError naming why not (DeepSeek-V4's
+        compressed KV and standalone drafts with recurrent state are not cached yet); False: off.
+        Sliding-window pools cache their pages too (``window_cache_pages``), and targets with
+        recurrent state snapshots of it (``snapshot_slots``).
       window_cache_pages: pages the sliding-window pool keeps beyond its rings for the prefix
         cache (window pages parked after their requests, and the checkpoints a prefill writes where
         another prompt's match ended; ``jaxspec.engine.window``), over all data shards. None: four
         windows' worth per data shard; 0: window pages are not cached (nor, then, prompts with them).
+      snapshot_slots: recurrent-state snapshots the prefix cache keeps for a target with
+        linear-attention layers (Qwen3.5 / Qwen3-Next; ``jaxspec.engine.snapshots``), over all data
+        shards: each holds every linear layer's state (144 MiB at Qwen3.5-27B's shapes). None: 8 per
+        data shard; 0: states are not cached (nor, then, prompts of such a target).
       compiler_options: the XLA options every compiled program of the engine (prefill, the decode
         loop and the draft loops in it) is compiled with, per program (``XLA_FLAGS`` is never set).
         None: jaxspec's table for the backend the programs run on (``jaxspec.xla_options.TABLE``,
@@ -435,6 +440,7 @@ class EngineConfig:
     check_pages: bool = False
     prefix_cache: bool | None = None
     window_cache_pages: int | None = None
+    snapshot_slots: int | None = None
     compiler_options: Mapping[str, bool | int | float | str | None] | tuple | bool | None = None
     exact: bool = False
 
@@ -453,11 +459,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.exact must be a bool, got {self.exact!r}")
         if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
             raise ValueError(f"EngineConfig.prefix_cache must be None, True or False, got {self.prefix_cache!r}")
-        if self.window_cache_pages is not None and (not isinstance(self.window_cache_pages, int)
-                                                    or isinstance(self.window_cache_pages, bool)
-                                                    or self.window_cache_pages < 0):
-            raise ValueError(f"EngineConfig.window_cache_pages must be None or an int >= 0, got "
-                             f"{self.window_cache_pages!r}")
+        for name in ("window_cache_pages", "snapshot_slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"EngineConfig.{name} must be None or an int >= 0, got {value!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"

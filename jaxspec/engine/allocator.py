@@ -93,6 +93,16 @@ class PageAllocator:
             raise AssertionError(f"page {page} is not held")
         self.cached.add(page)
 
+    def uncache(self, page: int) -> bool:
+        """Takes a parked ``page`` out of the prefix cache, free again (what it held can no longer be
+        reached); returns False, changing nothing, when the page is not parked."""
+        if page not in self.parked:
+            return False
+        del self.parked[page]
+        self.cached.discard(page)
+        self._free.append(page)
+        return True
+
     def release_pages(self, owner: int, pages: list[int]) -> None:
         """Returns some of ``owner``'s pages (a sliding-window request's pages that fell behind
         its window) while it keeps the rest."""

@@ -88,6 +88,7 @@ class Engine:
         else:
             if not draft.config.kv_layout.entry_rates:  # only a draft with compressed KV of its own takes entry pools
                 sizes.pop("entry_pages", None)
+            sizes.pop("snapshot_rows", None)  # the target's recurrent-state snapshots
             self.dpool = create_pool(functools.partial(draft.config.create_pool, dtype=dtype, **sizes),
                                      draft.config.tensor_parallel > 1, mesh)
 

@@ -14,6 +14,7 @@ import dataclasses
 from jaxspec.config import EngineConfig
 from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.scheduler import PagePools
+from jaxspec.engine.snapshots import StateSnapshots
 from jaxspec.engine.window import WindowPages, extra_pages, ring_pages
 from jaxspec.kvcache.compressed import entry_pages_for
 from jaxspec.kvcache.paging import pages_needed
@@ -39,6 +40,7 @@ class Geometry:
     uncacheable: why prompts cannot be prefix-cached (None: they can).
     window_cache: pages per data shard the window pool holds beyond its rings for the prefix cache
       (parked window pages and prefill checkpoints; 0 without a window pool or a prefix cache).
+    snapshots: recurrent-state snapshot slots per data shard for the prefix cache (0: none).
     """
 
     batch: int
@@ -53,6 +55,7 @@ class Geometry:
     entry_rates: tuple[int, ...] = ()
     uncacheable: str | None = None
     window_cache: int = 0
+    snapshots: int = 0
 
     @property
     def window_ring(self) -> int:
@@ -90,6 +93,8 @@ class Geometry:
                      rows=self.batch)
         if self.entry_rates:
             sizes["entry_pages"] = self.entry_pages()
+        if self.snapshots:  # each shard's slots and its scratch slot
+            sizes["snapshot_rows"] = self.data_shards * (self.snapshots + 1)
         return sizes
 
     def page_pools(self, *, prefix_cache: bool) -> PagePools:
@@ -101,9 +106,12 @@ class Geometry:
         entries = tuple(EntryPages(rate=m, batch=B, width=self.entry_width(m), page_size=P, data_shards=D,
                                    pages_per_shard=pages // D)
                         for m, pages in zip(self.entry_rates, self.entry_pages() or ()))
+        caching = prefix_cache and self.uncacheable is None
+        snapshots = StateSnapshots(batch=B, slots=self.snapshots, page_size=P, data_shards=D) if (
+            caching and self.snapshots) else None
         return PagePools(batch=B, width=self.width, num_pages=self.num_pages, page_size=P, lookahead=self.lookahead,
                          step_growth=self.step_growth, data_shards=D, window=window, entries=entries,
-                         prefix_cache=prefix_cache and self.uncacheable is None)
+                         prefix_cache=caching, snapshots=snapshots)
 
 
 def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: KVLayout | None = None, *,
@@ -147,7 +155,15 @@ def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: K
             window_cache = -(-window_cache // D)
     if windows and uncacheable is None and not window_cache:
         uncacheable = "its sliding-window pages are not cached (EngineConfig.window_cache_pages=0, or the cache is off)"
+    if draft is not None and draft.recurrent and uncacheable is None:
+        uncacheable = "the standalone draft's recurrent state (linear-attention layers) is not snapshotted"
+    snapshots = 0
+    if target.recurrent and uncacheable is None and engine.prefix_cache is not False:
+        # Each slot holds every linear layer's state: 8 per data shard by default (1.2 GB at Qwen3.5-27B).
+        snapshots = 8 if engine.snapshot_slots is None else -(-engine.snapshot_slots // D)
+        if not snapshots:
+            uncacheable = "its recurrent state is not snapshotted (EngineConfig.snapshot_slots=0, or the cache is off)"
     return Geometry(batch=batch, width=width, page_size=P, num_pages=num_pages, data_shards=D,
                     lookahead=plan.lookahead, step_growth=engine.steps_per_call * plan.max_accept,
                     window=max(windows) if windows else None, retain=retain, entry_rates=target.entry_rates,
-                    uncacheable=uncacheable, window_cache=window_cache)
+                    uncacheable=uncacheable, window_cache=window_cache, snapshots=snapshots)

@@ -28,6 +28,7 @@ from jaxspec.engine.scheduler import Request, Scheduler
 from jaxspec.engine.state import DecodeState
 from jaxspec.engine.text import RequestText
 from jaxspec.kvcache.paging import PageTables, WindowTable, pages_needed
+from jaxspec.kvcache.recurrent import SnapshotTable
 from jaxspec.model.config import padded_vocab_size
 from jaxspec.sampling.controls import TokenLogprobs
 from jaxspec.sampling.distributions import RowSampling
@@ -382,9 +383,11 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, p
     """The live page table, with the window pool's ring table (fixed width) and the compressed-KV
     entry tables (cut like the full one, at 1/rate of its positions) when there are (all with their
     rows split over the data shards); for a ``prefill`` with the window pool's pages cached, its read
-    and checkpoint tables too (``jaxspec.engine.window``)."""
+    and checkpoint tables too (``jaxspec.engine.window``), and with recurrent-state snapshots, its
+    snapshot table (``jaxspec.engine.snapshots``)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
-    if sched.window is None and not sched.entries:
+    snaps = sched.snapshots if prefill else None
+    if sched.window is None and not sched.entries and snaps is None:
         return full
     w = sched.window
 
@@ -397,6 +400,9 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, p
     extra = {}
     if prefill and w is not None and w.caching:
         extra = dict(window_read=table(w.read_pages, w.read_first), window_keep=table(w.keep_pages, w.keep_first))
+    if snaps is not None:
+        extra["snapshots"] = SnapshotTable(restore=place_rows(snaps.restore, mesh), at=place_table(snaps.at, mesh),
+                                           slots=place_table(snaps.slots, mesh))
     return PageTables(full=full, window=ring, compressed=compressed, **extra)
 
 

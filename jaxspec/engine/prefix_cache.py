@@ -52,6 +52,7 @@ class PrefixCache:
         self.page_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.hits = 0  # pages reused
+        self.on_forget = None  # called with the key of an evicted page (what depends on it goes too)
         allocator.on_evict = self._forget
 
     def keys(self, tokens) -> list[bytes]:
@@ -81,7 +82,10 @@ class PrefixCache:
             self.allocator.cache(page)
 
     def _forget(self, page: int) -> None:
-        del self.page_of[self.key_of.pop(page)]
+        key = self.key_of.pop(page)
+        del self.page_of[key]
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def check(self) -> None:
         if set(self.key_of) != self.allocator.cached or len(self.page_of) != len(self.key_of):

@@ -17,7 +17,8 @@ window pool (``jaxspec.engine.window``): its pages are granted and returned as e
 moves; it holds a ring for every batch row, so it never forces a preemption. A target with compressed
 KV (DeepSeek-V4) has one entry pool per compression rate (``jaxspec.engine.entries``), granted as the
 request's length grows at 1/rate of the token rate; sized never to run out first, it never forces a
-preemption either.
+preemption either. A target with recurrent state has, with the prefix cache, snapshot slots
+(``jaxspec.engine.snapshots``), held only during a prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jaxspec.config import SamplingParams
 from jaxspec.engine.allocator import KVCacheExhausted, PageAllocator, check_no_strays, check_table
 from jaxspec.engine.entries import EntryPages
 from jaxspec.engine.prefix_cache import PrefixCache, cacheable_pages
+from jaxspec.engine.snapshots import StateSnapshots
 from jaxspec.engine.window import WindowPages
 from jaxspec.kvcache.paging import pages_needed
 
@@ -90,7 +92,8 @@ class Scheduler:
     def __init__(self, requests: list[Request], *, batch: int, width: int, num_pages: int, page_size: int,
                  lookahead: int, step_growth: int, data_shards: int = 1, window: WindowPages | None = None,
                  admission: str = "reserve", allocators: list[PageAllocator] | None = None,
-                 caches: list[PrefixCache] | None = None, entries: tuple[EntryPages, ...] = ()):
+                 caches: list[PrefixCache] | None = None, entries: tuple[EntryPages, ...] = (),
+                 snapshots: StateSnapshots | None = None):
         if batch % data_shards or num_pages % data_shards:
             raise ValueError(f"batch {batch} and num_pages {num_pages} must split evenly over {data_shards} data shards")
         if window is not None and len(window.allocators) != data_shards:
@@ -105,6 +108,7 @@ class Scheduler:
         self.page_table = np.zeros((batch, width), np.int32)
         self.window = window
         self.entries = entries
+        self.snapshots = snapshots
         self.waiting: deque[Request] = deque(requests)
         self.rows: list[Request | None] = [None] * batch
         self.done: list[Request] = []
@@ -186,6 +190,8 @@ class Scheduler:
         check_no_strays(self.allocators + (self.window.allocators if self.window is not None else []), owners)
         for e in self.entries:
             e.check(self.rows)
+        if self.snapshots is not None:
+            self.snapshots.check()
 
     def _need(self, req: Request, committed: int, growth: int) -> int:
         """Pages ``req`` holds after a grant for ``growth`` positions past ``committed``."""
@@ -211,7 +217,7 @@ class Scheduler:
                 if req is not None:
                     held = len(self.allocator_of(row).pages_of(req.index))
                     spare[self.shard_of(row)] -= max(0, self._need(req, int(seq_lens[row]), self.step_growth) - held)
-        leaders: list[set[bytes]] = [set() for _ in self.allocators]  # page keys admitted this round, per shard
+        leaders: list[dict[bytes, int]] = [{} for _ in self.allocators]  # per shard: page key admitted this round -> row
         for row, occupant in enumerate(self.rows):
             if occupant is not None or not self.waiting:
                 continue
@@ -246,7 +252,7 @@ class Scheduler:
                 self.page_table[row, :len(hit)] = hit
                 self.caches[d].hits += len(hit)
                 req.start = len(hit) * self.page_size
-            leaders[d].update(keys)
+            leaders[d].update(dict.fromkeys(keys[len(hit):], row))  # the pages its prefill writes
             if req.resume is None:
                 req.cached_tokens = req.start
             req.admission_hits.append(req.start)
@@ -255,17 +261,20 @@ class Scheduler:
             caching_window = self.window is not None and self.window.caching
             if caching_window:
                 self.window.share_hit(row, req.index, len(req.context), keys, len(hit))
+            if self.snapshots is not None:
+                self.snapshots.admit(row, req.index, len(req.context), keys, len(hit), matched)
             self._grant(req, len(req.context), 1)
             if caching_window:
                 self.window.checkpoint(row, req.index, keys, matched, len(hit), spare=self._window_spare(d))
             admitted.append(req)
         return admitted
 
-    def _next_waiting(self, d: int, leaders: set[bytes], row: int) -> tuple[int | None, list[int], list[bytes], int]:
+    def _next_waiting(self, d: int, leaders: dict[bytes, int], row: int) -> tuple[int | None, list[int], list[bytes], int]:
         """(the position in ``waiting`` of the first request that does not wait for a leader of
         this round on shard ``d``, the cached pages it would share, its pages' keys, how many of its
         full pages are cached), or None first when every waiting request waits. With a window pool
-        the pages shared stop where the cached window does (``WindowPages.hit``): never past it."""
+        the pages shared stop where the cached window does (``WindowPages.hit``), with recurrent
+        state at the last snapshot (``StateSnapshots.hit``): never past either."""
         if self.caches is None:
             return 0, [], [], 0
         for i, req in enumerate(self.waiting):
@@ -276,7 +285,12 @@ class Scheduler:
             matched = len(hit)
             if self.window is not None and self.window.caching:
                 hit = hit[:self.window.hit(row, keys, matched)]
+            if self.snapshots is not None:
+                hit = hit[:self.snapshots.hit(row, keys, len(hit))]
             if len(hit) < len(keys) and keys[len(hit)] in leaders:
+                if self.snapshots is not None:  # the leader also saves the state where their prompts part
+                    p = next((j for j in range(len(hit), len(keys)) if keys[j] not in leaders), len(keys))
+                    self.snapshots.mark_junction(leaders[keys[p - 1]], keys, p)
                 continue  # its next page is being prefilled by a leader this round: next round it hits
             return i, hit, keys, matched
         return None, [], [], 0
@@ -295,6 +309,8 @@ class Scheduler:
             self.caches[self.shard_of(req.row)].insert(req.context, self.allocator_of(req.row).pages_of(req.index))
             if self.window is not None and self.window.caching:
                 self.window.cache_prompt(req.row, req.page_keys[1], cacheable_pages(len(req.context), self.page_size))
+            if self.snapshots is not None:
+                self.snapshots.cache_prompt(req.row)
 
     def to_preempt(self, seq_lens: np.ndarray, force: bool = False) -> list[int]:
         """Rows to preempt before the next decode call: per data shard, the most recently admitted
@@ -384,6 +400,8 @@ class Scheduler:
             self.reserved_window[self.shard_of(row)] -= req.worst_window_pages
         for e in self.entries:
             e.release(row, req.index)
+        if self.snapshots is not None:
+            self.snapshots.release(row)
         self.page_table[row] = 0
         self.rows[row] = None
 
@@ -404,6 +422,7 @@ class PagePools:
     window: WindowPages | None = None
     prefix_cache: bool = False
     entries: tuple[EntryPages, ...] = ()
+    snapshots: StateSnapshots | None = None
     allocators: list[PageAllocator] = dataclasses.field(init=False)
     caches: list[PrefixCache] | None = dataclasses.field(init=False)
 
@@ -412,9 +431,13 @@ class PagePools:
             raise ValueError(f"num_pages {self.num_pages} must split evenly over {self.data_shards} data shards")
         self.allocators = [PageAllocator(self.num_pages // self.data_shards) for _ in range(self.data_shards)]
         self.caches = [PrefixCache(a, self.page_size) for a in self.allocators] if self.prefix_cache else None
+        if self.snapshots is not None:  # a full page evicted: the snapshots past it can never hit again
+            for d, cache in enumerate(self.caches):
+                cache.on_forget = lambda key, d=d: self.snapshots.page_evicted(d, key)
 
     def scheduler(self, requests: list[Request], *, admission: str) -> Scheduler:
         return Scheduler(requests, batch=self.batch, width=self.width, num_pages=self.num_pages,
                          page_size=self.page_size, lookahead=self.lookahead, step_growth=self.step_growth,
                          data_shards=self.data_shards, window=self.window, admission=admission,
-                         allocators=self.allocators, caches=self.caches, entries=self.entries)
+                         allocators=self.allocators, caches=self.caches, entries=self.entries,
+                         snapshots=self.snapshots)

@@ -19,6 +19,7 @@ a model and any draft pool share these tables (``PageTables``), so slots agree a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +87,16 @@ class PageTables:
     before a request's cached prefix ends, which its sliding-window layers read (the ring holds
     the prompt's tail, possibly far past them), and ``window_keep``, the pages where its prefill
     also writes the window before the point another prompt's match ended (a checkpoint the
-    prefix cache keeps). Decode calls pass neither."""
+    prefix cache keeps). A prefill with the prefix cache on a model with recurrent state gets its
+    ``snapshots`` table (``jaxspec.kvcache.recurrent.SnapshotTable``: the slot each request's state
+    starts from, the slots its states at page points go to). Decode calls pass none of these."""
 
     full: jax.Array
     window: WindowTable | None = None
     compressed: tuple[jax.Array, ...] = ()
     window_read: WindowTable | None = None
     window_keep: WindowTable | None = None
+    snapshots: Any = None
 
 
 def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
@@ -130,6 +134,7 @@ class AttentionInputs:
       window_read, window_keep: a prefill's extra tables of the window pool (``PageTables``):
         where its sliding-window layers read the positions before ``prefix_lens`` (None: the ring),
         and where they also write their K/V (None: nowhere else).
+      snapshots: a prefill's ``SnapshotTable`` (``PageTables.snapshots``), or None.
     """
 
     page_table: jax.Array
@@ -143,6 +148,7 @@ class AttentionInputs:
     compressed: tuple[jax.Array, ...] = ()
     window_read: WindowTable | None = None
     window_keep: WindowTable | None = None
+    snapshots: Any = None
 
     @classmethod
     def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None, *, state_rows=None,
@@ -162,4 +168,5 @@ class AttentionInputs:
             compressed=compressed_tables(page_table),
             window_read=page_table.window_read if isinstance(page_table, PageTables) else None,
             window_keep=page_table.window_keep if isinstance(page_table, PageTables) else None,
+            snapshots=page_table.snapshots if isinstance(page_table, PageTables) else None,
         )

@@ -4,7 +4,9 @@ one per request, in the request's batch row.
 * ``RecurrentPool``: ``ssm [L, B, Hv, Dk, Dv]`` (float32) and ``conv [L, B, C, K-1]`` (the last K-1
   conv inputs), for the model's L linear-attention layers and B batch rows.
 * ``HybridPool``: a model mixing full-attention layers (``kv``, a paged ``KVPool`` of those layers)
-  and linear-attention layers (``state``).
+  and linear-attention layers (``state``); with the prefix cache, ``snapshots``, a ``RecurrentPool``
+  whose rows are the snapshot slots (``jaxspec.engine.snapshots``), which a prefill reads and
+  writes through its ``SnapshotTable``.
 
 The state follows the rules of KV: a prefill writes it; a verify step writes nothing and returns each
 node's pending quantities (``jaxspec.model.gated_delta``), and only the accepted path's end state is
@@ -54,6 +56,19 @@ class RecurrentPool:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SnapshotTable:
+    """A prefill's use of the snapshot slots (``jaxspec.engine.snapshots``), per request:
+    restore i32[B] the slot whose state a request with a cached prefix starts from (it has
+    ``prefix_lens > 0``; slot 0, scratch, otherwise); at i32[B, M] positions after which the state
+    is saved (a mark at or before ``prefix_lens`` saves nothing); slots i32[B, M] the slots they go to."""
+
+    restore: jax.Array
+    at: jax.Array
+    slots: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DraftScratch:
     """While a hybrid model drafts a tree (a standalone draft): per linear layer, what each scratch
     node left (``jaxspec.model.gated_delta``), in the draft-scratch layout (``jaxspec.kvcache.layout``:
@@ -70,11 +85,13 @@ class DraftScratch:
 @dataclasses.dataclass(frozen=True)
 class HybridPool:
     """The pools of a hybrid model: ``kv`` for its full-attention layers, ``state`` for its
-    linear-attention layers; ``scratch`` only while it drafts (``DraftScratch``)."""
+    linear-attention layers; ``scratch`` only while it drafts (``DraftScratch``); ``snapshots`` the
+    states the prefix cache keeps (rows: slots; None without the cache)."""
 
     kv: KVPool
     state: RecurrentPool
     scratch: DraftScratch | None = None
+    snapshots: RecurrentPool | None = None
 
     @property
     def page_size(self) -> int:
@@ -85,8 +102,9 @@ class HybridPool:
         return self.kv.num_layers + self.state.num_layers
 
     def specs(self, data_axis: str | None, model_axis: str | None = None):
+        snapshots = None if self.snapshots is None else self.snapshots.specs(data_axis, model_axis)
         return dataclasses.replace(self, kv=self.kv.specs(data_axis, model_axis),
-                                   state=self.state.specs(data_axis, model_axis), scratch=None)
+                                   state=self.state.specs(data_axis, model_axis), scratch=None, snapshots=snapshots)
 
     def with_scratch(self, width: int, num_k_heads: int, conv_channels: int) -> "HybridPool":
         """Zeroed ``DraftScratch`` of ``width`` columns for one propose."""

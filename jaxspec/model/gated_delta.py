@@ -104,9 +104,12 @@ def delta_chain(
     q, k, v, g, beta,  # as ``delta_block``
     s0: jax.Array,  # f32[B, H, Dk, Dv]
     chunk: int = 64,
-) -> tuple[jax.Array, jax.Array]:  # o f32[B, T, H, Dv], the state after the last token f32[B, H, Dk, Dv]
+    marks: jax.Array | None = None,  # i32[B, M] tokens after which the state is also wanted (< 0: none)
+):  # -> o f32[B, T, H, Dv], the state after the last token f32[B, H, Dk, Dv] (, the marks' f32[B, M, H, Dk, Dv])
     """A causal chain (a prompt) in chunks of ``chunk`` tokens, the state carried between chunks.
-    Tokens that must not touch the state (padding) carry ``g = 0`` and ``beta = 0``."""
+    Tokens that must not touch the state (padding) carry ``g = 0`` and ``beta = 0``. With ``marks``,
+    also the state after each marked token, built inside its chunk by ``state_at`` (the prefix
+    cache's snapshots at page points, wherever they fall in the chunk grid); a mark < 0 gives zeros."""
     B, T0, H, _ = q.shape
     C = min(chunk, T0)
     pad = -T0 % C  # padded tokens (g = 0, beta = 0) leave the state as it is
@@ -115,15 +118,27 @@ def delta_chain(
     T = T0 + pad
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (B, C, C))
     split = lambda x: jnp.moveaxis(x.reshape((B, T // C, C) + x.shape[2:]), 1, 0)  # noqa: E731
+    M = 0 if marks is None else marks.shape[1]
+    kept0 = jnp.zeros((B, M) + s0.shape[1:], jnp.float32)
+    tok = jnp.arange(C, dtype=jnp.int32)
 
-    def step(s, xs):
-        qc, kc, vc, gc, bc = xs
+    def step(carry, xs):
+        s, kept = carry
+        c, (qc, kc, vc, gc, bc) = xs
         o, u, G = delta_block(qc, kc, vc, gc, bc, s, causal)
+        for m in range(M):  # a mark inside this chunk: the state after it
+            i = marks[:, m] - c * C  # [B]
+            inside = (i >= 0) & (i < C)
+            i = jnp.clip(i, 0, C - 1)
+            mid = state_at(s, kc, u, G, tok[None, :] <= i[:, None], i)
+            kept = kept.at[:, m].set(jnp.where(inside[:, None, None, None], mid, kept[:, m]))
         s = state_at(s, kc, u, G, jnp.ones((B, C), bool), jnp.full((B,), C - 1, jnp.int32))
-        return s, o
+        return (s, kept), o
 
-    s, o = jax.lax.scan(step, s0, tuple(split(x) for x in (q, k, v, g, beta)))
-    return jnp.moveaxis(o, 0, 1).reshape(B, T, H, -1)[:, :T0], s
+    chunks = jnp.arange(T // C, dtype=jnp.int32)
+    (s, kept), o = jax.lax.scan(step, (s0, kept0), (chunks, tuple(split(x) for x in (q, k, v, g, beta))))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, T, H, -1)[:, :T0]
+    return (o, s) if marks is None else (o, s, kept)
 
 
 def delta_rows(

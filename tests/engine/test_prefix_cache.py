@@ -131,12 +131,13 @@ def test_a_page_is_keyed_by_the_token_after_it():
     alloc.check()
 
 
-def test_models_whose_state_is_not_paged_are_refused_by_name():
+def test_a_hybrid_target_is_cached_by_default():
+    """Recurrent state is snapshotted (``tests/engine/test_prefix_cache_recurrent.py``): the cache is
+    on for Qwen3.5 unless asked off."""
     from tests.model.targets.test_golden_hybrid import target  # noqa: PLC0415
 
-    with pytest.raises(ValueError, match="recurrent state .* is not paged"):
-        js.Engine(target("qwen3_5_dense"), engine=js.EngineConfig(prefix_cache=True))
-    assert js.Engine(target("qwen3_5_dense")).pages.caches is None  # the default: on where it can be
+    assert js.Engine(target("qwen3_5_dense")).pages.snapshots is not None
+    assert js.Engine(target("qwen3_5_dense"), engine=js.EngineConfig(prefix_cache=False)).pages.caches is None
 
 
 def test_same_round_sharing_resumed_hits_and_evictions_keep_the_output(tiny_target):

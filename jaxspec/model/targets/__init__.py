@@ -59,8 +59,9 @@ def _v4_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1, ent
                           rows=rows, entry_pages=entry_pages)
 
 
-def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1):
-    return create_hybrid_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, rows=rows)
+def _hybrid_pool(cfg, *, num_pages, page_size, dtype, window_pages=None, rows=1, snapshot_rows=0):
+    return create_hybrid_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, rows=rows,
+                              snapshot_rows=snapshot_rows)
 
 
 _FAMILIES: dict[type, _Family] = {
@@ -71,8 +72,8 @@ _FAMILIES: dict[type, _Family] = {
     DeepseekConfig: _Family(deepseek_forward, _mla_pool),
     Gemma4Config: _Family(gemma4_forward, _paged_only(create_gemma4_pool), logits=gemma4_logits,
                           layout=lambda cfg: KVLayout(window=cfg.sliding_window if cfg.num_sliding_layers else None)),
-    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted, layout=lambda cfg: KVLayout(
-        uncacheable="its recurrent state (linear-attention layers) is not paged" if cfg.num_linear_layers else None)),
+    HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted,
+                          layout=lambda cfg: KVLayout(recurrent=cfg.num_linear_layers > 0)),
     DeepseekV4Config: _Family(deepseek_v4_forward, _v4_pool, commit=v4_commit, layout=lambda cfg: KVLayout(
         window=cfg.sliding_window, span=cfg.window_span, entry_rates=tuple(cfg.entry_rates),
         uncacheable="its compressed KV entries and compressor state follow the request (the sliding window and "
@@ -130,13 +131,16 @@ def kv_window(cfg) -> int | None:
 
 
 def create_target_pool(cfg, *, num_pages: int, page_size: int, dtype, window_pages: int | None = None,
-                       rows: int = 1, entry_pages: tuple[int, ...] | None = None):
+                       rows: int = 1, entry_pages: tuple[int, ...] | None = None, snapshot_rows: int = 0):
     """The target's KV pool: MHA ``[L, slots, Hkv, D]``, MLA latent (+ indexer keys), for a
     model with sliding-window layers a ``SplitPool`` whose window part has ``window_pages``
     pages (default: ``num_pages``), for a hybrid model a ``HybridPool`` with the recurrent
-    state of ``rows`` requests (one per batch row), for DeepSeek-V4 a ``CompressedPool`` (ring
-    part of ``window_pages`` pages, entry parts of ``entry_pages`` pages per compression rate)."""
+    state of ``rows`` requests (one per batch row) and ``snapshot_rows`` prefix-cache snapshot
+    slots, for DeepSeek-V4 a ``CompressedPool`` (ring part of ``window_pages`` pages, entry parts
+    of ``entry_pages`` pages per compression rate)."""
     kw = {} if entry_pages is None else {"entry_pages": entry_pages}
+    if snapshot_rows:
+        kw["snapshot_rows"] = snapshot_rows
     return _family(cfg).create_pool(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype,
                                     window_pages=window_pages, rows=rows, **kw)
 

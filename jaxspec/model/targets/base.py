@@ -38,12 +38,15 @@ class KVLayout:
       more than the window (DeepSeek-V4's open compressor windows); None: the window.
     entry_rates: compression rates of its compressed-KV pools, one page table each (DeepSeek-V4).
     uncacheable: why its prompts cannot be prefix-cached (state not paged by position), or None.
+    recurrent: it has recurrent state (linear-attention layers), one per request: the prefix cache
+      keeps snapshots of it (``jaxspec.engine.snapshots``).
     """
 
     window: int | None = None
     span: int | None = None
     entry_rates: tuple[int, ...] = ()
     uncacheable: str | None = None
+    recurrent: bool = False
 
     @property
     def retained(self) -> int | None:

@@ -59,15 +59,18 @@ class PendingState:
     conv_in: jax.Array
 
 
-def create_hybrid_pool(cfg: HybridConfig, *, num_pages: int, page_size: int, dtype, rows: int = 1) -> HybridPool:
-    """The paged KV pool of the full-attention layers and ``rows`` recurrent states."""
+def create_hybrid_pool(cfg: HybridConfig, *, num_pages: int, page_size: int, dtype, rows: int = 1,
+                       snapshot_rows: int = 0) -> HybridPool:
+    """The paged KV pool of the full-attention layers, ``rows`` recurrent states and, for the prefix
+    cache, ``snapshot_rows`` snapshot slots (0: none)."""
     g = cfg.gdn
+    states = lambda n: RecurrentPool.create(  # noqa: E731
+        num_layers=cfg.num_linear_layers, rows=n, num_v_heads=g.num_v_heads, head_k_dim=g.head_k_dim,
+        head_v_dim=g.head_v_dim, conv_channels=g.conv_dim, conv_kernel=g.conv_kernel, dtype=dtype)
     return HybridPool(
         kv=KVPool.create(num_layers=cfg.num_full_layers, num_pages=num_pages, page_size=page_size,
                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype),
-        state=RecurrentPool.create(num_layers=cfg.num_linear_layers, rows=rows, num_v_heads=g.num_v_heads,
-                                   head_k_dim=g.head_k_dim, head_v_dim=g.head_v_dim, conv_channels=g.conv_dim,
-                                   conv_kernel=g.conv_kernel, dtype=dtype),
+        state=states(rows), snapshots=states(snapshot_rows) if snapshot_rows else None,
     )
 
 
@@ -111,11 +114,14 @@ def full_attention(lp: dict, cfg: HybridConfig, h: jax.Array, positions, kv: KVP
 
 
 def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: RecurrentPool, scratch, layer,
-                     attn: AttentionInputs):
-    """Gated DeltaNet over T tokens per row; returns (out [B, T, H], state, scratch, pending or None).
+                     attn: AttentionInputs, snapshots: RecurrentPool | None = None):
+    """Gated DeltaNet over T tokens per row; returns (out [B, T, H], state, scratch, pending or None,
+    snapshots).
 
     Three uses: a prefill or draft extend (``attn.pending`` False, no block mask: a causal chain,
-    chunked) writes each row's state after its last valid token; a verify (``attn.pending``) returns
+    chunked) writes each row's state after its last valid token (with the prefix cache's
+    ``snapshots`` and the prefill's ``attn.snapshots`` table, a row with a cached prefix starts from
+    its restored slot, and the states after the table's marks are saved into theirs); a verify (``attn.pending``) returns
     every node's pending quantities and writes nothing; a draft step over the draft-scratch region
     (a block mask wider than T: a hybrid standalone draft's frontier) reads its ancestors from
     ``scratch`` and writes its own there."""
@@ -125,9 +131,11 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
     rows = jnp.arange(B, dtype=jnp.int32) if attn.state_rows is None else attn.state_rows
     Bs = state.ssm.shape[1]
     fresh = attn.prefix_lens == 0  # a request's first tokens start from a zero state
-    take = jnp.minimum(rows, Bs - 1)
-    s0 = jnp.where(fresh[:, None, None, None], 0.0, state.ssm[layer, take])  # f32[B, Hv, Dk, Dv]
-    conv0 = jnp.where(fresh[:, None, None], 0, state.conv[layer, take])  # [B, C, K-1]
+    table = attn.snapshots if snapshots is not None else None
+    # A prefill with the prefix cache: a cached prefix's state comes from its snapshot slot.
+    source, take = (state, jnp.minimum(rows, Bs - 1)) if table is None else (snapshots, table.restore)
+    s0 = jnp.where(fresh[:, None, None, None], 0.0, source.ssm[layer, take])  # f32[B, Hv, Dk, Dv]
+    conv0 = jnp.where(fresh[:, None, None], 0, source.conv[layer, take])  # [B, C, K-1]
     valid = attn.write_positions >= 0  # [B, T] (padding: no effect on the state)
 
     mixed = h @ lp["in_qkv"]  # [B, T, C]
@@ -176,15 +184,26 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
         pending = (k, u, G, mixed)
     else:
         C = min(PREFILL_CHUNK, T)
-        o, s_end = delta_chain(q_rep, k_rep, v, decay, beta, s0, chunk=C)
+        chain = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         n = jnp.sum(valid, axis=1).astype(jnp.int32)
-        conv_end = conv_state_after(mixed, conv0, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), n)
         keep = (jnp.any(valid, axis=1) & (rows < Bs))  # padding rows write nothing
+        if table is None:
+            o, s_end = delta_chain(q_rep, k_rep, v, decay, beta, s0, chunk=C)
+        else:
+            marks = table.at - attn.prefix_lens[:, None] - 1  # [B, M] the suffix token each save follows
+            marks = jnp.where(keep[:, None] & (marks < n[:, None]), marks, -1)
+            o, s_end, s_marks = delta_chain(q_rep, k_rep, v, decay, beta, s0, chunk=C, marks=marks)
+            conv_marks = jnp.stack([conv_state_after(mixed, conv0, chain, marks[:, m] + 1)
+                                    for m in range(marks.shape[1])], axis=1)  # [B, M, C, K-1]
+            slot = jnp.where(marks >= 0, table.slots, snapshots.ssm.shape[1])  # no save: dropped
+            snapshots = dataclasses.replace(snapshots, ssm=snapshots.ssm.at[layer, slot].set(s_marks, mode="drop"),
+                                            conv=snapshots.conv.at[layer, slot].set(conv_marks, mode="drop"))
+        conv_end = conv_state_after(mixed, conv0, chain, n)
         write = jnp.where(keep, rows, Bs)
         state = dataclasses.replace(state, ssm=state.ssm.at[layer, write].set(s_end, mode="drop"),
                                     conv=state.conv.at[layer, write].set(conv_end, mode="drop"))
     o = gated_norm(o.astype(h.dtype), z, lp["gdn_norm"], cfg.rms_norm_eps).astype(h.dtype)  # [B, T, Hv, Dv]
-    return o.reshape(B, T, -1) @ lp["wo"], state, scratch, pending
+    return o.reshape(B, T, -1) @ lp["wo"], state, scratch, pending, snapshots
 
 
 def conv_from_scratch(x, conv0, w, scratch_in, at_step, step):  # -> f32[B, T, C]
@@ -239,8 +258,11 @@ def hybrid_forward(
     kinds = cfg.kinds[:p]
     lin_per, full_per = sum(m == LINEAR for m, _ in kinds), sum(m == FULL for m, _ in kinds)
 
+    # The snapshot slots ride through the layers only in a prefill that reads or writes them.
+    snapshots = pool.snapshots if attn.snapshots is not None and not attn.pending else None
+
     def period(carry, lps):
-        x, kv, state, scratch, aux, n = carry
+        x, kv, state, snaps, scratch, aux, n = carry
         pend = []
         li = fi = 0
         for j, (mixer, mlp) in enumerate(kinds):
@@ -251,18 +273,19 @@ def hybrid_forward(
                 o, kv = full_attention(lp, cfg, h, positions, kv, n * full_per + fi, attn, implementation)
                 fi += 1
             else:
-                o, state, scratch, pending = linear_attention(lp, cfg, h, state, scratch, n * lin_per + li, attn)
+                o, state, scratch, pending, snaps = linear_attention(lp, cfg, h, state, scratch, n * lin_per + li,
+                                                                     attn, snaps)
                 pend.append(pending)
                 li += 1
             x = x + o
             h = norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
             x = x + (moe_mlp(lp, cfg, h) if mlp == "moe" else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
         ys = tuple(pend) if attn.pending else None
-        return (x, kv, state, scratch, aux, n + 1), ys
+        return (x, kv, state, snaps, scratch, aux, n + 1), ys
 
     layer_params = tuple(params[f"p{j}"] for j in range(p))
-    carry = (x, pool.kv, pool.state, pool.scratch, taps.empty(x), jnp.int32(0))
-    (x, kv, state, scratch, aux, _), ys = jax.lax.scan(period, carry, layer_params)
+    carry = (x, pool.kv, pool.state, snapshots, pool.scratch, taps.empty(x), jnp.int32(0))
+    (x, kv, state, snapshots, scratch, aux, _), ys = jax.lax.scan(period, carry, layer_params)
     hidden = norm(x, params["norm"], cfg.rms_norm_eps)
     pending = None
     if attn.pending and lin_per:
@@ -270,7 +293,9 @@ def hybrid_forward(
         stack = lambda parts: jnp.stack(parts, axis=1).reshape((-1,) + parts[0].shape[1:])  # noqa: E731
         pending = PendingState(*(stack([y[f] for y in ys]) for f in range(4)))
     return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden),
-                         pool=HybridPool(kv=kv, state=state, scratch=scratch), pending=pending)
+                         pool=HybridPool(kv=kv, state=state, scratch=scratch,
+                                         snapshots=pool.snapshots if snapshots is None else snapshots),
+                         pending=pending)
 
 
 def commit_accepted(

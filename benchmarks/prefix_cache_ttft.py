@@ -1,15 +1,17 @@
-"""Time to first token with the prefix cache on and off for a sliding-window target: a system prompt
-asked several questions, one request at a time, as a chat server sees them.
+"""Time to first token with the prefix cache on and off for a target whose state is not plain paged
+KV: a system prompt asked several questions, one request at a time, as a chat server sees them.
 
-A Mistral-shaped target with random weights (every layer sliding, ``--window``; the demo target's
-widths), float32, plain greedy decoding. The same questions, each behind the same ``--prefix``
-random tokens, go one call after another to a persistent ``jaxspec.Engine`` with the cache on and to
-one without it, alternated. With the cache, the first question caches only its own prompt's end,
-the second finds the system prompt's full pages but no window there and writes a checkpoint of it
-(``jaxspec.engine.window``), and from the third on every question prefills only its own tokens.
-The outputs are checked equal.
+``--family window``: a Mistral-shaped target with random weights (every layer sliding, ``--window``;
+the demo target's widths). ``--family recurrent``: a Qwen3.5-shaped hybrid (3 Gated DeltaNet layers
+then one gated full-attention layer, twice; the demo's hidden width). Float32, plain greedy
+decoding. The same questions, each behind the same ``--prefix`` random tokens, go one call after
+another to a persistent ``jaxspec.Engine`` with the cache on and to one without it, alternated.
+With the cache, the first question caches only its own prompt's end, the second finds the system
+prompt's full pages but no window (no snapshot) there and writes a checkpoint of it
+(``jaxspec.engine.window``, ``jaxspec.engine.snapshots``), and from the third on every question
+prefills only its own tokens. The outputs are checked equal.
 
-    PYTHONPATH=. python benchmarks/prefix_cache_window.py [--prefix 1024] [--questions 8] [--window 256]
+    PYTHONPATH=. python benchmarks/prefix_cache_ttft.py --family window|recurrent [--prefix 1024] [--questions 8]
 """
 
 from __future__ import annotations
@@ -29,11 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
 import jaxspec as js  # noqa: E402
+from jaxspec.model.config import RopeConfig  # noqa: E402
+from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig  # noqa: E402
 from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
+
+
+def target_config(family: str, window: int):
+    d = st.DEMO
+    if family == "window":
+        return LlamaConfig(vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+                           num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
+                           head_dim=d.head_dim, sliding_window=window)
+    return HybridConfig(vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+                        num_layers=8, layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, mlp_types=("dense",) * 8,
+                        num_heads=4, num_kv_heads=1, head_dim=64, rope=RopeConfig(theta=1e7), rotary_dim=16,
+                        gdn=GatedDeltaConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("window", "recurrent"), default="window")
     p.add_argument("--prefix", type=int, default=1024)
     p.add_argument("--question", type=int, default=48)
     p.add_argument("--questions", type=int, default=8)
@@ -44,10 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    d = st.DEMO
-    cfg = LlamaConfig(vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
-                      num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
-                      head_dim=d.head_dim, sliding_window=args.window)
+    cfg = target_config(args.family, args.window)
     target = st.random_target(cfg, jnp.float32)
     rng = np.random.default_rng(0)
     system = rng.integers(3, cfg.vocab_size, args.prefix).tolist()
@@ -83,9 +97,17 @@ def main(argv=None) -> int:
         row["equal"] = outs["cache on"] == outs["cache off"]
         row["cached_tokens"] = (sum(c.hits for c in caches) - hits) * args.page
         rows.append(row)
-    window = engines["cache on"].pages.window
-    print(f"Mistral-shaped random target (demo widths, window {args.window}), float32, page {args.page}: a "
-          f"{args.prefix}-token system prompt + {args.question}-token questions, {args.max_new} new tokens each")
+    pools = engines["cache on"].pages
+    if args.family == "window":
+        what = f"Mistral-shaped random target (demo widths, window {args.window})"
+        shared = dict(window_hits=pools.window.hits, checkpoints=pools.window.checkpoints,
+                      evicted=sum(a.evictions for a in pools.window.allocators))
+    else:
+        what = "Qwen3.5-shaped random hybrid (8 layers: 3 Gated DeltaNet + 1 full attention, twice; demo widths)"
+        shared = dict(snapshot_hits=pools.snapshots.hits, snapshots_written=pools.snapshots.written,
+                      evicted=sum(a.evictions for a in pools.snapshots.allocators))
+    print(f"{what}, float32, page {args.page}: a {args.prefix}-token system prompt + {args.question}-token "
+          f"questions, {args.max_new} new tokens each")
     print("| question | cached tokens | time to first token, cache off (ms) | cache on (ms) | ratio | outputs equal |")
     print("|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -95,12 +117,10 @@ def main(argv=None) -> int:
     if later:
         off = statistics.median(r["cache off ttft_ms"] for r in later)
         on = statistics.median(r["cache on ttft_ms"] for r in later)
-        print(f"questions 3-{len(rows)}: median {off:.0f} vs {on:.0f} ms ({off / on:.2f}x); window pages shared "
-              f"{window.hits}, checkpoint pages written {window.checkpoints}, evicted "
-              f"{sum(a.evictions for a in window.allocators)}")
+        print(f"questions 3-{len(rows)}: median {off:.0f} vs {on:.0f} ms ({off / on:.2f}x); "
+              + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in shared.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows, window_hits=window.hits,
-                                                   checkpoints=window.checkpoints), indent=1))
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows, **shared), indent=1))
     return 0 if all(r["equal"] for r in rows) else 1
 
 
