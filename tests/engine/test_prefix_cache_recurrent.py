@@ -45,16 +45,19 @@ def shared_tokens(prefix_len: int, page: int) -> int:
     return (prefix_len - 1) // page * page
 
 
-@functools.cache
-def slow_target() -> Model:
-    """The tiny Qwen3.5 with its linear layers' decay slowed (``A_log - 4``). As HF initializes it,
+def slowed(m: Model) -> Model:
+    """``m`` with its linear layers' decay slowed (``A_log - 4``). As HF initializes the tiny Qwen3.5,
     its state keeps about a third of itself per token (``e^g``), so it forgets within ten tokens and
     no output would tell a wrong restored state from the right one; slowed, a state carries across a
     whole prompt (a restore from the row's old state instead of the snapshot turns these tests red)."""
-    m = target(NAME)
     params = {k: {**v, "A_log": v["A_log"] - 4.0} if isinstance(v, dict) and "A_log" in v else v
               for k, v in m.params.items()}
-    return Model(config=m.config, params=params, dtype=m.dtype)
+    return Model(config=m.config, params=params, dtype=m.dtype, mesh=m.mesh)
+
+
+@functools.cache
+def slow_target() -> Model:
+    return slowed(target(NAME))
 
 
 @functools.cache

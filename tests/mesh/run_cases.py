@@ -162,6 +162,30 @@ def window_cache_on_mesh(target_name, tp, dp, page=4):
                 window_hits=window.hits, checkpoints=window.checkpoints, shards=len(window.allocators))
 
 
+def snapshots_on_mesh(tp, dp, page=16):
+    """The prefix cache with recurrent-state snapshots on a TP x DP mesh (the tiny Qwen3.5, its decay
+    slowed: tests/engine/test_prefix_cache_recurrent.py): three questions behind one system prompt,
+    one call each to a persistent engine with its MTP draft (the second saves a snapshot where the
+    system prompt ends, the third hits it), every output equal to one device without the cache."""
+    from tests.engine.test_prefix_cache_recurrent import NAME, QUESTIONS, SYSTEM, slow_target, slowed
+    from tests.model.targets.test_golden_hybrid import ROOT
+
+    root = os.path.join(ROOT, NAME)
+    sampling = js.SamplingParams(max_new_tokens=10, stop_token_ids=())
+    config = dict(max_seq_len=192, prefix_cache=False)
+    want = [js.generate(slow_target(), [SYSTEM + q], sampling=sampling, engine=engine(page, 1, **config),
+                        progress=False).token_ids for q in QUESTIONS[:3]]
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+    target = slowed(js.load_model(root, dtype="float32", progress=False, mesh=mesh))
+    eng = js.Engine(target, draft=js.load_draft(root, target), spec=js.SpecConfig.chain(3),
+                    engine=engine(page, 2 * dp, max_seq_len=192, check_pages=True))
+    outs = [eng.generate([SYSTEM + q], sampling=sampling, progress=False) for q in QUESTIONS[:3]]
+    snaps = eng.pages.snapshots
+    return dict(equal=[o.token_ids for o in outs] == want, cached=[o.stats[0].cached_tokens for o in outs],
+                hits=snaps.hits, written=snaps.written, shards=len(snaps.allocators),
+                snapshot_spec=str(eng.tpool.snapshots.ssm.sharding.spec))
+
+
 def hybrid_lossless(name, tp, dp, spec, page, draft_kind):
     """A hybrid target (Gated DeltaNet heads and their recurrent state split over model, rows over
     data): speculative greedy on the mesh == plain greedy on one device, ragged batch of 3 + 1."""
@@ -367,6 +391,7 @@ CASES = {
     "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(
         "qwen3_5_dense", 2, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "qwen3_5_tp2_dp2_chain_mtp": lambda: hybrid_lossless("qwen3_5_dense", 2, 2, js.SpecConfig.chain(3), 1, "mtp"),
+    "qwen3_5_tp2_dp2_snapshots": lambda: snapshots_on_mesh(2, 2),
     # DeepSeek-V4: query heads (with their output groups), experts and vocabulary split, the one K = V head,
     # the compressors, indexers and every compressed pool whole on both shards; its MTP layer, tree, page 16
     "deepseek_v4_tp2_tree_mtp": lambda: lossless("deepseek_v4", 2, 1,

@@ -129,6 +129,17 @@ def test_window_pages_are_cached_per_data_shard_on_a_mesh(results):
     assert r["cached"] == [0, 0, 24] and r["checkpoints"] > 0 and r["window_hits"] > 0, r
 
 
+def test_recurrent_state_snapshots_per_data_shard_on_a_mesh(results):
+    """Qwen3.5 + MTP on TP=2 x DP=2 with the prefix cache (tests/engine/test_prefix_cache_recurrent.py's
+    system prompt and questions): the third question hits the snapshot the second saved; the snapshot
+    slots split over data and their heads over model like the rows' state; outputs equal one device
+    without the cache."""
+    r = case(results, "qwen3_5_tp2_dp2_snapshots")
+    assert r["shards"] == 2 and r["equal"], r
+    assert r["cached"] == [0, 0, 64] and r["hits"] == 1 and r["written"] >= 3, r
+    assert r["snapshot_spec"] == "P(None, 'data', 'model')", r
+
+
 def test_bad_meshes_are_refused_before_device_work(results):
     r = case(results, "errors")
     assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
