@@ -104,7 +104,7 @@ class Geometry:
             batch=B, ring=self.window_ring, num_pages=self.window_pages, page_size=P, retain=self.retain,
             data_shards=D, caching=prefix_cache and self.uncacheable is None)
         entries = tuple(EntryPages(rate=m, batch=B, width=self.entry_width(m), page_size=P, data_shards=D,
-                                   pages_per_shard=pages // D)
+                                   pages_per_shard=pages // D, caching=prefix_cache and self.uncacheable is None)
                         for m, pages in zip(self.entry_rates, self.entry_pages() or ()))
         caching = prefix_cache and self.uncacheable is None
         snapshots = StateSnapshots(batch=B, slots=self.snapshots, page_size=P, data_shards=D) if (

@@ -383,8 +383,9 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, p
     """The live page table, with the window pool's ring table (fixed width) and the compressed-KV
     entry tables (cut like the full one, at 1/rate of its positions) when there are (all with their
     rows split over the data shards); for a ``prefill`` with the window pool's pages cached, its read
-    and checkpoint tables too (``jaxspec.engine.window``), and with recurrent-state snapshots, its
-    snapshot table (``jaxspec.engine.snapshots``)."""
+    and checkpoint tables too (``jaxspec.engine.window``), with cached entry pages their copy tables
+    (``jaxspec.engine.entries``), and with recurrent-state snapshots its snapshot table
+    (``jaxspec.engine.snapshots``)."""
     full = _live_table(sched.page_table, positions, engine, mesh)
     snaps = sched.snapshots if prefill else None
     if sched.window is None and not sched.entries and snaps is None:
@@ -400,6 +401,8 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, p
     extra = {}
     if prefill and w is not None and w.caching:
         extra = dict(window_read=table(w.read_pages, w.read_first), window_keep=table(w.keep_pages, w.keep_first))
+    if prefill and any(e.caching for e in sched.entries):
+        extra["entry_copy"] = tuple(place_table(e.copy, mesh) for e in sched.entries)
     if snaps is not None:
         extra["snapshots"] = SnapshotTable(restore=place_rows(snaps.restore, mesh), at=place_table(snaps.at, mesh),
                                            slots=place_table(snaps.slots, mesh))

@@ -263,6 +263,9 @@ class Scheduler:
                 self.window.share_hit(row, req.index, len(req.context), keys, len(hit))
             if self.snapshots is not None:
                 self.snapshots.admit(row, req.index, len(req.context), keys, len(hit), matched)
+            for e in self.entries:
+                if e.caching:
+                    e.share_hit(row, req.index, keys, len(hit), matched)
             self._grant(req, len(req.context), 1)
             if caching_window:
                 self.window.checkpoint(row, req.index, keys, matched, len(hit), spare=self._window_spare(d))
@@ -283,10 +286,7 @@ class Scheduler:
             keys = req.page_keys[1]
             hit = self.caches[d].match(req.context, keys)
             matched = len(hit)
-            if self.window is not None and self.window.caching:
-                hit = hit[:self.window.hit(row, keys, matched)]
-            if self.snapshots is not None:
-                hit = hit[:self.snapshots.hit(row, keys, len(hit))]
+            hit = hit[:self._hit_limit(row, keys, matched)]
             if len(hit) < len(keys) and keys[len(hit)] in leaders:
                 if self.snapshots is not None:  # the leader also saves the state where their prompts part
                     p = next((j for j in range(len(hit), len(keys)) if keys[j] not in leaders), len(keys))
@@ -294,6 +294,24 @@ class Scheduler:
                 continue  # its next page is being prefilled by a leader this round: next round it hits
             return i, hit, keys, matched
         return None, [], [], 0
+
+    def _hit_limit(self, row: int, keys: list[bytes], k: int) -> int:
+        """The most pages ``<= k`` at which every cache beside the full pages' holds what a hit needs
+        (windows, entry pages, a snapshot): each gives the most at or below a bound, so lowering the
+        bound until all agree finds the most they share."""
+        limits = []
+        if self.window is not None and self.window.caching:
+            limits.append(self.window.hit)
+        limits += [e.hit for e in self.entries if e.caching]
+        if self.snapshots is not None:
+            limits.append(self.snapshots.hit)
+        while True:
+            low = k
+            for limit in limits:
+                low = limit(row, keys, low)
+            if low == k:
+                return k
+            k = low
 
     def _window_spare(self, d: int) -> int:
         """Window pages of shard ``d`` free beyond what its running rings may still grow into."""
@@ -311,6 +329,9 @@ class Scheduler:
                 self.window.cache_prompt(req.row, req.page_keys[1], cacheable_pages(len(req.context), self.page_size))
             if self.snapshots is not None:
                 self.snapshots.cache_prompt(req.row)
+            for e in self.entries:
+                if e.caching:
+                    e.cache_prompt(req.row, req.page_keys[1], cacheable_pages(len(req.context), self.page_size))
 
     def to_preempt(self, seq_lens: np.ndarray, force: bool = False) -> list[int]:
         """Rows to preempt before the next decode call: per data shard, the most recently admitted

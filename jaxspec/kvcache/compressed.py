@@ -177,6 +177,23 @@ class CompressedPool:
         moved = tuple(fn(RingBuffer(b, page), slots_of).buffer for b in self.window.buffers)
         return dataclasses.replace(self, window=self.window.with_buffers(moved))
 
+    def copy_entry_pages(self, copies: tuple[jax.Array, ...]) -> "CompressedPool":
+        """Copies, per rate, page ``copies[r][b, 0]`` of its entry part onto page ``copies[r][b, 1]``
+        (every layer, indexer keys included; destination 0: nothing), a prefix-cache hit's partial
+        entry page (``jaxspec.engine.entries``)."""
+        if not copies:
+            return self
+        entries = []
+        for part, copy in zip(self.entries, copies):
+            P = part.page_size
+            within = jnp.arange(P, dtype=jnp.int32)[None, :]
+            src = (copy[:, :1] * P + within).reshape(-1)
+            dst = jnp.where(copy[:, 1:] > 0, copy[:, 1:] * P + within, part.kv.shape[1]).reshape(-1)
+            move = lambda buf: buf.at[:, dst].set(buf[:, src], mode="drop")  # noqa: E731
+            entries.append(dataclasses.replace(part, kv=move(part.kv),
+                                               index_k=None if part.index_k is None else move(part.index_k)))
+        return dataclasses.replace(self, entries=tuple(entries))
+
     def part(self, name: str):
         if name != "window":
             raise ValueError(f"a compressed-KV pool has no {name!r} part")

@@ -89,7 +89,9 @@ class PageTables:
     also writes the window before the point another prompt's match ended (a checkpoint the
     prefix cache keeps). A prefill with the prefix cache on a model with recurrent state gets its
     ``snapshots`` table (``jaxspec.kvcache.recurrent.SnapshotTable``: the slot each request's state
-    starts from, the slots its states at page points go to). Decode calls pass none of these."""
+    starts from, the slots its states at page points go to); on a model with compressed KV, its
+    ``entry_copy`` (per rate i32[B, 2]: a partial entry page to copy, source and destination page,
+    before anything reads it; ``jaxspec.engine.entries``). Decode calls pass none of these."""
 
     full: jax.Array
     window: WindowTable | None = None
@@ -97,6 +99,7 @@ class PageTables:
     window_read: WindowTable | None = None
     window_keep: WindowTable | None = None
     snapshots: Any = None
+    entry_copy: tuple[jax.Array, ...] = ()
 
 
 def full_table(tables) -> jax.Array:  # PageTables | i32[B, W] -> i32[B, W]
@@ -135,6 +138,7 @@ class AttentionInputs:
         where its sliding-window layers read the positions before ``prefix_lens`` (None: the ring),
         and where they also write their K/V (None: nowhere else).
       snapshots: a prefill's ``SnapshotTable`` (``PageTables.snapshots``), or None.
+      entry_copy: a prefill's partial entry pages to copy, per compression rate (``PageTables.entry_copy``).
     """
 
     page_table: jax.Array
@@ -149,6 +153,7 @@ class AttentionInputs:
     window_read: WindowTable | None = None
     window_keep: WindowTable | None = None
     snapshots: Any = None
+    entry_copy: tuple[jax.Array, ...] = ()
 
     @classmethod
     def build(cls, page_table, prefix_lens, write_positions, page_size, block_mask=None, *, state_rows=None,
@@ -169,4 +174,5 @@ class AttentionInputs:
             window_read=page_table.window_read if isinstance(page_table, PageTables) else None,
             window_keep=page_table.window_keep if isinstance(page_table, PageTables) else None,
             snapshots=page_table.snapshots if isinstance(page_table, PageTables) else None,
+            entry_copy=page_table.entry_copy if isinstance(page_table, PageTables) else (),
         )

@@ -200,11 +200,15 @@ class V4DSparkDraft(DSparkDraft):
         B, T = positions.shape
         ring = pool.window
         slots = attn.window.slots(attn.write_positions, ring.page_size).reshape(B * T)
+        # A prefill's checkpoint pages for the prefix cache (``jaxspec.engine.window``): written there too.
+        targets = [slots] + ([attn.window_keep.slots(attn.write_positions, ring.page_size).reshape(B * T)]
+                             if attn.window_keep is not None else [])
         kv = ring.kv
         for s in range(cfg.num_stages):
             lp, _ = stage_params(params, s)
-            rows = v4_kv(lp, t, main_x, positions, t.rope_of(SLIDING))
-            kv = kv.at[s, slots].set(rows.reshape(B * T, -1).astype(kv.dtype))
+            rows = v4_kv(lp, t, main_x, positions, t.rope_of(SLIDING)).reshape(B * T, -1).astype(kv.dtype)
+            for where in targets:
+                kv = kv.at[s, where].set(rows)
         return main_x, dataclasses.replace(pool, window=dataclasses.replace(ring, kv=kv))
 
     def block_forward(self, params, tokens, positions, pool, attn: AttentionInputs, *, implementation=None):

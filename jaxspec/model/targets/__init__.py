@@ -75,9 +75,7 @@ _FAMILIES: dict[type, _Family] = {
     HybridConfig: _Family(hybrid_forward, _hybrid_pool, commit=commit_accepted,
                           layout=lambda cfg: KVLayout(recurrent=cfg.num_linear_layers > 0)),
     DeepseekV4Config: _Family(deepseek_v4_forward, _v4_pool, commit=v4_commit, layout=lambda cfg: KVLayout(
-        window=cfg.sliding_window, span=cfg.window_span, entry_rates=tuple(cfg.entry_rates),
-        uncacheable="its compressed KV entries and compressor state follow the request (the sliding window and "
-                    "the running compressor windows are not cached)")),
+        window=cfg.sliding_window, span=cfg.window_span, entry_rates=tuple(cfg.entry_rates))),
 }
 
 

@@ -262,6 +262,7 @@ def deepseek_v4_forward(
     e = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     B, T, H = e.shape
     N = cfg.hc_mult
+    pool = pool.copy_entry_pages(attn.entry_copy)  # a prefill after a cached prefix: its partial entry pages
     x = jnp.broadcast_to(e[:, :, None, :], (B, T, N, H))
     taps = AuxTaps(cfg.num_layers, aux_layers)
     aux = taps.empty(x.reshape(B, T, N * H))

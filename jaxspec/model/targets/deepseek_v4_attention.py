@@ -162,6 +162,12 @@ def path_write_positions(attn: AttentionInputs, positions: jax.Array, want: jax.
     return jnp.where(flat >= 0, out, -1).reshape(want.shape)
 
 
+def prefix_ring(attn: AttentionInputs):
+    """Where a forward reads ring positions before its prefix: a prefill after a cached prefix reads
+    the cached window pages through its read table (``jaxspec.engine.window``), anything else the ring."""
+    return attn.window if attn.window_read is None else attn.window_read
+
+
 def _inputs_along(buf: jax.Array, ring_slots, layer, own: jax.Array | None, own_rows: jax.Array | None
                   ) -> jax.Array:
     """Compressor inputs at ring slots, or (where ``own_rows >= 0``) from this forward's own rows."""
@@ -234,19 +240,24 @@ def v4_attention(
     m = cfg.rate(kind) if kind != SLIDING else 1
     wslots, (closes,) = compressed_write_targets(ring_table, attn.write_positions, positions, (m,), P)
     wslots = wslots.reshape(B * T)
-    ring = dataclasses.replace(ring, kv=ring.kv.at[layer, wslots].set(kv.reshape(B * T, D).astype(ring.kv.dtype)))
+    # A prefill's checkpoint pages for the prefix cache (``jaxspec.engine.window``): written there too.
+    targets = [wslots] + ([attn.window_keep.slots(attn.write_positions, P).reshape(B * T)]
+                          if attn.window_keep is not None else [])
+    for slots in targets:
+        ring = dataclasses.replace(ring, kv=ring.kv.at[layer, slots].set(kv.reshape(B * T, D).astype(ring.kv.dtype)))
     inputs = None
     if kind != SLIDING:
         parts = [h @ cp["c_wkv"], h @ cp["c_wgate"]] + ([h @ cp["i_wkv"], h @ cp["i_wgate"]] if kind == CSA else [])
         inputs = jnp.concatenate(parts, axis=-1)  # [B, T, P_in]
         name = "csa_in" if kind == CSA else "hca_in"
-        buf = getattr(ring, name)
-        ring = dataclasses.replace(ring, **{name: buf.at[kind_index, wslots].set(
-            inputs.reshape(B * T, -1).astype(buf.dtype))})
+        for slots in targets:
+            buf = getattr(ring, name)
+            ring = dataclasses.replace(ring, **{name: buf.at[kind_index, slots].set(
+                inputs.reshape(B * T, -1).astype(buf.dtype))})
 
     # ---- window keys: the W - 1 positions before the prefix, then the block
     pre_pos = attn.prefix_lens[:, None] - (W - 1) + jnp.arange(W - 1, dtype=jnp.int32)[None, :]  # [B, W-1]
-    k_pre = ring.kv[layer, ring_table.slots(pre_pos, P)]  # [B, W-1, D]
+    k_pre = ring.kv[layer, prefix_ring(attn).slots(pre_pos, P)]  # [B, W-1, D]
     ok_pre = (pre_pos >= 0)[:, None, :] & (pre_pos[:, None, :] > positions[:, :, None] - W)  # [B, T, W-1]
     if attn.block_mask is None:
         k_blk = kv.astype(ring.kv.dtype)
@@ -351,7 +362,7 @@ def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, 
         real = (row < T) & (jnp.take_along_axis(attn.write_positions, jnp.clip(row, 0, T - 1), axis=1) >= 0)
         path = last[..., None] + offs  # [B, Wn, K] positions (< prefix: in the ring; else this chunk's rows)
         own_rows = jnp.where(path >= attn.prefix_lens[:, None, None], path - attn.prefix_lens[:, None, None], -1)
-        x = _inputs_along(buf, attn.window.slots(path, ring.page_size), kind_index, inputs, own_rows)
+        x = _inputs_along(buf, prefix_ring(attn).slots(path, ring.page_size), kind_index, inputs, own_rows)
         e, ik = _entries_of(x, path >= 0, w * m, cp, cfg, kind)  # [B, Wn, D], [B, Wn, Di]
         slots = positions_to_slots(table, jnp.where(real, w, -1), P)
         slots = jnp.where(real, slots, -1).reshape(-1)

@@ -282,8 +282,8 @@ def test_fp8_and_fp4_weights_dequantize_while_loading(tmp_path_factory):
         assert np.abs(np.asarray(got).T - ckpt.get(name)).max() > 0, name  # it really was quantized
 
 
-def test_prefix_cache_is_refused_by_name():
-    """A V4 target's compressed entries and running compressor windows are not paged by prompt position:
-    asking for the prefix cache is refused, naming why, before any pool is made."""
-    with pytest.raises(ValueError, match="compressed KV entries and compressor state"):
-        js.Engine(golden_model(), engine=js.EngineConfig(prefix_cache=True, max_batch=1, max_seq_len=64))
+def test_prefix_cache_is_on_by_default():
+    """Compressed KV is cached (tests/engine/test_prefix_cache_compressed.py): the window pool's pages
+    and every rate's entry pages."""
+    eng = js.Engine(golden_model(), engine=js.EngineConfig(max_batch=1, max_seq_len=64))
+    assert eng.uncacheable is None and eng.pages.window.caching and all(e.caching for e in eng.pages.entries)

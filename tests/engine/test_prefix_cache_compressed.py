@@ -1,0 +1,89 @@
+"""The prefix cache with compressed KV (DeepSeek-V4, ``jaxspec.engine.entries``): the ring's window
+pages (K = V rows and the running compressor inputs) cached like any window, complete entry pages
+shared, and a hit's partial entry page per rate copied into a page of its own before its prefill
+appends to it. Target: the HF golden V4 (CSA / sliding / HCA layers, window 8, rates 2 and 4), with
+DeepSeek's DSpark stages (a ring pool of their own) and its MTP layer as drafts.
+
+Every output is compared with an engine without the cache (float32): a chat's second turn hits at
+turn 1's prompt end, and three questions behind one system prompt hit from the third on. At page 16
+the hits (80 positions) fall inside entry pages of both rates (32 and 64 positions each), so each
+hit copies one partial page per rate; at page 1 every entry page is whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.engine.entries import EntryPages, partial_key
+from tests.conftest import engine
+from tests.model.golden import GOLDEN
+from tests.spec.test_v4_spec import golden
+
+GREEDY = js.SamplingParams(max_new_tokens=10, stop_token_ids=())
+rng = np.random.default_rng(7)
+SYSTEM = rng.integers(3, 63, 90).tolist()
+QUESTIONS = [rng.integers(3, 63, n).tolist() for n in (13, 19, 11)]
+TURN_1 = rng.integers(3, 63, 88).tolist()
+TURN_2_EXTRA = rng.integers(3, 63, 7).tolist()
+
+CASES = [("dspark", js.SpecConfig.chain(4), 16), ("mtp", js.SpecConfig.chain(2), 1)]  # (draft, spec, page)
+
+
+def shared_tokens(prefix_len: int, page: int) -> int:
+    return (prefix_len - 1) // page * page
+
+
+@functools.cache
+def _engine(kind, spec, page, cache: bool) -> js.Engine:
+    target, mtp, _ = golden()
+    draft = mtp if kind == "mtp" else js.load_draft(os.path.join(GOLDEN, "deepseek_v4_dspark"), target)
+    return js.Engine(target, draft=draft, spec=spec,
+                     engine=engine(page, 1, max_seq_len=192, prefix_cache=cache, check_pages=cache))
+
+
+def _run(kind, spec, page, cache, prompt):
+    return _engine(kind, spec, page, cache).generate([prompt], sampling=GREEDY, progress=False)
+
+
+@pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k}-page{p}" for k, _, p in CASES])
+def test_compressed_kv_is_cached_and_hit(kind, spec, page):
+    eng = _engine(kind, spec, page, True)
+    pools = eng.pages
+    assert eng.uncacheable is None and pools.window.caching and all(e.caching for e in pools.entries)
+    first = _run(kind, spec, page, True, TURN_1)
+    assert first.token_ids == _run(kind, spec, page, False, TURN_1).token_ids
+    turn_2 = TURN_1 + first.token_ids[0] + TURN_2_EXTRA
+    second = _run(kind, spec, page, True, turn_2)
+    off = _run(kind, spec, page, False, turn_2)
+    assert second.token_ids == off.token_ids
+    assert [s.accept_lens for s in second.stats] == [s.accept_lens for s in off.stats]  # the drafts' rows are exact
+    assert second.stats[0].cached_tokens == shared_tokens(len(TURN_1), page)
+    hits = []
+    for q in QUESTIONS:
+        out = _run(kind, spec, page, True, SYSTEM + q)
+        assert out.token_ids == _run(kind, spec, page, False, SYSTEM + q).token_ids, q
+        hits.append(out.stats[0].cached_tokens)
+    assert hits == [0, 0, shared_tokens(len(SYSTEM), page)], hits
+    copies = [e.copies for e in pools.entries]
+    assert copies == ([2, 2] if page == 16 else [0, 0]), copies  # page 16: the hits at 80 split an entry page
+    assert all(e.hits > 0 for e in pools.entries)
+    every = pools.allocators + pools.window.allocators + [a for e in pools.entries for a in e.allocators]
+    assert all(a.num_free == a.capacity for a in every)  # parked or free: nothing leaked
+
+
+def test_entry_pages_needed_for_a_hit():
+    """Rate 4, page 4: an entry page covers 16 positions (4 full pages). A hit at 6 pages (24
+    positions, 6 entries) needs the first entry page whole and a copy of the second; at 8 pages two
+    whole ones."""
+    e = EntryPages(rate=4, batch=1, width=8, pages_per_shard=16, page_size=4, caching=True)
+    keys = [bytes([j]) * 16 for j in range(12)]
+    assert e.needs(keys, 6) == ([keys[3]], partial_key(keys[5]))
+    assert e.needs(keys, 8) == ([keys[3], keys[7]], None)
+    assert e.needs(keys, 3) == ([], partial_key(keys[2]))
+    e.page_of[0].update({keys[3]: 5, partial_key(keys[5]): 6})
+    assert e.hit(0, keys, 11) == 6 and e.hit(0, keys, 5) == 4 and e.hit(0, keys, 3) == 0
