@@ -3,20 +3,25 @@ KV: a system prompt asked several questions, one request at a time, as a chat se
 
 ``--family window``: a Mistral-shaped target with random weights (every layer sliding, ``--window``;
 the demo target's widths). ``--family recurrent``: a Qwen3.5-shaped hybrid (3 Gated DeltaNet layers
-then one gated full-attention layer, twice; the demo's hidden width). Float32, plain greedy
-decoding. The same questions, each behind the same ``--prefix`` random tokens, go one call after
+then one gated full-attention layer, twice; the demo's hidden width). ``--family compressed``: a
+DeepSeek-V4-shaped target at V4-Flash's rates and window (CSA 4, HCA 128, window 128; two sliding
+layers then CSA and HCA alternating, six layers, toy widths). Float32, plain greedy decoding. The same questions, each behind the same ``--prefix`` random tokens, go one call after
 another to a persistent ``jaxspec.Engine`` with the cache on and to one without it, alternated.
 With the cache, the first question caches only its own prompt's end, the second finds the system
 prompt's full pages but no window (no snapshot) there and writes a checkpoint of it
 (``jaxspec.engine.window``, ``jaxspec.engine.snapshots``), and from the third on every question
 prefills only its own tokens. The outputs are checked equal.
 
-    PYTHONPATH=. python benchmarks/prefix_cache_ttft.py --family window|recurrent [--prefix 1024] [--questions 8]
+    PYTHONPATH=. python benchmarks/prefix_cache_ttft.py --family window|recurrent|compressed [--prefix 1024]
+
+``--bytes`` prints instead, by host arithmetic alone, what a recurrent-state snapshot holds at real
+Qwen3.5 shapes next to the full-attention KV of the prefix it stands for.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -38,6 +43,9 @@ from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
 
 def target_config(family: str, window: int):
     d = st.DEMO
+    if family == "compressed":
+        return dataclasses.replace(st.v4_shape(tiny=True, layers=6), vocab_size=d.vocab_size, csa_rate=4, hca_rate=128,
+                                   sliding_window=128, index_topk=64)
     if family == "window":
         return LlamaConfig(vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
                            num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
@@ -50,7 +58,8 @@ def target_config(family: str, window: int):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=("window", "recurrent"), default="window")
+    p.add_argument("--family", choices=("window", "recurrent", "compressed"), default="window")
+    p.add_argument("--bytes", action="store_true", help="snapshot bytes at real shapes (no model is run)")
     p.add_argument("--prefix", type=int, default=1024)
     p.add_argument("--question", type=int, default=48)
     p.add_argument("--questions", type=int, default=8)
@@ -60,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--window-cache-pages", type=int, default=None, help="EngineConfig.window_cache_pages")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.bytes:
+        return snapshot_bytes(args.prefix)
 
     cfg = target_config(args.family, args.window)
     target = st.random_target(cfg, jnp.float32)
@@ -102,10 +113,14 @@ def main(argv=None) -> int:
         what = f"Mistral-shaped random target (demo widths, window {args.window})"
         shared = dict(window_hits=pools.window.hits, checkpoints=pools.window.checkpoints,
                       evicted=sum(a.evictions for a in pools.window.allocators))
-    else:
+    elif args.family == "recurrent":
         what = "Qwen3.5-shaped random hybrid (8 layers: 3 Gated DeltaNet + 1 full attention, twice; demo widths)"
         shared = dict(snapshot_hits=pools.snapshots.hits, snapshots_written=pools.snapshots.written,
                       evicted=sum(a.evictions for a in pools.snapshots.allocators))
+    else:
+        what = "DeepSeek-V4-shaped random target (6 layers, CSA rate 4, HCA rate 128, window 128; toy widths)"
+        shared = dict(window_hits=pools.window.hits, checkpoints=pools.window.checkpoints,
+                      entry_pages_shared=[e.hits for e in pools.entries], entry_pages_copied=[e.copies for e in pools.entries])
     print(f"{what}, float32, page {args.page}: a {args.prefix}-token system prompt + {args.question}-token "
           f"questions, {args.max_new} new tokens each")
     print("| question | cached tokens | time to first token, cache off (ms) | cache on (ms) | ratio | outputs equal |")
@@ -122,6 +137,27 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows, **shared), indent=1))
     return 0 if all(r["equal"] for r in rows) else 1
+
+
+# Qwen3.5 at two published sizes: (layers, Gated DeltaNet key heads, value heads, key / value width, conv
+# kernel, full-attention KV heads, their width). Every fourth layer is full attention.
+QWEN35 = {"Qwen3.5-9B": (32, 16, 32, 128, 4, 4, 256), "Qwen3.5-27B": (64, 16, 48, 128, 4, 4, 256)}
+
+
+def snapshot_bytes(prefix: int) -> int:
+    """A snapshot (every linear layer's f32 state and bf16 conv inputs) against the bf16 K/V its
+    full-attention layers keep for a ``prefix``-token prompt."""
+    print(f"| shape | snapshot (MiB) | full-attention KV of {prefix} tokens (MiB) | ratio | KV tokens a snapshot weighs |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (layers, hk, hv, d, k, kv_heads, head_dim) in QWEN35.items():
+        linear, full = layers * 3 // 4, layers // 4
+        state = linear * hv * d * d * 4
+        conv = linear * (hk * 2 * d + hv * d) * (k - 1) * 2
+        per_token = full * 2 * kv_heads * head_dim * 2
+        snap = state + conv
+        print(f"| {name} | {snap / 2**20:.1f} | {per_token * prefix / 2**20:.1f} | {snap / (per_token * prefix):.2f}x | "
+              f"{snap // per_token} |")
+    return 0
 
 
 if __name__ == "__main__":
