@@ -480,9 +480,15 @@ class EngineCore:
         """Gauges and counters for metrics (numbers only; read without stopping the core)."""
         sched = self._loop.sched
         hits = sum(c.hits for c in sched.caches or ()) * sched.page_size
+        snaps = sched.snapshots
+        # Every cache's evictions: full pages, window pages, entry pages, snapshots.
+        caches = sched.allocators + (sched.window.allocators if sched.window is not None else []) + [
+            a for e in sched.entries for a in e.allocators] + (snaps.allocators if snaps is not None else [])
         return dict(running=self.running, waiting=self.waiting, free_pages=sched.num_free,
                     total_pages=sched.capacity, preemptions=sched.preempted, prefix_cache_hit_tokens=hits,
-                    prefix_cache_evictions=sum(a.evictions for a in sched.allocators),
+                    prefix_cache_evictions=sum(a.evictions for a in caches),
+                    prefix_cache_snapshots=0 if snaps is None else snaps.written,
+                    prefix_cache_snapshot_hits=0 if snaps is None else snaps.hits,
                     prefilled_tokens=sched.prefilled,
                     tokens_in=self.tokens_in, tokens_out=self.tokens_out, finished=self.finished,
                     faults=self.faults, rounds=self.rounds)

@@ -36,7 +36,11 @@ class _CoreCollector:
                                ("jaxspec_prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
                                 "Prompt positions whose KV came from the prefix cache."),
                                ("jaxspec_prefix_cache_evictions", "prefix_cache_evictions",
-                                "Parked prefix-cache pages taken back for new grants."),
+                                "Parked prefix-cache pages (full, window, entry) and snapshots taken back."),
+                               ("jaxspec_prefix_cache_snapshots", "prefix_cache_snapshots",
+                                "Recurrent-state snapshots saved by prefills (hybrid targets)."),
+                               ("jaxspec_prefix_cache_snapshot_hits", "prefix_cache_snapshot_hits",
+                                "Prefills that started from a recurrent-state snapshot."),
                                ("jaxspec_prefilled_tokens", "prefilled_tokens",
                                 "Positions prefilled (contexts less their cached parts, resumes included)."),
                                ("jaxspec_engine_faults", "faults", "Device calls that failed (the engine restarted).")):

@@ -287,6 +287,7 @@ def test_disconnect_cancels_and_frees_pages(server):
     asked for are generated, and the count stops growing) and its pages come back."""
     before = metrics(server)
     idle, out0 = before["jaxspec_kv_pages_free"], before["jaxspec_generation_tokens_total"]
+    assert before["jaxspec_prefix_cache_snapshots_total"] == 0  # the demo target has no recurrent state
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 240, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
