@@ -41,6 +41,17 @@ from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, 
 from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
 
 
+def real_config(family: str, window: int):
+    """Published shapes (``--real``, for a GPU): Llama-3-8B's with a sliding window on every layer (a
+    Mistral-7B-like target), Qwen3.5-9B's, and DeepSeek-V4-Flash's layer kinds and widths with 10
+    layers and 32 experts (``benchmarks/step_timing.py``)."""
+    if family == "window":
+        return dataclasses.replace(st.LLAMA3_8B, sliding_window=window)
+    if family == "recurrent":
+        return dataclasses.replace(st.qwen35_shape(), mtp_layers=0)
+    return st.v4_shape()
+
+
 def target_config(family: str, window: int):
     d = st.DEMO
     if family == "compressed":
@@ -60,6 +71,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=("window", "recurrent", "compressed"), default="window")
     p.add_argument("--bytes", action="store_true", help="snapshot bytes at real shapes (no model is run)")
+    p.add_argument("--real", action="store_true", help="published shapes in bfloat16 (a GPU's work)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the device kernels of one prefill that hits nothing, cache on and off (GPU)")
     p.add_argument("--prefix", type=int, default=1024)
     p.add_argument("--question", type=int, default=48)
     p.add_argument("--questions", type=int, default=8)
@@ -72,8 +86,8 @@ def main(argv=None) -> int:
     if args.bytes:
         return snapshot_bytes(args.prefix)
 
-    cfg = target_config(args.family, args.window)
-    target = st.random_target(cfg, jnp.float32)
+    cfg = (real_config if args.real else target_config)(args.family, args.window)
+    target = st.random_target(cfg, jnp.bfloat16 if args.real else jnp.float32)
     rng = np.random.default_rng(0)
     system = rng.integers(3, cfg.vocab_size, args.prefix).tolist()
     questions = [rng.integers(3, cfg.vocab_size, args.question).tolist() for _ in range(args.questions)]
@@ -121,7 +135,11 @@ def main(argv=None) -> int:
         what = "DeepSeek-V4-shaped random target (6 layers, CSA rate 4, HCA rate 128, window 128; toy widths)"
         shared = dict(window_hits=pools.window.hits, checkpoints=pools.window.checkpoints,
                       entry_pages_shared=[e.hits for e in pools.entries], entry_pages_copied=[e.copies for e in pools.entries])
-    print(f"{what}, float32, page {args.page}: a {args.prefix}-token system prompt + {args.question}-token "
+    if args.real:
+        what = {"window": f"Llama-3-8B-shaped random target, every layer sliding (window {args.window})",
+                "recurrent": "Qwen3.5-9B-shaped random hybrid",
+                "compressed": "DeepSeek-V4-Flash-shaped random target (10 layers, 32 experts)"}[args.family]
+    print(f"{what}, {'bfloat16' if args.real else 'float32'}, page {args.page}: a {args.prefix}-token system prompt + {args.question}-token "
           f"questions, {args.max_new} new tokens each")
     print("| question | cached tokens | time to first token, cache off (ms) | cache on (ms) | ratio | outputs equal |")
     print("|---:|---:|---:|---:|---:|---|")
@@ -134,8 +152,23 @@ def main(argv=None) -> int:
         on = statistics.median(r["cache on ttft_ms"] for r in later)
         print(f"questions 3-{len(rows)}: median {off:.0f} vs {on:.0f} ms ({off / on:.2f}x); "
               + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in shared.items()))
+    profiles = {}
+    if args.profile:  # a new system prompt: a prefill with nothing to hit, as question 1's
+        import kernel_trace  # noqa: PLC0415  (benchmarks/kernel_trace.py)
+
+        fresh = rng.integers(3, cfg.vocab_size, args.prefix).tolist() + questions[0]
+        one = js.SamplingParams(max_new_tokens=1, stop_token_ids=())
+        for name, eng in engines.items():
+            eng.generate([fresh[::-1]], sampling=one, progress=False)  # same shapes, compiled
+            profiles[name] = kernel_trace.trace_kernels(
+                lambda eng=eng: eng.generate([fresh], sampling=one, progress=False), steps=1)
+            top = ", ".join(f"{k['name'][:40]} {k['us_per_step']:.0f} us x{k['calls_per_step']:.0f}"
+                            for k in profiles[name]["top"][:8])
+            busy = profiles[name]["busy_us_per_step"]
+            print(f"{name}: " + ("no device kernels in the trace (a CPU)" if busy is None else
+                                 f"busy {busy / 1e3:.1f} ms; {top}"))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows, **shared), indent=1))
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows, profiles=profiles, **shared), indent=1))
     return 0 if all(r["equal"] for r in rows) else 1
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.kvcache.paging import full_table, positions_to_slots, window_table
+from jaxspec.kvcache.paging import full_table, positions_to_slots, scratch_dropped, window_table
 
 
 @jax.tree_util.register_dataclass
@@ -65,11 +65,12 @@ class KVPool:
         return dataclasses.replace(self, k=spec, v=spec)
 
     def write(self, layer, slots, k, v) -> "KVPool":
-        """Writes ``k, v: [R, Hkv, D]`` at ``slots: i32[R]`` of ``layer``."""
+        """Writes ``k, v: [R, Hkv, D]`` at ``slots: i32[R]`` of ``layer`` (scratch slots: skipped)."""
+        where = scratch_dropped(slots, self.page_size, self.num_slots)
         return dataclasses.replace(
             self,
-            k=self.k.at[layer, slots].set(k.astype(self.k.dtype)),
-            v=self.v.at[layer, slots].set(v.astype(self.v.dtype)),
+            k=self.k.at[layer, where].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, where].set(v.astype(self.v.dtype), mode="drop"),
         )
 
     def map_parts(self, tables, fn: Callable):
@@ -129,11 +130,13 @@ class MLAPool:
         return dataclasses.replace(self, kv=spec, index_k=None if self.index_k is None else spec)
 
     def write(self, layer, slots, kv, index_k=None) -> "MLAPool":
-        """Writes ``kv: [R, C]`` (and ``index_k: [R, Di]``) at ``slots: i32[R]`` of ``layer``."""
-        new = dataclasses.replace(self, kv=self.kv.at[layer, slots].set(kv.astype(self.kv.dtype)))
+        """Writes ``kv: [R, C]`` (and ``index_k: [R, Di]``) at ``slots: i32[R]`` of ``layer`` (scratch
+        slots: skipped)."""
+        where = scratch_dropped(slots, self.page_size, self.kv.shape[1])
+        new = dataclasses.replace(self, kv=self.kv.at[layer, where].set(kv.astype(self.kv.dtype), mode="drop"))
         if self.index_k is not None and index_k is not None:
             new = dataclasses.replace(
-                new, index_k=self.index_k.at[layer, slots].set(index_k.astype(self.index_k.dtype))
+                new, index_k=self.index_k.at[layer, where].set(index_k.astype(self.index_k.dtype), mode="drop")
             )
         return new
 

@@ -41,7 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.kvcache.paging import AttentionInputs, scratch_dropped
 from jaxspec.model.drafts.base import DraftModel
 from jaxspec.model.drafts.dspark import DSparkDraft
 from jaxspec.model.layers import embed_lookup, head_logits, mask_padded_vocab
@@ -203,12 +203,13 @@ class V4DSparkDraft(DSparkDraft):
         # A prefill's checkpoint pages for the prefix cache (``jaxspec.engine.window``): written there too.
         targets = [slots] + ([attn.window_keep.slots(attn.write_positions, ring.page_size).reshape(B * T)]
                              if attn.window_keep is not None else [])
+        targets = [scratch_dropped(t, ring.page_size, ring.num_slots) for t in targets]  # scratch writes skipped
         kv = ring.kv
         for s in range(cfg.num_stages):
             lp, _ = stage_params(params, s)
             rows = v4_kv(lp, t, main_x, positions, t.rope_of(SLIDING)).reshape(B * T, -1).astype(kv.dtype)
             for where in targets:
-                kv = kv.at[s, where].set(rows)
+                kv = kv.at[s, where].set(rows, mode="drop")
         return main_x, dataclasses.replace(pool, window=dataclasses.replace(ring, kv=kv))
 
     def block_forward(self, params, tokens, positions, pool, attn: AttentionInputs, *, implementation=None):

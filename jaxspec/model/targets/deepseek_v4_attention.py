@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.compressed import CompressedPool, EntryPart, RingPart, compressed_write_targets
 from jaxspec.kvcache.layout import draft_scratch_steps
-from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots
+from jaxspec.kvcache.paging import AttentionInputs, positions_to_slots, scratch_dropped
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.targets.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from jaxspec.pallas.dsa_indexer import index_scores
@@ -243,8 +243,10 @@ def v4_attention(
     # A prefill's checkpoint pages for the prefix cache (``jaxspec.engine.window``): written there too.
     targets = [wslots] + ([attn.window_keep.slots(attn.write_positions, P).reshape(B * T)]
                           if attn.window_keep is not None else [])
+    targets = [scratch_dropped(t, P, ring.num_slots) for t in targets]  # scratch writes skipped (mode="drop")
     for slots in targets:
-        ring = dataclasses.replace(ring, kv=ring.kv.at[layer, slots].set(kv.reshape(B * T, D).astype(ring.kv.dtype)))
+        ring = dataclasses.replace(ring, kv=ring.kv.at[layer, slots].set(kv.reshape(B * T, D).astype(ring.kv.dtype),
+                                                                         mode="drop"))
     inputs = None
     if kind != SLIDING:
         parts = [h @ cp["c_wkv"], h @ cp["c_wgate"]] + ([h @ cp["i_wkv"], h @ cp["i_wgate"]] if kind == CSA else [])
@@ -253,7 +255,7 @@ def v4_attention(
         for slots in targets:
             buf = getattr(ring, name)
             ring = dataclasses.replace(ring, **{name: buf.at[kind_index, slots].set(
-                inputs.reshape(B * T, -1).astype(buf.dtype))})
+                inputs.reshape(B * T, -1).astype(buf.dtype), mode="drop")})
 
     # ---- window keys: the W - 1 positions before the prefix, then the block
     pre_pos = attn.prefix_lens[:, None] - (W - 1) + jnp.arange(W - 1, dtype=jnp.int32)[None, :]  # [B, W-1]
