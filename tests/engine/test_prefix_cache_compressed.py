@@ -21,6 +21,7 @@ import pytest
 import jaxspec as js
 from jaxspec.engine.entries import EntryPages, partial_key
 from tests.conftest import engine
+from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
 from tests.model.golden import GOLDEN
 from tests.spec.test_v4_spec import golden
 
@@ -32,10 +33,6 @@ TURN_1 = rng.integers(3, 63, 88).tolist()
 TURN_2_EXTRA = rng.integers(3, 63, 7).tolist()
 
 CASES = [("dspark", js.SpecConfig.chain(4), 16), ("mtp", js.SpecConfig.chain(2), 1)]  # (draft, spec, page)
-
-
-def shared_tokens(prefix_len: int, page: int) -> int:
-    return (prefix_len - 1) // page * page
 
 
 @functools.cache
@@ -55,19 +52,12 @@ def test_compressed_kv_is_cached_and_hit(kind, spec, page):
     eng = _engine(kind, spec, page, True)
     pools = eng.pages
     assert eng.uncacheable is None and pools.window.caching and all(e.caching for e in pools.entries)
-    first = _run(kind, spec, page, True, TURN_1)
-    assert first.token_ids == _run(kind, spec, page, False, TURN_1).token_ids
-    turn_2 = TURN_1 + first.token_ids[0] + TURN_2_EXTRA
-    second = _run(kind, spec, page, True, turn_2)
-    off = _run(kind, spec, page, False, turn_2)
-    assert second.token_ids == off.token_ids
+    run = lambda cache, prompt: _run(kind, spec, page, cache, prompt)  # noqa: E731
+    second, off = chat_turn_2(run, TURN_1, TURN_2_EXTRA)  # turn 2 holds turn 1's prompt and answer
     assert [s.accept_lens for s in second.stats] == [s.accept_lens for s in off.stats]  # the drafts' rows are exact
     assert second.stats[0].cached_tokens == shared_tokens(len(TURN_1), page)
-    hits = []
-    for q in QUESTIONS:
-        out = _run(kind, spec, page, True, SYSTEM + q)
-        assert out.token_ids == _run(kind, spec, page, False, SYSTEM + q).token_ids, q
-        hits.append(out.stats[0].cached_tokens)
+    outs, _ = system_prompt_questions(run, SYSTEM, QUESTIONS)
+    hits = [on.stats[0].cached_tokens for on, _ in outs]
     assert hits == [0, 0, shared_tokens(len(SYSTEM), page)], hits
     copies = [e.copies for e in pools.entries]
     assert copies == ([2, 2] if page == 16 else [0, 0]), copies  # page 16: the hits at 80 split an entry page

@@ -27,6 +27,7 @@ import jaxspec as js
 from jaxspec.engine.snapshots import StateSnapshots
 from jaxspec.model.targets import Model
 from tests.conftest import engine
+from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
 from tests.model.targets.test_golden_hybrid import ROOT, target
 
 NAME = "qwen3_5_dense"
@@ -38,11 +39,6 @@ TURN_1 = rng.integers(3, 120, 75).tolist()
 TURN_2_EXTRA = rng.integers(3, 120, 7).tolist()
 
 CASES = [(None, None, 1), ("mtp", js.SpecConfig.chain(3), 16)]  # (draft, spec, page)
-
-
-def shared_tokens(prefix_len: int, page: int) -> int:
-    """A hit behind a shared prefix: its full pages whose following token is in the prefix too."""
-    return (prefix_len - 1) // page * page
 
 
 def slowed(m: Model) -> Model:
@@ -76,23 +72,16 @@ def test_recurrent_state_is_snapshotted_and_hit(kind, spec, page):
     eng = _engine(kind, spec, page, True)
     snaps = eng.pages.snapshots
     assert snaps is not None and eng.pages.caches is not None and eng.uncacheable is None
-    # A chat: turn 2 holds turn 1's prompt and answer.
-    first = _run(kind, spec, page, True, TURN_1)
-    assert first.token_ids == _run(kind, spec, page, False, TURN_1).token_ids
-    turn_2 = TURN_1 + first.token_ids[0] + TURN_2_EXTRA
-    second = _run(kind, spec, page, True, turn_2)
-    assert second.token_ids == _run(kind, spec, page, False, turn_2).token_ids
+    run = lambda cache, prompt: _run(kind, spec, page, cache, prompt)  # noqa: E731
+    second, _ = chat_turn_2(run, TURN_1, TURN_2_EXTRA)  # turn 2 holds turn 1's prompt and answer
     assert second.stats[0].cached_tokens == shared_tokens(len(TURN_1), page)
     # A system prompt, then three questions.
-    hits, written = [], []
-    for q in QUESTIONS[:3]:
-        before = snaps.written
-        out = _run(kind, spec, page, True, SYSTEM + q)
-        off = _run(kind, spec, page, False, SYSTEM + q)
-        assert out.token_ids == off.token_ids, q
-        assert [s.accept_lens for s in out.stats] == [s.accept_lens for s in off.stats]
-        hits.append(out.stats[0].cached_tokens)
-        written.append(snaps.written - before)
+    start = snaps.written
+    outs, totals = system_prompt_questions(run, SYSTEM, QUESTIONS[:3], each=lambda: snaps.written)
+    for on, off in outs:
+        assert [s.accept_lens for s in on.stats] == [s.accept_lens for s in off.stats]
+    hits = [on.stats[0].cached_tokens for on, _ in outs]
+    written = [b - a for a, b in zip([start] + totals, totals)]
     assert hits == [0, 0, shared_tokens(len(SYSTEM), page)], hits
     assert written == [1, 2, 1], written  # prompt ends; the second also the checkpoint at the system prompt
     assert snaps.hits == 2

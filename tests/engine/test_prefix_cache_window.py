@@ -22,6 +22,7 @@ import pytest
 
 import jaxspec as js
 from tests.conftest import engine
+from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
 from tests.model.sliding_golden import assistant, target
 from tests.spec.test_sliding_lossless import standalone
 
@@ -62,22 +63,14 @@ def test_window_pages_are_cached_and_hit(name, kind, spec):
     eng = _engine(name, kind, spec, True)
     window = eng.pages.window
     assert window is not None and window.caching and eng.pages.caches is not None
-    # A chat: turn 2 holds turn 1's prompt and answer.
-    first = _run(name, kind, spec, True, TURN_1)
-    assert first.token_ids == _run(name, kind, spec, False, TURN_1).token_ids
-    turn_2 = TURN_1 + first.token_ids[0] + TURN_2_EXTRA
-    second = _run(name, kind, spec, True, turn_2)
-    assert second.token_ids == _run(name, kind, spec, False, turn_2).token_ids
-    # its hit: the last full page of turn 1's prompt whose following token turn 2 also holds
-    assert second.stats[0].cached_tokens == (len(TURN_1) - 1) // PAGE * PAGE
+    run = lambda cache, prompt: _run(name, kind, spec, cache, prompt)  # noqa: E731
+    second, _ = chat_turn_2(run, TURN_1, TURN_2_EXTRA)  # turn 2 holds turn 1's prompt and answer
+    assert second.stats[0].cached_tokens == shared_tokens(len(TURN_1), PAGE)  # at turn 1's prompt end
     # A system prompt, then three questions.
-    hits, checkpoints = [], []
-    for q in QUESTIONS:
-        before = window.checkpoints
-        out = _run(name, kind, spec, True, SYSTEM + q)
-        assert out.token_ids == _run(name, kind, spec, False, SYSTEM + q).token_ids, q
-        hits.append(out.stats[0].cached_tokens)
-        checkpoints.append(window.checkpoints - before)
+    start = window.checkpoints
+    outs, totals = system_prompt_questions(run, SYSTEM, QUESTIONS, each=lambda: window.checkpoints)
+    hits = [on.stats[0].cached_tokens for on, _ in outs]
+    checkpoints = [b - a for a, b in zip([start] + totals, totals)]
     shared = len(SYSTEM) // PAGE * PAGE  # the system prompt's full pages (the next token is a question's)
     assert hits == [0, 0, shared], hits
     assert checkpoints[0] == 0 and checkpoints[1] > 0 and checkpoints[2] == 0, checkpoints
