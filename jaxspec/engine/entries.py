@@ -154,6 +154,16 @@ class EntryPages:
         self._drop_hold(row)
         self.copy[row] = 0
 
+    def drop(self, d: int, gone: set[bytes]) -> None:
+        """Full pages of shard ``d`` left the prefix cache, and with them the keys ``gone``
+        (``PrefixCache.listeners``): parked entry pages under those keys (whole or partial) go back."""
+        index = self.page_of[d]
+        for key in [k for k in gone | {partial_key(k) for k in gone} if k in index]:
+            page = index.get(key)
+            if page is not None and self.allocators[d].uncache(page):
+                for k in self.keys_of[d].pop(page):
+                    del index[k]
+
     def _drop_hold(self, row: int) -> None:
         hold = self.holds.pop(row, None)
         if hold is not None:

@@ -15,6 +15,12 @@ Only pages written by a prefill are cached (decode writes the positions past the
 pages themselves stay in the allocator (``PageAllocator.cache``): held by any number of requests,
 or parked with no holder (reclaimable, evicted least recently used first when a grant needs pages,
 before any running request is preempted).
+
+The cached keys also form a tree (each key's parent is the key of the page before it). What other
+caches keep for a hit at a point (window pages, entry pages, snapshots: ``jaxspec.engine.window``,
+``entries``, ``snapshots``) is keyed by a full page's key and needs every full page up to it, so
+when a page is evicted its key and every key below it in the tree are handed to ``listeners``,
+which drop what they keep under them: nothing can reach it any more.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ class PrefixCache:
         self.page_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.hits = 0  # pages reused
-        self.on_forget = None  # called with the key of an evicted page (what depends on it goes too)
+        self.children: dict[bytes, set[bytes]] = {}  # the tree of cached keys (module docstring)
+        self.parent: dict[bytes, bytes] = {}
+        self.listeners: list = []  # called with the keys an eviction made unreachable
         allocator.on_evict = self._forget
 
     def keys(self, tokens) -> list[bytes]:
@@ -74,18 +82,38 @@ class PrefixCache:
         """Indexes the prefilled pages ``pages`` (a request's first pages, in order) of ``tokens``; a
         key already cached keeps its page."""
         n = min(len(pages), cacheable_pages(len(tokens), self.page_size))
-        for key, page in zip(page_keys(tokens, self.page_size, n), pages[:n]):
+        keys = page_keys(tokens, self.page_size, n)
+        for key, page in zip(keys, pages[:n]):
             if key in self.page_of or page in self.key_of:
                 continue
             self.page_of[key] = page
             self.key_of[page] = key
             self.allocator.cache(page)
+        for before, key in zip(keys, keys[1:]):
+            if before in self.page_of and key in self.page_of:
+                self.children.setdefault(before, set()).add(key)
+                self.parent[key] = before
 
     def _forget(self, page: int) -> None:
         key = self.key_of.pop(page)
         del self.page_of[key]
-        if self.on_forget is not None:
-            self.on_forget(key)
+        gone = self._cut(key)
+        for listener in self.listeners:
+            listener(gone)
+
+    def _cut(self, key: bytes) -> set[bytes]:
+        """Takes ``key`` and every key below it out of the tree; returns them."""
+        parent = self.parent.pop(key, None)
+        if parent is not None:
+            self.children[parent].discard(key)
+        gone, stack = set(), [key]
+        while stack:
+            k = stack.pop()
+            gone.add(k)
+            for child in self.children.pop(k, ()):
+                self.parent.pop(child, None)
+                stack.append(child)
+        return gone
 
     def check(self) -> None:
         if set(self.key_of) != self.allocator.cached or len(self.page_of) != len(self.key_of):

@@ -452,9 +452,12 @@ class PagePools:
             raise ValueError(f"num_pages {self.num_pages} must split evenly over {self.data_shards} data shards")
         self.allocators = [PageAllocator(self.num_pages // self.data_shards) for _ in range(self.data_shards)]
         self.caches = [PrefixCache(a, self.page_size) for a in self.allocators] if self.prefix_cache else None
-        if self.snapshots is not None:  # a full page evicted: the snapshots past it can never hit again
-            for d, cache in enumerate(self.caches):
-                cache.on_forget = lambda key, d=d: self.snapshots.page_evicted(d, key)
+        # A full page evicted: what the other caches keep at or past it can never hit again.
+        keepers = ([self.window] if self.window is not None and self.window.caching else []) + [
+            e for e in self.entries if e.caching] + ([self.snapshots] if self.snapshots is not None else [])
+        for d, cache in enumerate(self.caches or ()):
+            for keeper in keepers:
+                cache.listeners.append(lambda gone, d=d, keeper=keeper: keeper.drop(d, gone))
 
     def scheduler(self, requests: list[Request], *, admission: str) -> Scheduler:
         return Scheduler(requests, batch=self.batch, width=self.width, num_pages=self.num_pages,

@@ -25,7 +25,7 @@ position of the chunked prompt, ``jaxspec.model.gated_delta.delta_chain``), at m
 A slot is held only while its prefill reads or writes it; then it is parked, and parked slots are
 evicted least recently used first when a prefill needs a slot (``PageAllocator``). A snapshot
 depends on every full page before it: when one of those pages is evicted, the snapshots past it
-can never hit again, and go back at once. With ``data_shards`` > 1 each shard has its own slots,
+can never hit again, and go back at once (``drop``, a listener of the prefix cache). With ``data_shards`` > 1 each shard has its own slots,
 index and allocator (slot 0 of each shard is its scratch slot).
 """
 
@@ -52,13 +52,10 @@ class StateSnapshots:
         self.rows_per_shard = batch // data_shards
         self.slot_of: list[dict[bytes, int]] = [{} for _ in range(data_shards)]  # per shard: key -> slot
         self.key_of: list[dict[int, bytes]] = [{} for _ in range(data_shards)]
-        # per shard: full-page key -> the snapshot keys that need that page (a page evicted drops them)
-        self.depends: list[dict[bytes, set[bytes]]] = [{} for _ in range(data_shards)]
-        self.chains: list[dict[bytes, tuple[bytes, ...]]] = [{} for _ in range(data_shards)]
         self.restore = np.zeros(batch, np.int32)
         self.at = np.zeros((batch, MARKS), np.int32)
         self.slots = np.zeros((batch, MARKS), np.int32)
-        self.pending: dict[int, list[tuple[bytes, int, tuple[bytes, ...]]]] = {}  # row -> (key, slot, its chain)
+        self.pending: dict[int, list[tuple[bytes, int]]] = {}  # row -> (key, slot) saved by its prefill
         self.owners: dict[int, int] = {}  # row -> the request holding slots for its prefill
         self.starts: dict[int, int] = {}  # row -> pages of its hit (its prefill saves only past them)
         self.hits = 0  # snapshots restored
@@ -108,27 +105,24 @@ class StateSnapshots:
         d = self._shard(row)
         alloc, pending = self.allocators[d], self.pending.get(row)
         if (pending is None or p <= self.starts[row] or keys[p - 1] in self.slot_of[d] or len(pending) == MARKS
-                or any(key == keys[p - 1] for key, _, _ in pending) or alloc.num_free == 0):
+                or any(key == keys[p - 1] for key, _ in pending) or alloc.num_free == 0):
             return
         owner = self.owners[row]
         (slot,) = alloc.grow(owner, len(alloc.pages_of(owner)) + 1)
         m = len(pending)
         self.at[row, m], self.slots[row, m] = p * self.page_size, slot
-        pending.append((keys[p - 1], slot, tuple(keys[:p])))
+        pending.append((keys[p - 1], slot))
 
     def cache_prompt(self, row: int) -> None:
         """After a prefill: index the states it saved, then let go of every slot the row held (parked:
         cached)."""
         d = self._shard(row)
         alloc = self.allocators[d]
-        for key, slot, chain in self.pending.pop(row, []):
+        for key, slot in self.pending.pop(row, []):
             if key in self.slot_of[d]:
                 continue  # another row of the same round saved it first: this slot goes back free
             self.slot_of[d][key] = slot
             self.key_of[d][slot] = key
-            self.chains[d][key] = chain
-            for page_key in chain:
-                self.depends[d].setdefault(page_key, set()).add(key)
             alloc.cache(slot)
             self.written += 1
         self.starts.pop(row, None)
@@ -146,27 +140,20 @@ class StateSnapshots:
         if owner is not None:
             self.allocators[self._shard(row)].release(owner)
 
-    def page_evicted(self, d: int, page_key: bytes) -> None:
-        """A full page of shard ``d`` left the prefix cache: the snapshots past it go too (a parked one at
-        once; a held one, which its pages' holders keep reachable, stays)."""
-        for key in list(self.depends[d].get(page_key, ())):
+    def drop(self, d: int, gone: set[bytes]) -> None:
+        """Full pages of shard ``d`` left the prefix cache, and with them the keys ``gone``
+        (``PrefixCache.listeners``): parked snapshots under those keys go back at once (a held one
+        stays until its prefill ends, then waits for eviction)."""
+        for key in gone & self.slot_of[d].keys():
             if self.allocators[d].uncache(self.slot_of[d][key]):
                 self._forget(d, key)
                 self.dropped += 1
 
     def _forget(self, d: int, key: bytes) -> None:
-        slot = self.slot_of[d].pop(key)
-        del self.key_of[d][slot]
-        for page_key in self.chains[d].pop(key):
-            dependents = self.depends[d][page_key]
-            dependents.discard(key)
-            if not dependents:
-                del self.depends[d][page_key]
+        del self.key_of[d][self.slot_of[d].pop(key)]
 
     def check(self) -> None:
         for d, alloc in enumerate(self.allocators):
             alloc.check()
             if set(self.key_of[d]) != alloc.cached or len(self.slot_of[d]) != len(self.key_of[d]):
                 raise AssertionError("the snapshot index and its allocator's cached slots disagree")
-            if set(self.chains[d]) != set(self.slot_of[d]):
-                raise AssertionError("a snapshot's page chain is missing")

@@ -256,6 +256,15 @@ class WindowPages:
             self.key_of[d][page] = keys[j]
             alloc.cache(page)
 
+    def drop(self, d: int, gone: set[bytes]) -> None:
+        """Full pages of shard ``d`` left the prefix cache, and with them the keys ``gone``
+        (``PrefixCache.listeners``): parked window pages under those keys go back at once."""
+        index = self.page_of[d]
+        for key in gone & index.keys():
+            page = index[key]
+            if self.allocators[d].uncache(page):
+                del index[key], self.key_of[d][page]
+
     def drop_holds(self) -> None:
         """The pages rows held only for their prefill go back (parked: they are cached)."""
         for row, (owner, pages) in self.holds.items():

@@ -77,3 +77,33 @@ def test_entry_pages_needed_for_a_hit():
     assert e.needs(keys, 3) == ([], partial_key(keys[2]))
     e.page_of[0].update({keys[3]: 5, partial_key(keys[5]): 6})
     assert e.hit(0, keys, 11) == 6 and e.hit(0, keys, 5) == 4 and e.hit(0, keys, 3) == 0
+
+
+def test_window_and_entry_pages_past_an_evicted_page_go_back():
+    """``drop`` (a listener of the prefix cache's key tree): parked window and entry pages under the
+    keys an eviction made unreachable are freed at once, every key of a page with it; others stay."""
+    from jaxspec.engine.window import WindowPages  # noqa: PLC0415
+
+    keys = [bytes([j]) * 16 for j in range(8)]
+    e = EntryPages(rate=4, batch=1, width=8, pages_per_shard=8, page_size=4, caching=True)
+    w = WindowPages(batch=1, ring=4, num_pages=8, page_size=4, retain=5, caching=True)
+    for alloc, index, keys_of, entries in ((e.allocators[0], e.page_of[0], e.keys_of[0], True),
+                                           (w.allocators[0], w.page_of[0], w.key_of[0], False)):
+        pages = alloc.grow(0, 3)
+        named = {keys[3]: pages[0], partial_key(keys[5]): pages[1], keys[6]: pages[2]} if entries else dict(
+            zip((keys[3], keys[5], keys[6]), pages))
+        for key, page in named.items():
+            index[key] = page
+            if entries:
+                keys_of.setdefault(page, set()).add(key)
+            else:
+                keys_of[page] = key
+            alloc.cache(page)
+        alloc.release(0)
+        assert alloc.num_free == alloc.capacity and len(alloc.parked) == 3
+    e.drop(0, {keys[5], keys[6]})
+    w.drop(0, {keys[5], keys[6]})
+    assert set(e.page_of[0]) == {keys[3]} and set(w.page_of[0]) == {keys[3]}
+    for alloc in (e.allocators[0], w.allocators[0]):
+        assert len(alloc.parked) == 1 and len(alloc.cached) == 1
+        alloc.check()

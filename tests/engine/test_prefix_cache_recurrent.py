@@ -144,16 +144,36 @@ def test_a_hit_is_the_last_snapshot_within_the_matched_pages():
 
 
 def test_an_evicted_page_drops_the_snapshots_past_it():
-    snaps = StateSnapshots(batch=1, slots=4, page_size=4)
-    a, b = _keys(8), _keys(3) + _keys(5, tag=2)  # b shares a's first three pages
-    for keys, n in ((a, 33), (b, 33)):
-        snaps.admit(0, owner=0, context_len=n, keys=keys, k=0, matched=3 if keys is b else 0)
+    """The prefix cache's key tree: evicting a full page hands its key and every key below it to the
+    listeners, and the snapshots under them go back at once."""
+    from jaxspec.engine.allocator import PageAllocator  # noqa: PLC0415
+    from jaxspec.engine.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    P = 4
+    alloc = PageAllocator(32)
+    cache, snaps = PrefixCache(alloc, P), StateSnapshots(batch=1, slots=4, page_size=P)
+    cache.listeners.append(lambda gone: snaps.drop(0, gone))
+    a = list(range(1, 34))
+    b = a[:12] + list(range(50, 71))  # b shares a's first three pages (and the token after them)
+    for owner, (tokens, matched) in enumerate(((a, 0), (b, 3))):
+        keys = cache.keys(tokens)
+        cache.insert(tokens, alloc.grow(owner, len(keys)))
+        snaps.admit(0, owner=owner, context_len=len(tokens), keys=keys, k=0, matched=matched)
         snaps.cache_prompt(0)
-    assert snaps.hit(0, a, 8) == 8 and snaps.hit(0, b, 8) == 8 and snaps.hit(0, b, 3) == 3
-    snaps.page_evicted(0, b[4])  # only b's prompt end depends on it
-    assert snaps.hit(0, b, 8) == 3 and snaps.hit(0, a, 8) == 8 and snaps.dropped == 1
-    snaps.page_evicted(0, a[0])  # every snapshot depends on the first page
-    assert snaps.hit(0, a, 8) == 0 and snaps.hit(0, b, 8) == 0 and snaps.dropped == 3
-    alloc = snaps.allocators[0]
-    assert alloc.num_free == alloc.capacity and not alloc.cached
+        alloc.release(owner)
+    ka, kb = cache.keys(a), cache.keys(b)
+    assert snaps.hit(0, ka, 8) == 8 and snaps.hit(0, kb, 8) == 8 and snaps.hit(0, kb, 3) == 3
+
+    def evict(key):  # as the allocator does when a grant takes a parked page back
+        page = cache.page_of[key]
+        assert alloc.uncache(page)
+        cache._forget(page)  # noqa: SLF001
+
+    evict(kb[4])  # only b's prompt end is past it
+    assert snaps.hit(0, kb, 8) == 3 and snaps.hit(0, ka, 8) == 8 and snaps.dropped == 1
+    evict(ka[0])  # every snapshot is past the first page
+    assert snaps.hit(0, ka, 8) == 0 and snaps.hit(0, kb, 8) == 0 and snaps.dropped == 3
+    assert not cache.children and not cache.parent  # the tree lost every key below the first page
+    slots = snaps.allocators[0]
+    assert slots.num_free == slots.capacity and not slots.cached
     snaps.check()
