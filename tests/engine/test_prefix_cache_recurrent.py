@@ -32,7 +32,9 @@ from tests.model.targets.test_golden_hybrid import ROOT, target
 
 NAME = "qwen3_5_dense"
 GREEDY = js.SamplingParams(max_new_tokens=10, stop_token_ids=())
-rng = np.random.default_rng(7)
+# Seed 10: every greedy step of these prompts wins by at least 0.07 logits (with seed 7 one won by
+# 0.001, and a TP=2 x DP=2 mesh's float rounding flipped it once in the suite).
+rng = np.random.default_rng(10)
 SYSTEM = rng.integers(3, 120, 70).tolist()  # past one prefill chunk; not a whole number of pages
 QUESTIONS = [rng.integers(3, 120, n).tolist() for n in (13, 19, 11, 6)]
 TURN_1 = rng.integers(3, 120, 75).tolist()

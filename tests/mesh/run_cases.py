@@ -186,6 +186,32 @@ def snapshots_on_mesh(tp, dp, page=16):
                 snapshot_spec=str(eng.tpool.snapshots.ssm.sharding.spec))
 
 
+def compressed_cache_on_mesh(tp, dp, page=16):
+    """The prefix cache with compressed KV on a TP x DP mesh (the HF golden V4 + DeepSeek's DSpark
+    stages: tests/engine/test_prefix_cache_compressed.py): three questions behind one system prompt,
+    one call each (the second writes window checkpoints and keys its partial entry pages, the third
+    hits inside an entry page of each rate and copies them), every output equal to one device
+    without the cache."""
+    from tests.engine.test_prefix_cache_compressed import QUESTIONS, SYSTEM
+    from tests.model.golden import GOLDEN
+
+    path = os.path.join(GOLDEN, "deepseek_v4")
+    sampling = js.SamplingParams(max_new_tokens=10, stop_token_ids=())
+    spec = js.SpecConfig.chain(4)
+    single = js.load_model(path, dtype="float32", progress=False)
+    draft = js.load_draft(os.path.join(GOLDEN, "deepseek_v4_dspark"), single)
+    want = [js.generate(single, [SYSTEM + q], draft=draft, spec=spec, sampling=sampling, progress=False,
+                        engine=engine(page, 1, max_seq_len=192, prefix_cache=False)).token_ids for q in QUESTIONS]
+    mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
+    target = js.load_model(path, dtype="float32", progress=False, mesh=mesh)
+    eng = js.Engine(target, draft=js.load_draft(os.path.join(GOLDEN, "deepseek_v4_dspark"), target), spec=spec,
+                    engine=engine(page, 2 * dp, max_seq_len=192, check_pages=True))
+    outs = [eng.generate([SYSTEM + q], sampling=sampling, progress=False) for q in QUESTIONS]
+    entries = eng.pages.entries
+    return dict(equal=[o.token_ids for o in outs] == want, cached=[o.stats[0].cached_tokens for o in outs],
+                copies=[e.copies for e in entries], shards=len(entries[0].allocators))
+
+
 def hybrid_lossless(name, tp, dp, spec, page, draft_kind):
     """A hybrid target (Gated DeltaNet heads and their recurrent state split over model, rows over
     data): speculative greedy on the mesh == plain greedy on one device, ragged batch of 3 + 1."""
@@ -392,6 +418,7 @@ CASES = {
         "qwen3_5_dense", 2, 1, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "qwen3_5_tp2_dp2_chain_mtp": lambda: hybrid_lossless("qwen3_5_dense", 2, 2, js.SpecConfig.chain(3), 1, "mtp"),
     "qwen3_5_tp2_dp2_snapshots": lambda: snapshots_on_mesh(2, 2),
+    "deepseek_v4_tp2_dp2_cache": lambda: compressed_cache_on_mesh(2, 2),
     # DeepSeek-V4: query heads (with their output groups), experts and vocabulary split, the one K = V head,
     # the compressors, indexers and every compressed pool whole on both shards; its MTP layer, tree, page 16
     "deepseek_v4_tp2_tree_mtp": lambda: lossless("deepseek_v4", 2, 1,

@@ -140,6 +140,15 @@ def test_recurrent_state_snapshots_per_data_shard_on_a_mesh(results):
     assert r["snapshot_spec"] == "P(None, 'data', 'model')", r
 
 
+def test_compressed_kv_is_cached_per_data_shard_on_a_mesh(results):
+    """DeepSeek-V4 + DSpark on TP=2 x DP=2 with the prefix cache (tests/engine/test_prefix_cache_compressed.py's
+    system prompt and questions): the third question hits inside an entry page of each rate and copies
+    it; outputs equal one device without the cache."""
+    r = case(results, "deepseek_v4_tp2_dp2_cache")
+    assert r["shards"] == 2 and r["equal"], r
+    assert r["cached"] == [0, 0, 80] and r["copies"] == [1, 1], r
+
+
 def test_bad_meshes_are_refused_before_device_work(results):
     r = case(results, "errors")
     assert "= 8 devices, but only 4 are present" in r["too_many_devices"]
