@@ -5,8 +5,8 @@ KV: a system prompt asked several questions, one request at a time, as a chat se
 the demo target's widths). ``--family recurrent``: a Qwen3.5-shaped hybrid (3 Gated DeltaNet layers
 then one gated full-attention layer, twice; the demo's hidden width). ``--family compressed``: a
 DeepSeek-V4-shaped target at V4-Flash's rates and window (CSA 4, HCA 128, window 128; two sliding
-layers then CSA and HCA alternating, six layers, toy widths). Float32, plain greedy decoding. The same questions, each behind the same ``--prefix`` random tokens, go one call after
-another to a persistent ``jaxspec.Engine`` with the cache on and to one without it, alternated.
+layers then CSA and HCA alternating, six layers, toy widths). Float32, plain greedy decoding.
+The same questions, each behind the same ``--prefix`` random tokens, go one call after another to a persistent ``jaxspec.Engine`` with the cache on and to one without it, alternated.
 With the cache, the first question caches only its own prompt's end, the second finds the system
 prompt's full pages but no window (no snapshot) there and writes a checkpoint of it
 (``jaxspec.engine.window``, ``jaxspec.engine.snapshots``), and from the third on every question

@@ -25,8 +25,9 @@ position of the chunked prompt, ``jaxspec.model.gated_delta.delta_chain``), at m
 A slot is held only while its prefill reads or writes it; then it is parked, and parked slots are
 evicted least recently used first when a prefill needs a slot (``PageAllocator``). A snapshot
 depends on every full page before it: when one of those pages is evicted, the snapshots past it
-can never hit again, and go back at once (``drop``, a listener of the prefix cache). With ``data_shards`` > 1 each shard has its own slots,
-index and allocator (slot 0 of each shard is its scratch slot).
+can never hit again, and go back at once (``drop``, a listener of the prefix cache). With
+``data_shards`` > 1 each shard has its own slots, index and allocator (slot 0 of each shard is its
+scratch slot).
 """
 
 from __future__ import annotations
