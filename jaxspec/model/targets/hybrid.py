@@ -122,9 +122,9 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
     chunked) writes each row's state after its last valid token (with the prefix cache's
     ``snapshots`` and the prefill's ``attn.snapshots`` table, a row with a cached prefix starts from
     its restored slot, and the states after the table's marks are saved into theirs); a verify
-    (``attn.pending``) returns every node's pending quantities and writes nothing; a draft step over the draft-scratch region
-    (a block mask wider than T: a hybrid standalone draft's frontier) reads its ancestors from
-    ``scratch`` and writes its own there."""
+    (``attn.pending``) returns every node's pending quantities and writes nothing; a draft step over
+    the draft-scratch region (a block mask wider than T: a hybrid standalone draft's frontier) reads
+    its ancestors from ``scratch`` and writes its own there."""
     g = cfg.gdn
     B, T, _ = h.shape
     Hk, Dk, Dv, r, K = g.num_k_heads, g.head_k_dim, g.head_v_dim, g.group, g.conv_kernel
