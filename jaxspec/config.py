@@ -396,10 +396,10 @@ class EngineConfig:
         indexed by the tokens they hold and the one after them, and reuse them for later prompts
         that start the same way (in the call, and in later calls of a ``jaxspec.Engine``); cached
         pages count as free (evicted, least recently used first, when pages are needed). None:
-        on where the model allows it; True: on, or a ValueError naming why not (DeepSeek-V4's
-        compressed KV and standalone drafts with recurrent state are not cached yet); False: off.
-        Sliding-window pools cache their pages too (``window_cache_pages``), and targets with
-        recurrent state snapshots of it (``snapshot_slots``).
+        on where the model allows it; True: on, or a ValueError naming why not (a standalone draft
+        with recurrent state of its own is not cached yet); False: off.
+        Sliding-window pools cache their pages too (``window_cache_pages``), targets with recurrent
+        state snapshots of it (``snapshot_slots``), DeepSeek-V4 its entry pages.
       window_cache_pages: pages the sliding-window pool keeps beyond its rings for the prefix
         cache (window pages parked after their requests, and the checkpoints a prefill writes where
         another prompt's match ended; ``jaxspec.engine.window``), over all data shards. None: four

@@ -162,7 +162,7 @@ def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: K
         # Each slot holds every linear layer's state: 8 per data shard by default (1.2 GB at Qwen3.5-27B).
         snapshots = 8 if engine.snapshot_slots is None else -(-engine.snapshot_slots // D)
         if not snapshots:
-            uncacheable = "its recurrent state is not snapshotted (EngineConfig.snapshot_slots=0, or the cache is off)"
+            uncacheable = "its recurrent state is not snapshotted (EngineConfig.snapshot_slots=0)"
     return Geometry(batch=batch, width=width, page_size=P, num_pages=num_pages, data_shards=D,
                     lookahead=plan.lookahead, step_growth=engine.steps_per_call * plan.max_accept,
                     window=max(windows) if windows else None, retain=retain, entry_rates=target.entry_rates,
