@@ -14,11 +14,11 @@ pages ``[j*m, (j+1)*m)``: once complete it is keyed by the key of full page ``(j
 as it is. A hit at ``k`` full pages needs the ``E = k*P // m`` entries before it: the complete pages
 ``j < E // P``, and (when ``E % P``) the page holding the rest, which the newcomer must append to: a
 copy of it. So a prefill also keys its partial page at each point the window pool caches (its
-prompt end, a checkpoint where its match ended) with the ``PARTIAL`` form of that point's key, and a
+prompt end, a checkpoint where its match ended) with that point's key in its ``partial_key`` form, and a
 newcomer with a hit there gets a new page that its prefill first fills with a copy of the cached one
 (``copy``: the prefill's ``PageTables.entry_copy``). Entries are written once, when their window
 closes, so a partial page's first entries stay what they were keyed as while its request appends the
-rest. The source page is held for the copy until the prefill ends (``drop_holds``).
+rest. The source page is held for the copy until the prefill ends (``cache_prompt`` lets it go).
 """
 
 from __future__ import annotations
