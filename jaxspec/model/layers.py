@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +18,16 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.kvcache.paging import AttentionInputs, WindowTable
+from jaxspec.kvcache.paging import AttentionInputs, WindowTable, scratch_dropped
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.fused import shards_of, split_columns
+from jaxspec.pallas import dispatch
 from jaxspec.pallas.exact import exact_on, matmul, row_mean
 from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.rope_write import rope_cos_sin, rope_write_pallas, rope_write_unsupported
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool = False) -> jax.Array:
@@ -53,10 +56,9 @@ def apply_rope(
     scale: float = 1.0,
 ) -> jax.Array:  # [B, T, H, D]
     """Rotate-half RoPE (HF Llama convention) at integer ``positions``."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos = (jnp.cos(emb) * scale).astype(x.dtype)
-    sin = (jnp.sin(emb) * scale).astype(x.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, scale, x.dtype)  # [B, T, D/2]
+    cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -78,8 +80,8 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 def write_and_attend(
-    q: jax.Array,  # [B, T, Hq, D] (RoPE applied)
-    k: jax.Array,  # [B, T, Hkv, D] (RoPE applied)
+    q: jax.Array,  # [B, T, Hq, D] (RoPE applied, or not yet with ``rope``)
+    k: jax.Array,  # [B, T, Hkv, D] (likewise)
     v: jax.Array,  # [B, T, Hkv, D]
     pool: KVPool,
     layer: jax.Array,  # i32[]
@@ -88,22 +90,65 @@ def write_and_attend(
     implementation,
     sm_scale: float | None = None,
     tensor_parallel: int = 1,
+    rope: "Rope | None" = None,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """Writes the new K/V into the pool first, then attends through the page table, so a
-    token reads its own (pool-dtype) K/V exactly as later tokens will. With ``tensor_parallel``
-    shards, heads and the pool's KV heads are split over the mesh's model axis and every shard
-    attends over its own heads."""
+    token reads its own (pool-dtype) K/V exactly as later tokens will. With ``rope`` q and k
+    arrive unrotated and are rotated together with the write (``rotate_and_write``: one kernel
+    on a GPU). With ``tensor_parallel`` shards, heads and the pool's KV heads are split over the
+    mesh's model axis and every shard attends over its own heads."""
     D = k.shape[-1]
 
-    def local(q, k, v, pool, layer, attn):
+    def local(q, k, v, pool, layer, attn, *positions):
         B, T, Hkv, _ = k.shape
-        pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+        slots = attn.write_slots.reshape(B * T)
+        if rope is None:
+            pool = pool.write(layer, slots, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+        else:
+            q, pool = rotate_and_write(q, k, v, pool, layer, slots, rope._replace(positions=positions[0]),
+                                       implementation=implementation)
         attend = exact_attention if exact_on() else functools.partial(paged_attention, implementation=implementation)
         o = attend(q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
                    page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D))
         return o, pool
 
-    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
+    whole = () if rope is None else (rope.positions,)
+    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn, *whole)
+
+
+class Rope(NamedTuple):
+    """RoPE still to apply to a layer's q and k (``write_and_attend(..., rope=)``)."""
+
+    positions: jax.Array  # i32[B, T]
+    inv_freq: np.ndarray  # f32[D // 2]
+    scale: float = 1.0  # YaRN's attention factor on cos / sin
+
+
+def rotate_and_write(
+    q: jax.Array,  # [B, T, Hq, D] unrotated
+    k: jax.Array,  # [B, T, Hkv, D] unrotated
+    v: jax.Array,  # [B, T, Hkv, D]
+    pool: KVPool,
+    layer: jax.Array,  # i32[]
+    slots: jax.Array,  # i32[B * T] pool slots (scratch: not written)
+    rope: Rope,
+    *,
+    implementation,
+) -> tuple[jax.Array, KVPool]:  # rotated q [B, T, Hq, D], new pool
+    """RoPE on q and k, then k and v written at ``slots``: ``apply_rope`` and ``KVPool.write`` on
+    XLA, one launch on a GPU (``jaxspec.pallas.rope_write``)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    unsupported = rope_write_unsupported(q.shape, pool.k.shape)
+    if dispatch.choose("rope_write", implementation, shape_class="rope_write", unsupported=unsupported) == "xla":
+        q = apply_rope(q, rope.positions, rope.inv_freq, rope.scale)
+        k = apply_rope(k, rope.positions, rope.inv_freq, rope.scale)
+        return q, pool.write(layer, slots, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+    q, k_pool, v_pool = rope_write_pallas(
+        q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), pool.k, pool.v, layer,
+        scratch_dropped(slots, pool.page_size, pool.num_slots), rope.positions.reshape(B * T), rope.inv_freq,
+        scale=rope.scale, interpret=dispatch.interpret_mode())
+    return q.reshape(B, T, Hq, D), pool.with_buffers((k_pool, v_pool))
 
 
 def _per_head_shard(local, tensor_parallel: int):
@@ -245,19 +290,26 @@ def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs
 # ``w_gate_up`` (``jaxspec.model.fused``).
 
 
-def _query(q: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq) -> jax.Array:  # [B, T, Hq*D] -> [B, T, Hq, D]
+def _query(q: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq,
+           rotate: bool = True) -> jax.Array:  # [B, T, Hq*D] -> [B, T, Hq, D]
     q = q.reshape(q.shape[:2] + (cfg.num_heads, cfg.head_dim))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale)  # scale: YaRN's attention factor
+    return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale) if rotate else q  # scale: YaRN's factor
 
 
-def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq):  # [B, T, Hkv*D] each
+def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq,
+               rotate: bool = True):  # [B, T, Hkv*D] each
     shape = k.shape[:2] + (cfg.num_kv_heads, cfg.head_dim)
     k, v = k.reshape(shape), v.reshape(shape)
     if cfg.qk_norm:
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale), v
+    return (apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale) if rotate else k), v
+
+
+def layer_rope(cfg, positions: jax.Array, inv_freq) -> Rope:
+    """The RoPE a layer of ``cfg`` applies at ``positions``, for ``write_and_attend(rope=)``."""
+    return Rope(positions, inv_freq, cfg.rope.cos_sin_scale)
 
 
 def _joined(lp: dict, name: str, cfg, a: jax.Array, sizes) -> tuple:
@@ -287,21 +339,26 @@ def project_kv(
 
 
 def project_qkv(
-    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq,  # a [B, T, A] attention input
+    rotate: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D] (q, k with RoPE)
-    """q, k and v of one input: one product with the joined ``wqkv`` (two with ``wq`` and ``wkv``)."""
+    """q, k and v of one input: one product with the joined ``wqkv`` (two with ``wq`` and ``wkv``).
+    ``rotate=False``: q and k without RoPE (``write_and_attend(rope=)`` applies it)."""
     if "wqkv" not in lp:
+        if not rotate:
+            raise ValueError("unrotated q/k are built from a joined wqkv only")
         return (project_q(lp, cfg, a, positions, inv_freq), *project_kv(lp, cfg, a, positions, inv_freq))
     kv = cfg.num_kv_heads * cfg.head_dim
     q, k, v = _joined(lp, "qkv", cfg, a, (cfg.num_heads * cfg.head_dim, kv, kv))
-    return (_query(q, lp, cfg, positions, inv_freq), *_key_value(k, v, lp, cfg, positions, inv_freq))
+    return (_query(q, lp, cfg, positions, inv_freq, rotate), *_key_value(k, v, lp, cfg, positions, inv_freq, rotate))
 
 
 def attention_qkv(
-    lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq  # x [B, T, H] residual stream
+    lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq,  # x [B, T, H] residual stream
+    rotate: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D]
-    """Input norm, then q/k/v projections and RoPE: the part of a layer before attention."""
-    return project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+    """Input norm, then q/k/v projections and RoPE (``rotate``): the part of a layer before attention."""
+    return project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq, rotate)
 
 
 def layer_tail(

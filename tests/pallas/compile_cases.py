@@ -24,6 +24,8 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   the HCA layers' compressor inputs of each token; each buffer moves on its own, their layer counts
   differ); the MTP seed gather of the flattened streams (4 x 4096).
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
+* RoPE and the K/V write (Llama-3-8B: decode, verify n=8 at batch 32, a 2048-token prefill;
+  Qwen2.5-7B's 28 / 4 heads, which pad to a power of two).
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
   512 (full layers, 32 / 4 heads). They need not meet the spill criterion, but then the
   dispatch must route them to XLA on a GPU with the reason recorded.
@@ -38,6 +40,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxspec.model.config import RopeConfig
 from jaxspec.pallas import block_table
 from jaxspec.pallas.dsa_indexer import index_scores_pallas
 from jaxspec.pallas.exact_attention import exact_attention
@@ -47,6 +50,7 @@ from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
 from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention_pallas
 from jaxspec.pallas.paged_attention import paged_attention_pallas
+from jaxspec.pallas.rope_write import rope_write_pallas
 
 _BF16 = jnp.bfloat16
 _I32 = jnp.int32
@@ -170,6 +174,19 @@ def gather_case(batch: int, rows_per_request: int, hidden: int | None):
         return gather_spec_extras_pallas(index, tokens, hidden, interpret=False)
 
     return fn, args
+
+
+def rope_write_case(rows: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128, layers: int = 32):
+    """RoPE on ``rows`` new tokens' q and k, and their K/V written into the pool."""
+    q = _sds((rows, q_heads, head_dim), _BF16)
+    kv = _sds((rows, kv_heads, head_dim), _BF16)
+    pool = _sds((layers, 32 * CTX + 16, kv_heads, head_dim), _BF16)
+    inv_freq = RopeConfig(theta=500_000.0).inv_freq(head_dim)
+
+    def fn(q, k, v, k_pool, v_pool, layer, slots, positions):
+        return rope_write_pallas(q, k, v, k_pool, v_pool, layer, slots, positions, inv_freq, interpret=False)
+
+    return fn, (q, kv, kv, pool, pool, _sds((), _I32), _sds((rows,), _I32), _sds((rows,), _I32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +327,12 @@ CASES: list[CompileCase] = [
                 functools.partial(gather_case, 32, 8, 4096), reads_kv=False),
     CompileCase("gather tokens only B=32 n=8", "gather_spec_extras",
                 functools.partial(gather_case, 32, 8, None), reads_kv=False),
+    # RoPE and the K/V write of one layer: decode, tree verify, a prefill chunk; 28 / 4 heads
+    CompileCase("rope_write llama3-8b decode B=1", "rope_write", functools.partial(rope_write_case, 1)),
+    CompileCase("rope_write llama3-8b verify n=8 B=32", "rope_write", functools.partial(rope_write_case, 256)),
+    CompileCase("rope_write llama3-8b prefill 2048", "rope_write", functools.partial(rope_write_case, 2048)),
+    CompileCase("rope_write qwen2.5-7b decode B=16 (28/4 heads)", "rope_write",
+                functools.partial(rope_write_case, 16, 28, 4, 128, 28)),
     # The exact mode's kernels (fixed tiles: the same programs for 1 row as for n)
     CompileCase("exact attention llama3-8b decode B=32 p16", "exact_attention",
                 functools.partial(exact_attention_case, _decode(32, **LLAMA))),

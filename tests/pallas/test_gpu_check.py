@@ -66,8 +66,8 @@ def test_dry_run_runs_every_item_of_both_calls():
     # XLA option variants: every option accepted by this jaxlib; the first and last compiled.
     for name in ("variants_b1", "variants_b16"):
         assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
-        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, cuBLAS, XLA attention"]
-        assert json.loads(rows[name][1]["options"]) == {"xla_gpu_enable_triton_gemm": False}
+        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, RoPE and K/V write on XLA"]
+        assert rows[name][1]["options"] == "engine table" and rows[name][1]["implementation"] == [["rope_write", "xla"]]
     # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
     assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
     assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])

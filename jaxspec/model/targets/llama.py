@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool, SplitPool
-from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_tail, rms_norm, rope_inv_freq,
+from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_rope, layer_tail, rms_norm, rope_inv_freq,
                                   window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
@@ -69,11 +69,12 @@ def llama_forward(
     def layer(carry, lp):
         x, part, aux, l = carry
         aux = taps.record(aux, l, x)
-        q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
         if window is None:
+            q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq, rotate=False)
             o, part = write_and_attend(q, k, v, part, l, attn, implementation=implementation,
-                                       tensor_parallel=cfg.tensor_parallel)
+                                       tensor_parallel=cfg.tensor_parallel, rope=layer_rope(cfg, positions, inv_freq))
         else:
+            q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
             o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
                                               sm_scale=1.0 / math.sqrt(cfg.head_dim),
                                               tensor_parallel=cfg.tensor_parallel)
