@@ -21,7 +21,8 @@ paged attention at the Llama-3-8B shape (32 q heads, 8 KV heads, D = 128, bf16) 
 8192 for decode, an 8- and a 64-node verify and a causal 8-token draft extend; MLA at the
 DeepSeek-V3 shape (128 heads, latent 512 + rope 64) at B = 32 and context 4096, decode and an 8-node
 verify; the DSA indexer scores at DeepSeek-V3.2's (64 heads x 128, page 64); KV moves of accepted
-paths; the gather of the accepted rows' extras.
+paths; the gather of the accepted rows' extras; RoPE and the K/V write of one Llama-3-8B layer at
+decode (B = 1, 16) and an 8-node verify (B = 16), against XLA's kernels for the same.
 
 ``--xla-vs-reference`` times, in one run on any device, the XLA path users run
 (``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
@@ -55,6 +56,9 @@ from jaxspec.pallas.exact_attention import exact_attention  # noqa: E402
 from jaxspec.pallas.fixed_matmul import fixed_matmul_pallas  # noqa: E402
 from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
+from jaxspec.kvcache.pool import KVPool  # noqa: E402
+from jaxspec.model.config import RopeConfig  # noqa: E402
+from jaxspec.model.layers import Rope, rotate_and_write  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
 from jaxspec.pallas.paged_attention import (  # noqa: E402
     paged_attention, paged_attention_reference, paged_attention_xla,
@@ -354,6 +358,45 @@ def gather_fn(implementation: str):
     return jax.jit(functools.partial(gather_spec_extras, implementation=implementation))
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeShape:
+    name: str
+    rows: int  # R = B * T new tokens
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    layers: int = 32
+    num_slots: int = 16 * 4096
+    dtype: str = "bfloat16"
+
+
+def rope_problem(s: RopeShape, seed: int = 0):
+    """A layer's new q, k, v and the pool: args ``((k_pool, v_pool, q_out), q, k, v, layer, slots, positions)``."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(s.dtype)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), dt)  # noqa: E731
+    pool = jnp.zeros((s.layers, s.num_slots, s.kv_heads, s.head_dim), dt)
+    q = rand(s.rows, 1, s.q_heads, s.head_dim)
+    slots = jnp.asarray(rng.choice(np.arange(s.num_slots // 4, s.num_slots), s.rows, replace=False), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, 8192, s.rows), jnp.int32)
+    args = ((pool, pool + 0, jnp.zeros_like(q)), q, rand(s.rows, 1, s.kv_heads, s.head_dim),
+            rand(s.rows, 1, s.kv_heads, s.head_dim), jnp.int32(s.layers // 2), slots, positions)
+    floor = s.rows * s.head_dim * dt.itemsize * 2 * (s.q_heads + 2 * s.kv_heads)  # read q, k, v; write each once
+    return args, floor
+
+
+def rope_fn(implementation: str):
+    """RoPE and the K/V write as the Llama layer runs them (``layers.rotate_and_write``); the rotated
+    queries are returned with the pool so that no path can drop them."""
+    def fn(out, q, k, v, layer, slots, positions):
+        pool = KVPool(k=out[0], v=out[1], page_size=16)
+        rope = Rope(positions[:, None], RopeConfig(theta=500_000.0).inv_freq(q.shape[-1]))
+        q, pool = rotate_and_write(q, k, v, pool, layer, slots, rope, implementation=implementation)
+        return pool.k, pool.v, q
+
+    return fn
+
+
 # --------------------------------------------------------------------------- shapes
 
 
@@ -386,6 +429,13 @@ def move_shapes(smoke: bool) -> list[MoveShape]:
         MoveShape("llama3-8b k+v B=16 S=7", 32, 16 * 4096, ((8, 128), (8, 128)), 16, 7),
         MoveShape("deepseek-v3 latent+indexer B=16 S=7", 61, 16 * 2048, ((576,), (128,)), 16, 7),
     ]
+
+
+def rope_shapes(smoke: bool) -> list[RopeShape]:
+    if smoke:
+        return [RopeShape("rope-smoke", 3, 4, 2, 16, 2, 64, "float32")]
+    return [RopeShape("llama3-8b decode B=1", 1), RopeShape("llama3-8b decode B=16", 16),
+            RopeShape("llama3-8b verify n=8 B=16", 128)]
 
 
 def gather_shapes(smoke: bool) -> list[GatherShape]:
@@ -462,6 +512,8 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
     for s in gather_shapes(smoke):
         cases.append(KernelCase("gather", s.name, functools.partial(gather_problem, s),
                                 lambda impl: functools.partial(gather_spec_extras, implementation=impl)))
+    for s in rope_shapes(smoke):
+        cases.append(KernelCase("rope_write", s.name, functools.partial(rope_problem, s), rope_fn, feed_back=True))
     # The exact mode: the fixed-tile product against XLA's (cuBLAS on a GPU), the row-by-row attention
     # against the default paged kernel (in the XLA column).
     for name, rows, k, n in matmul_shapes(smoke):
@@ -612,6 +664,14 @@ def check(args) -> list[dict]:
                 if w is not None:
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         report("gather", s.name, gather)
+    for s in rope_shapes(args.smoke):
+        def rope(s=s):
+            a, _ = rope_problem(s, seed=4)
+            got, want = rope_fn("pallas")(*a), rope_fn("xla")(*a)
+            close(got[0], want[0], s.dtype)  # rotated keys: one rounding apart in bf16
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # values: copied
+            close(got[2], want[2], s.dtype)
+        report("rope_write", s.name, rope)
     return rows
 
 
