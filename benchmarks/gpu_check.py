@@ -56,8 +56,9 @@ Call 1:
   variants_b1  the plain step at batch 1 compiled with XLA options (``VARIANTS``): none; cuBLAS
                instead of Triton GEMM fusions; that plus command buffers (CUDA graphs) over WHILE and
                CONDITIONAL too; that plus dynamic-slice fusion; the XLA attention path instead of
-               Pallas under cuBLAS; the engine's options with RoPE and the K/V write on XLA (six
-               small kernels a layer) instead of the one ``rope_write`` kernel.
+               Pallas under cuBLAS; the engine's options with RoPE, the K/V write and the norms on
+               XLA (ten small kernels a layer) instead of the ``rope_write`` and ``rms_norm`` kernels
+               (three).
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
   candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
@@ -151,9 +152,9 @@ VARIANTS = [
      {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_dynamic_slice_fusion": True},
      None),
     ("cuBLAS, XLA attention", TRITON_OFF, "xla"),
-    # The engine's own options (None: the table), with RoPE and the K/V write as XLA's kernels
-    # instead of the one rope_write launch per layer: what that kernel saves.
-    ("RoPE and K/V write on XLA", None, (("rope_write", "xla"),)),
+    # The engine's own options (None: the table), with RoPE, the K/V write and the norms as XLA's
+    # kernels instead of the one rope_write and two rms_norm launches a layer: what those save.
+    ("small kernels on XLA", None, (("rms_norm", "xla"), ("rope_write", "xla"))),
 ]
 # Seconds the demo pair's comparison is given in call 1 (its compile and runs took 55 s on an H200).
 COMPARE_RESERVE_S = 100

@@ -22,7 +22,8 @@ paged attention at the Llama-3-8B shape (32 q heads, 8 KV heads, D = 128, bf16) 
 DeepSeek-V3 shape (128 heads, latent 512 + rope 64) at B = 32 and context 4096, decode and an 8-node
 verify; the DSA indexer scores at DeepSeek-V3.2's (64 heads x 128, page 64); KV moves of accepted
 paths; the gather of the accepted rows' extras; RoPE and the K/V write of one Llama-3-8B layer at
-decode (B = 1, 16) and an 8-node verify (B = 16), against XLA's kernels for the same.
+decode (B = 1, 16) and an 8-node verify (B = 16), and its RMSNorm at the same row counts, each against
+XLA's kernels for the same.
 
 ``--xla-vs-reference`` times, in one run on any device, the XLA path users run
 (``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
@@ -58,7 +59,8 @@ from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.kvcache.pool import KVPool  # noqa: E402
 from jaxspec.model.config import RopeConfig  # noqa: E402
-from jaxspec.model.layers import Rope, rotate_and_write  # noqa: E402
+from jaxspec.model.layers import Rope, rotate_and_write, stacked_rms_norm  # noqa: E402
+from jaxspec.pallas.rms_norm import rms_norm_reference  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
 from jaxspec.pallas.paged_attention import (  # noqa: E402
     paged_attention, paged_attention_reference, paged_attention_xla,
@@ -371,16 +373,16 @@ class RopeShape:
 
 
 def rope_problem(s: RopeShape, seed: int = 0):
-    """A layer's new q, k, v and the pool: args ``((k_pool, v_pool, q_out), q, k, v, layer, slots, positions)``."""
+    """A layer's joined q/k/v heads and the pool: args ``((k_pool, v_pool, q_out), qkv, layer, slots, positions)``."""
     rng = np.random.default_rng(seed)
     dt = jnp.dtype(s.dtype)
     rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), dt)  # noqa: E731
     pool = jnp.zeros((s.layers, s.num_slots, s.kv_heads, s.head_dim), dt)
-    q = rand(s.rows, 1, s.q_heads, s.head_dim)
+    qkv = rand(s.rows, 1, s.q_heads + 2 * s.kv_heads, s.head_dim)
     slots = jnp.asarray(rng.choice(np.arange(s.num_slots // 4, s.num_slots), s.rows, replace=False), jnp.int32)
     positions = jnp.asarray(rng.integers(0, 8192, s.rows), jnp.int32)
-    args = ((pool, pool + 0, jnp.zeros_like(q)), q, rand(s.rows, 1, s.kv_heads, s.head_dim),
-            rand(s.rows, 1, s.kv_heads, s.head_dim), jnp.int32(s.layers // 2), slots, positions)
+    q_out = jnp.zeros((s.rows, 1, s.q_heads, s.head_dim), dt)
+    args = ((pool, pool + 0, q_out), qkv, jnp.int32(s.layers // 2), slots, positions)
     floor = s.rows * s.head_dim * dt.itemsize * 2 * (s.q_heads + 2 * s.kv_heads)  # read q, k, v; write each once
     return args, floor
 
@@ -388,13 +390,33 @@ def rope_problem(s: RopeShape, seed: int = 0):
 def rope_fn(implementation: str):
     """RoPE and the K/V write as the Llama layer runs them (``layers.rotate_and_write``); the rotated
     queries are returned with the pool so that no path can drop them."""
-    def fn(out, q, k, v, layer, slots, positions):
+    def fn(out, qkv, layer, slots, positions):
         pool = KVPool(k=out[0], v=out[1], page_size=16)
-        rope = Rope(positions[:, None], RopeConfig(theta=500_000.0).inv_freq(q.shape[-1]))
-        q, pool = rotate_and_write(q, k, v, pool, layer, slots, rope, implementation=implementation)
+        rope = Rope(positions[:, None], RopeConfig(theta=500_000.0).inv_freq(qkv.shape[-1]))
+        q, pool = rotate_and_write(qkv, pool, layer, slots, rope, q_heads=out[2].shape[2], implementation=implementation)
         return pool.k, pool.v, q
 
     return fn
+
+
+def norm_problem(rows: int, width: int, seed: int = 0, dtype: str = "bfloat16"):
+    """Rows of the residual stream and a norm's stacked weights (32 layers): ``(x, weights, layer)``."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((rows, width)), dt)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal((32, width)), dt)
+    return (x, w, jnp.int32(7)), (2 * rows + 1) * width * dt.itemsize  # read x and one weight row, write
+
+
+def norm_fn(implementation: str):
+    return functools.partial(stacked_rms_norm, eps=1e-5, implementation=implementation)
+
+
+def norm_shapes(smoke: bool) -> list[tuple[str, int, int, str]]:
+    if smoke:
+        return [("norm-smoke", 3, 40, "float32")]
+    return [("llama3-8b decode B=1", 1, 4096, "bfloat16"), ("llama3-8b decode B=16", 16, 4096, "bfloat16"),
+            ("llama3-8b verify n=8 B=16", 128, 4096, "bfloat16")]
 
 
 # --------------------------------------------------------------------------- shapes
@@ -514,6 +536,8 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
                                 lambda impl: functools.partial(gather_spec_extras, implementation=impl)))
     for s in rope_shapes(smoke):
         cases.append(KernelCase("rope_write", s.name, functools.partial(rope_problem, s), rope_fn, feed_back=True))
+    for name, rows, width, dtype in norm_shapes(smoke):
+        cases.append(KernelCase("rms_norm", name, functools.partial(norm_problem, rows, width, dtype=dtype), norm_fn))
     # The exact mode: the fixed-tile product against XLA's (cuBLAS on a GPU), the row-by-row attention
     # against the default paged kernel (in the XLA column).
     for name, rows, k, n in matmul_shapes(smoke):
@@ -672,6 +696,12 @@ def check(args) -> list[dict]:
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # values: copied
             close(got[2], want[2], s.dtype)
         report("rope_write", s.name, rope)
+    for name, rows_, width, dtype in norm_shapes(args.smoke) + ([] if args.smoke else [
+            ("check norm rows=5 H=3584 f32", 5, 3584, "float32")]):
+        def norm(rows_=rows_, width=width, dtype=dtype):
+            a, _ = norm_problem(rows_, width, seed=5, dtype=dtype)
+            close(norm_fn("pallas")(*a), rms_norm_reference(*a, 1e-5), dtype)
+        report("rms_norm", name, norm)
     return rows
 
 

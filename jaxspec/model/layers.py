@@ -22,11 +22,12 @@ from jaxspec.kvcache.paging import AttentionInputs, WindowTable, scratch_dropped
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
-from jaxspec.model.fused import shards_of, split_columns
+from jaxspec.model.fused import column_shards, fuse_columns, shards_of, split_columns
 from jaxspec.pallas import dispatch
 from jaxspec.pallas.exact import exact_on, matmul, row_mean
 from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.rms_norm import rms_norm_pallas
 from jaxspec.pallas.rope_write import rope_cos_sin, rope_write_pallas, rope_write_unsupported
 
 
@@ -42,6 +43,28 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
     if gemma:
         return (xf * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def stacked_rms_norm(
+    x: jax.Array,  # [..., H]
+    weights: jax.Array,  # [L, H] a norm's weights, stacked per layer
+    layer: jax.Array,  # i32[]
+    *,
+    eps: float,
+    implementation,
+    tensor_parallel: int = 1,
+) -> jax.Array:  # [..., H]
+    """``rms_norm(x, weights[layer], eps)``, one kernel on a GPU (``jaxspec.pallas.rms_norm``: it
+    reads the stacked weights where they lie). The exact mode keeps its fixed-order mean (XLA
+    path). With ``tensor_parallel`` shards every shard normalizes its whole copy of ``x``."""
+    if exact_on() or dispatch.choose("rms_norm", implementation, shape_class="rms_norm") == "xla":
+        return rms_norm(x, weights[layer], eps)
+
+    def local(x, weights, layer):
+        rows = rms_norm_pallas(x.reshape(-1, x.shape[-1]), weights, layer, eps, interpret=dispatch.interpret_mode())
+        return rows.reshape(x.shape[:-1] + rows.shape[-1:])
+
+    return per_model_shard(local, in_specs=(P(), P(), P()), out_specs=P(), shards=tensor_parallel)(x, weights, layer)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:  # f32[dim // 2]
@@ -80,8 +103,8 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 def write_and_attend(
-    q: jax.Array,  # [B, T, Hq, D] (RoPE applied, or not yet with ``rope``)
-    k: jax.Array,  # [B, T, Hkv, D] (likewise)
+    q: jax.Array,  # [B, T, Hq, D] (RoPE applied)
+    k: jax.Array,  # [B, T, Hkv, D] (RoPE applied)
     v: jax.Array,  # [B, T, Hkv, D]
     pool: KVPool,
     layer: jax.Array,  # i32[]
@@ -90,34 +113,56 @@ def write_and_attend(
     implementation,
     sm_scale: float | None = None,
     tensor_parallel: int = 1,
-    rope: "Rope | None" = None,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """Writes the new K/V into the pool first, then attends through the page table, so a
-    token reads its own (pool-dtype) K/V exactly as later tokens will. With ``rope`` q and k
-    arrive unrotated and are rotated together with the write (``rotate_and_write``: one kernel
-    on a GPU). With ``tensor_parallel`` shards, heads and the pool's KV heads are split over the
-    mesh's model axis and every shard attends over its own heads."""
+    token reads its own (pool-dtype) K/V exactly as later tokens will. With ``tensor_parallel``
+    shards, heads and the pool's KV heads are split over the mesh's model axis and every shard
+    attends over its own heads."""
     D = k.shape[-1]
 
-    def local(q, k, v, pool, layer, attn, *positions):
+    def local(q, k, v, pool, layer, attn):
         B, T, Hkv, _ = k.shape
-        slots = attn.write_slots.reshape(B * T)
-        if rope is None:
-            pool = pool.write(layer, slots, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-        else:
-            q, pool = rotate_and_write(q, k, v, pool, layer, slots, rope._replace(positions=positions[0]),
-                                       implementation=implementation)
-        attend = exact_attention if exact_on() else functools.partial(paged_attention, implementation=implementation)
-        o = attend(q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
-                   page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(D))
-        return o, pool
+        pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+        return _attend(q, pool, layer, attn, implementation, sm_scale), pool
 
-    whole = () if rope is None else (rope.positions,)
-    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn, *whole)
+    return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
+
+
+def rope_write_and_attend(
+    qkv: jax.Array,  # [B, T, Hq + 2 Hkv, D] joined heads, unrotated (``joined_qkv``)
+    pool: KVPool,
+    layer: jax.Array,  # i32[]
+    attn: AttentionInputs,
+    rope: "Rope",
+    *,
+    q_heads: int,  # Hq (all shards)
+    implementation,
+    sm_scale: float | None = None,
+    tensor_parallel: int = 1,
+) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
+    """``write_and_attend`` for q/k/v as the joined product leaves them: RoPE on q and k and the K/V
+    write in one step (``rotate_and_write``: one kernel on a GPU), then attention."""
+    Hkv = pool.k.shape[2] * tensor_parallel
+
+    def local(qkv, pool, layer, attn, positions):
+        B, T = qkv.shape[:2]
+        q, pool = rotate_and_write(qkv, pool, layer, attn.write_slots.reshape(B * T), rope._replace(positions=positions),
+                                   q_heads=q_heads // tensor_parallel, implementation=implementation)
+        return _attend(q, pool, layer, attn, implementation, sm_scale), pool
+
+    if qkv.shape[2] != q_heads + 2 * (pool.k.shape[2]):
+        raise ValueError(f"joined heads {qkv.shape} do not hold {q_heads} query heads and the pool's {Hkv} KV heads")
+    return _per_head_shard(local, tensor_parallel, head_args=1)(qkv, pool, layer, attn, rope.positions)
+
+
+def _attend(q, pool: KVPool, layer, attn: AttentionInputs, implementation, sm_scale) -> jax.Array:  # [B, T, Hq, D]
+    attend = exact_attention if exact_on() else functools.partial(paged_attention, implementation=implementation)
+    return attend(q, pool.k, pool.v, layer, attn.page_table, attn.prefix_lens, attn.block_mask,
+                  page_size=pool.page_size, sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]))
 
 
 class Rope(NamedTuple):
-    """RoPE still to apply to a layer's q and k (``write_and_attend(..., rope=)``)."""
+    """RoPE still to apply to a layer's q and k (``rope_write_and_attend``)."""
 
     positions: jax.Array  # i32[B, T]
     inv_freq: np.ndarray  # f32[D // 2]
@@ -125,42 +170,44 @@ class Rope(NamedTuple):
 
 
 def rotate_and_write(
-    q: jax.Array,  # [B, T, Hq, D] unrotated
-    k: jax.Array,  # [B, T, Hkv, D] unrotated
-    v: jax.Array,  # [B, T, Hkv, D]
+    qkv: jax.Array,  # [B, T, Hq + 2 Hkv, D] joined heads, unrotated
     pool: KVPool,
     layer: jax.Array,  # i32[]
     slots: jax.Array,  # i32[B * T] pool slots (scratch: not written)
     rope: Rope,
     *,
+    q_heads: int,  # Hq
     implementation,
 ) -> tuple[jax.Array, KVPool]:  # rotated q [B, T, Hq, D], new pool
     """RoPE on q and k, then k and v written at ``slots``: ``apply_rope`` and ``KVPool.write`` on
     XLA, one launch on a GPU (``jaxspec.pallas.rope_write``)."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    unsupported = rope_write_unsupported(q.shape, pool.k.shape)
+    B, T, Hw, D = qkv.shape
+    Hkv = (Hw - q_heads) // 2
+    unsupported = rope_write_unsupported(pool.k.shape)
     if dispatch.choose("rope_write", implementation, shape_class="rope_write", unsupported=unsupported) == "xla":
-        q = apply_rope(q, rope.positions, rope.inv_freq, rope.scale)
-        k = apply_rope(k, rope.positions, rope.inv_freq, rope.scale)
+        q = apply_rope(qkv[:, :, :q_heads], rope.positions, rope.inv_freq, rope.scale)
+        k = apply_rope(qkv[:, :, q_heads:q_heads + Hkv], rope.positions, rope.inv_freq, rope.scale)
+        v = qkv[:, :, q_heads + Hkv:]
         return q, pool.write(layer, slots, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
     q, k_pool, v_pool = rope_write_pallas(
-        q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), pool.k, pool.v, layer,
-        scratch_dropped(slots, pool.page_size, pool.num_slots), rope.positions.reshape(B * T), rope.inv_freq,
-        scale=rope.scale, interpret=dispatch.interpret_mode())
-    return q.reshape(B, T, Hq, D), pool.with_buffers((k_pool, v_pool))
+        qkv.reshape(B * T, Hw, D), pool.k, pool.v, layer, scratch_dropped(slots, pool.page_size, pool.num_slots),
+        rope.positions.reshape(B * T), rope.inv_freq, q_heads=q_heads, scale=rope.scale,
+        interpret=dispatch.interpret_mode())
+    return q.reshape(B, T, q_heads, D), pool.with_buffers((k_pool, v_pool))
 
 
-def _per_head_shard(local, tensor_parallel: int):
-    """``local(q, k, v, pool, layer, attn, *whole) -> (o, pool)`` run on each model shard's heads:
-    q/k/v/o and the pool's KV heads split over the model axis; layer, attn and the rest whole."""
+def _per_head_shard(local, tensor_parallel: int, head_args: int = 3):
+    """``local(*heads, pool, layer, attn, *whole) -> (o, pool)`` run on each model shard's heads:
+    the first ``head_args`` arguments (q, k, v, or joined q/k/v), o and the pool's KV heads split
+    over the model axis; layer, attn and the rest whole."""
     heads = P(None, None, MODEL, None)
 
-    def fn(q, k, v, pool, layer, attn, *whole):
+    def fn(*args):
+        pool, layer, attn, *whole = args[head_args:]
         pool_heads = jax.tree.map(lambda _: heads, pool)
-        in_specs = (heads, heads, heads, pool_heads, P(), jax.tree.map(lambda _: P(), attn)) + (P(),) * len(whole)
+        in_specs = (heads,) * head_args + (pool_heads, P(), jax.tree.map(lambda _: P(), attn)) + (P(),) * len(whole)
         return per_model_shard(local, in_specs=in_specs, out_specs=(heads, pool_heads),
-                               shards=tensor_parallel)(q, k, v, pool, layer, attn, *whole)
+                               shards=tensor_parallel)(*args)
 
     return fn
 
@@ -290,26 +337,48 @@ def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs
 # ``w_gate_up`` (``jaxspec.model.fused``).
 
 
-def _query(q: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq,
-           rotate: bool = True) -> jax.Array:  # [B, T, Hq*D] -> [B, T, Hq, D]
+def _query(q: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq) -> jax.Array:  # [B, T, Hq*D] -> [B, T, Hq, D]
     q = q.reshape(q.shape[:2] + (cfg.num_heads, cfg.head_dim))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale) if rotate else q  # scale: YaRN's factor
+    return apply_rope(q, positions, inv_freq, cfg.rope.cos_sin_scale)  # scale: YaRN's attention factor
 
 
-def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq,
-               rotate: bool = True):  # [B, T, Hkv*D] each
+def _key_value(k: jax.Array, v: jax.Array, lp: dict, cfg, positions: jax.Array, inv_freq):  # [B, T, Hkv*D] each
     shape = k.shape[:2] + (cfg.num_kv_heads, cfg.head_dim)
     k, v = k.reshape(shape), v.reshape(shape)
     if cfg.qk_norm:
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return (apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale) if rotate else k), v
+    return apply_rope(k, positions, inv_freq, cfg.rope.cos_sin_scale), v
 
 
 def layer_rope(cfg, positions: jax.Array, inv_freq) -> Rope:
-    """The RoPE a layer of ``cfg`` applies at ``positions``, for ``write_and_attend(rope=)``."""
+    """The RoPE a layer of ``cfg`` applies at ``positions``, for ``rope_write_and_attend``."""
     return Rope(positions, inv_freq, cfg.rope.cos_sin_scale)
+
+
+def joins_heads(lp: dict, cfg) -> bool:
+    """Whether a layer's q/k/v can stay joined into attention (``joined_qkv``): one ``wqkv`` whose
+    columns are grouped per model shard the way the heads are split."""
+    parts = (cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2
+    return "wqkv" in lp and column_shards(parts, shards_of(cfg)) == shards_of(cfg)
+
+
+def joined_qkv(
+    lp: dict, cfg, a: jax.Array  # a [B, T, A] attention input
+) -> jax.Array:  # [B, T, Hq + 2 Hkv, D] heads in the per-shard column order, unrotated
+    """q, k and v of one input as one array of heads (the ``wqkv`` product as it lies; Qwen3's
+    q/k norms applied to their parts). RoPE is left to ``rope_write_and_attend``."""
+    y = matmul(a, lp["wqkv"])
+    if cfg.attention_bias:
+        y = y + lp["bqkv"]
+    if cfg.qk_norm:
+        kv = cfg.num_kv_heads * cfg.head_dim
+        q, k, v = split_columns(y, (cfg.num_heads * cfg.head_dim, kv, kv), shards_of(cfg))
+        q, k, v = (x.reshape(x.shape[:2] + (-1, cfg.head_dim)) for x in (q, k, v))
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        y = fuse_columns([x.reshape(x.shape[:2] + (-1,)) for x in (q, k, v)], shards_of(cfg))
+    return y.reshape(y.shape[:2] + (-1, cfg.head_dim))
 
 
 def _joined(lp: dict, name: str, cfg, a: jax.Array, sizes) -> tuple:
@@ -339,35 +408,48 @@ def project_kv(
 
 
 def project_qkv(
-    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq,  # a [B, T, A] attention input
-    rotate: bool = True,
+    lp: dict, cfg, a: jax.Array, positions: jax.Array, inv_freq  # a [B, T, A] attention input
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D] (q, k with RoPE)
-    """q, k and v of one input: one product with the joined ``wqkv`` (two with ``wq`` and ``wkv``).
-    ``rotate=False``: q and k without RoPE (``write_and_attend(rope=)`` applies it)."""
+    """q, k and v of one input: one product with the joined ``wqkv`` (two with ``wq`` and ``wkv``)."""
     if "wqkv" not in lp:
-        if not rotate:
-            raise ValueError("unrotated q/k are built from a joined wqkv only")
         return (project_q(lp, cfg, a, positions, inv_freq), *project_kv(lp, cfg, a, positions, inv_freq))
     kv = cfg.num_kv_heads * cfg.head_dim
     q, k, v = _joined(lp, "qkv", cfg, a, (cfg.num_heads * cfg.head_dim, kv, kv))
-    return (_query(q, lp, cfg, positions, inv_freq, rotate), *_key_value(k, v, lp, cfg, positions, inv_freq, rotate))
+    return (_query(q, lp, cfg, positions, inv_freq), *_key_value(k, v, lp, cfg, positions, inv_freq))
 
 
 def attention_qkv(
-    lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq,  # x [B, T, H] residual stream
-    rotate: bool = True,
+    lp: dict, cfg, x: jax.Array, positions: jax.Array, inv_freq  # x [B, T, H] residual stream
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [B, T, Hq, D], k, v [B, T, Hkv, D]
-    """Input norm, then q/k/v projections and RoPE (``rotate``): the part of a layer before attention."""
-    return project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq, rotate)
+    """Input norm, then q/k/v projections and RoPE: the part of a layer before attention."""
+    return project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+
+
+def project_and_attend(
+    lp: dict, cfg, a: jax.Array, pool: KVPool, layer: jax.Array, attn: AttentionInputs,
+    positions: jax.Array, inv_freq, *, implementation,  # a [B, T, A] attention input
+) -> tuple[jax.Array, KVPool]:  # o [B, T, Hq, D], new pool
+    """q/k/v of ``a``, RoPE, the K/V write and attention over the pool: the joined heads through
+    ``rope_write_and_attend`` where the layer's weights allow it (``joins_heads``), else
+    ``project_qkv`` and ``write_and_attend``."""
+    tp = shards_of(cfg)
+    if joins_heads(lp, cfg):
+        return rope_write_and_attend(joined_qkv(lp, cfg, a), pool, layer, attn, layer_rope(cfg, positions, inv_freq),
+                                     q_heads=cfg.num_heads, implementation=implementation, tensor_parallel=tp)
+    q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
+    return write_and_attend(q, k, v, pool, layer, attn, implementation=implementation, tensor_parallel=tp)
 
 
 def layer_tail(
-    lp: dict, cfg, x: jax.Array, o: jax.Array  # x [B, T, H] residual; o [B, T, Hq, D] attention output
+    lp: dict, cfg, x: jax.Array, o: jax.Array,  # x [B, T, H] residual; o [B, T, Hq, D] attention output
+    mlp_norm=None,
 ) -> jax.Array:  # [B, T, H] residual stream leaving the layer
-    """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention."""
+    """Output projection and residual, then the SwiGLU MLP block: the part of a layer after attention.
+    ``mlp_norm``: the MLP's input norm as a function of the residual (default: ``lp["mlp_norm"]``'s)."""
     B, T, _ = x.shape
     x = x + matmul(o.reshape(B, T, -1), lp["wo"])
-    return x + gated_mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate_up"], lp["w_down"], shards_of(cfg))
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps) if mlp_norm is None else mlp_norm(x)
+    return x + gated_mlp(h, lp["w_gate_up"], lp["w_down"], shards_of(cfg))
 
 
 def routed_experts(

@@ -17,10 +17,10 @@ attention factor) and rounded to the input dtype as the XLA path does, and each 
 row's result never depends on the batch or on how many rows a call holds (lossless: verify and
 decode rotate a token identically).
 
-Pallas kernel (Triton): grid ``(R,)``; the program of row ``r`` loads the two halves of every
-query and key head as ``[heads, D / 2]`` tiles, rotates them, stores the queries to a new array and
-the keys and values to the pool rows ``(layer * N + slot) * Hkv + h`` in place
-(``input_output_aliases``). A row whose slot is ``>= N`` (the scratch page, see
+Pallas kernel (Triton): grid ``(R,)``; the heads arrive joined, ``[R, Hq + 2 Hkv, D]`` (the q/k/v
+product's output as it lies). The program of row ``r`` loads the two halves of every query and key
+head as ``[heads, D / 2]`` tiles, rotates them, stores the queries to a new array and the keys and
+values to the pool rows ``(layer * N + slot) * Hkv + h`` in place (``input_output_aliases``). A row whose slot is ``>= N`` (the scratch page, see
 ``kvcache.paging.scratch_dropped``) rotates its query and writes nothing.
 """
 
@@ -58,9 +58,7 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # x [R, 
 
 
 def rope_write_reference(
-    q: jax.Array,  # [R, Hq, D]
-    k: jax.Array,  # [R, Hkv, D]
-    v: jax.Array,  # [R, Hkv, D]
+    qkv: jax.Array,  # [R, Hq + 2 Hkv, D] a layer's joined q/k/v heads, unrotated
     k_pool: jax.Array,  # [L, N, Hkv, D]
     v_pool: jax.Array,  # [L, N, Hkv, D]
     layer: jax.Array,  # i32[]
@@ -68,10 +66,13 @@ def rope_write_reference(
     positions: jax.Array,  # i32[R]
     inv_freq,  # f32[D // 2]
     *,
+    q_heads: int,
     scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # rotated q [R, Hq, D], k_pool, v_pool
     """Pure-jnp oracle of the kernel."""
-    cos, sin = rope_cos_sin(positions, inv_freq, scale, q.dtype)
+    Hkv = k_pool.shape[2]
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + Hkv], qkv[:, q_heads + Hkv:]
+    cos, sin = rope_cos_sin(positions, inv_freq, scale, qkv.dtype)
     k = rotate(k, cos, sin)
     return (rotate(q, cos, sin),
             k_pool.at[layer, slots].set(k.astype(k_pool.dtype), mode="drop"),
@@ -83,9 +84,7 @@ def _rope_write_kernel(
     slot_ref,  # i32[R]
     pos_ref,  # i32[R]
     freq_ref,  # f32[D / 2]
-    q_ref,  # [R * Hq, D]
-    k_ref,  # [R * Hkv, D]
-    v_ref,  # [R * Hkv, D]
+    qkv_ref,  # [R * (Hq + 2 Hkv), D]
     _k_pool_in,  # aliased to k_pool_ref
     _v_pool_in,  # aliased to v_pool_ref
     q_out_ref,  # [R * Hq, D]
@@ -104,8 +103,8 @@ def _rope_write_kernel(
     freq = plgpu.load(freq_ref.at[c]) if c_ok is None else plgpu.load(freq_ref.at[c], mask=c_ok, other=0.0)
     angle = pos_ref[r].astype(jnp.float32) * freq  # f32[Dh]
     # Rounded to the input dtype first, as the XLA path's cos / sin are.
-    cos = (jnp.cos(angle) * scale).astype(q_ref.dtype).astype(jnp.float32)[None, :]
-    sin = (jnp.sin(angle) * scale).astype(q_ref.dtype).astype(jnp.float32)[None, :]
+    cos = (jnp.cos(angle) * scale).astype(qkv_ref.dtype).astype(jnp.float32)[None, :]
+    sin = (jnp.sin(angle) * scale).astype(qkv_ref.dtype).astype(jnp.float32)[None, :]
 
     def halves(ref, row, mask):  # the two halves of rows ``row`` (i32[h]): [h, Dh] each
         return (plgpu.load(ref.at[row[:, None], c[None, :]], mask=mask, other=0),
@@ -119,47 +118,49 @@ def _rope_write_kernel(
         plgpu.store(ref.at[row[:, None], c[None, :]], lo.astype(ref.dtype), mask=mask)
         plgpu.store(ref.at[row[:, None], half + c[None, :]], hi.astype(ref.dtype), mask=mask)
 
+    first = r * (q_heads + 2 * kv_heads)  # this row's first head in qkv
     hq = jnp.arange(next_pow2(q_heads), dtype=jnp.int32)
     q_ok = hq < q_heads
-    q_row = jnp.where(q_ok, r * q_heads + hq, q_out_ref.shape[0])  # masked rows: out of range
     q_mask = tile_mask(q_ok, c, c_ok)
-    store(q_out_ref, q_row, *rotated(*halves(q_ref, q_row, q_mask)), q_mask)
+    q_out = jnp.where(q_ok, r * q_heads + hq, q_out_ref.shape[0])  # masked rows: out of range
+    store(q_out_ref, q_out, *rotated(*halves(qkv_ref, first + jnp.where(q_ok, hq, 0), q_mask)), q_mask)
 
     slot = slot_ref[r]
     hk = jnp.arange(next_pow2(kv_heads), dtype=jnp.int32)
     src_ok = hk < kv_heads
     dst_ok = src_ok & (slot >= 0) & (slot < num_slots)
-    src = jnp.where(src_ok, r * kv_heads + hk, 0)
+    k_row = first + q_heads + jnp.where(src_ok, hk, 0)
     dst = jnp.where(dst_ok, (layer_ref[0] * num_slots + slot) * kv_heads + hk, k_pool_ref.shape[0])
     src_mask, dst_mask = tile_mask(src_ok, c, c_ok), tile_mask(dst_ok, c, c_ok)
-    store(k_pool_ref, dst, *rotated(*halves(k_ref, src, src_mask)), dst_mask)
-    store(v_pool_ref, dst, *halves(v_ref, src, src_mask), dst_mask)
+    store(k_pool_ref, dst, *rotated(*halves(qkv_ref, k_row, src_mask)), dst_mask)
+    store(v_pool_ref, dst, *halves(qkv_ref, k_row + kv_heads, src_mask), dst_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _rope_write_call(q, k, v, k_pool, v_pool, layer, slots, positions, inv_freq, *, scale: float, interpret: bool):
-    R, Hq, D = q.shape
+@functools.partial(jax.jit, static_argnames=("q_heads", "scale", "interpret"))
+def _rope_write_call(qkv, k_pool, v_pool, layer, slots, positions, inv_freq, *, q_heads: int, scale: float,
+                     interpret: bool):
+    R, Hw, D = qkv.shape
     L, N, Hkv, _ = k_pool.shape
-    ins = (layer, slots, positions, inv_freq, q.reshape(R * Hq, D), k.reshape(R * Hkv, D), v.reshape(R * Hkv, D),
-           k_pool.reshape(L * N * Hkv, D), v_pool.reshape(L * N * Hkv, D))
-    out_shape = (jax.ShapeDtypeStruct((R * Hq, D), q.dtype), jax.ShapeDtypeStruct(ins[7].shape, k_pool.dtype),
-                 jax.ShapeDtypeStruct(ins[8].shape, v_pool.dtype))
+    ins = (layer, slots, positions, inv_freq, qkv.reshape(R * Hw, D), k_pool.reshape(L * N * Hkv, D),
+           v_pool.reshape(L * N * Hkv, D))
+    out_shape = (jax.ShapeDtypeStruct((R * q_heads, D), qkv.dtype), jax.ShapeDtypeStruct(ins[5].shape, k_pool.dtype),
+                 jax.ShapeDtypeStruct(ins[6].shape, v_pool.dtype))
     q_out, k_flat, v_flat = pl.pallas_call(
-        functools.partial(_rope_write_kernel, q_heads=Hq, kv_heads=Hkv, half=D // 2, num_slots=N, scale=scale),
+        functools.partial(_rope_write_kernel, q_heads=q_heads, kv_heads=Hkv, half=D // 2, num_slots=N, scale=scale),
         grid=(R,),
         in_specs=[whole(x) for x in ins],
         out_specs=tuple(whole(s) for s in out_shape),
         out_shape=out_shape,
-        input_output_aliases={7: 1, 8: 2},
+        input_output_aliases={5: 1, 6: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="rope_write",
     )(*ins)
-    return q_out.reshape(R, Hq, D), k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
+    return q_out.reshape(R, q_heads, D), k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
 
 
-def rope_write_unsupported(q_shape: tuple, pool_shape: tuple) -> str | None:
-    """Why the kernel cannot take q ``[..., Hq, D]`` and a pool ``[L, N, Hkv, D]``, or None."""
+def rope_write_unsupported(pool_shape: tuple) -> str | None:
+    """Why the kernel cannot take a pool ``[L, N, Hkv, D]``, or None."""
     L, N, Hkv, D = pool_shape
     if D % 2:
         return f"rotate-half RoPE needs an even head width, got {D}"
@@ -169,9 +170,7 @@ def rope_write_unsupported(q_shape: tuple, pool_shape: tuple) -> str | None:
 
 
 def rope_write_pallas(
-    q: jax.Array,  # [R, Hq, D]
-    k: jax.Array,  # [R, Hkv, D]
-    v: jax.Array,  # [R, Hkv, D]
+    qkv: jax.Array,  # [R, Hq + 2 Hkv, D] joined q/k/v heads, unrotated
     k_pool: jax.Array,  # [L, N, Hkv, D]
     v_pool: jax.Array,  # [L, N, Hkv, D]
     layer: jax.Array,  # i32[]
@@ -179,19 +178,21 @@ def rope_write_pallas(
     positions: jax.Array,  # i32[R]
     inv_freq,  # f32[D // 2]
     *,
+    q_heads: int,
     scale: float = 1.0,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # rotated q [R, Hq, D], k_pool, v_pool (updated in place)
-    """Pallas path: rotates q and k, writes k and v at ``slots`` of ``layer`` (module docstring)."""
-    R, Hq, D = q.shape
-    if reason := rope_write_unsupported(q.shape, k_pool.shape):
+    """Pallas path: rotates q and k, writes k and v at ``slots`` of ``layer`` (module docstring).
+    The heads come joined as the q/k/v product leaves them, so the kernel reads its output where
+    it lies (split apart, they would be copied into buffers of their own first)."""
+    if reason := rope_write_unsupported(k_pool.shape):
         raise NotImplementedError(f"rope_write: {reason}")
-    if k.shape != v.shape or k.shape[0] != R or k_pool.shape[2:] != k.shape[1:] or k_pool.shape != v_pool.shape:
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not fit pools {k_pool.shape} / {v_pool.shape}")
-    if Hq % k.shape[1]:
-        raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
+    R, Hw, D = qkv.shape
+    if k_pool.shape != v_pool.shape or k_pool.shape[3] != D or Hw != q_heads + 2 * k_pool.shape[2]:
+        raise ValueError(f"qkv {qkv.shape} with {q_heads} query heads does not fit pools {k_pool.shape} / "
+                         f"{v_pool.shape}")
     return _rope_write_call(
-        q, k, v, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32).reshape(R),
-        positions.astype(jnp.int32).reshape(R), jnp.asarray(inv_freq, jnp.float32), scale=float(scale),
-        interpret=interpret,
+        qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32).reshape(R),
+        positions.astype(jnp.int32).reshape(R), jnp.asarray(inv_freq, jnp.float32), q_heads=q_heads,
+        scale=float(scale), interpret=interpret,
     )

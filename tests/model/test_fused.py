@@ -53,7 +53,10 @@ def test_a_llama_layer_runs_four_products(arch):
     scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1
     body = scans[0].params["jaxpr"].jaxpr
-    weights = {v for v in body.invars  # one layer's [in, out] weights (float, 2-D; the carry and pools are not)
-               if len(v.aval.shape) == 2 and jnp.issubdtype(v.aval.dtype, jnp.floating)}
+    # One layer's [in, out] weights (float, 2-D; the carry and pools are not, and the norms' stacked
+    # [L, H] weights come whole: stacked_rms_norm indexes them by layer).
+    weights = {v for v in body.invars
+               if len(v.aval.shape) == 2 and jnp.issubdtype(v.aval.dtype, jnp.floating)
+               and v.aval.shape != (cfg.num_layers, cfg.hidden_size)}
     assert len(weights) == 4
     assert _weight_products(body, weights) == 4

@@ -25,7 +25,7 @@ Shapes (bf16 pools, 4k context unless said otherwise):
   differ); the MTP seed gather of the flattened streams (4 x 4096).
 * KV move: the MHA pool (K and V) and the MLA + indexer pool; the fused spec-extras gather.
 * RoPE and the K/V write (Llama-3-8B: decode, verify n=8 at batch 32, a 2048-token prefill;
-  Qwen2.5-7B's 28 / 4 heads, which pad to a power of two).
+  Qwen2.5-7B's 28 / 4 heads, which pad to a power of two); RMSNorm at both models' widths.
 * Gemma-4-31B-like attention (report rows): head dim 256 (sliding layers, 32 / 16 heads) and
   512 (full layers, 32 / 4 heads). They need not meet the spill criterion, but then the
   dispatch must route them to XLA on a GPU with the reason recorded.
@@ -50,6 +50,7 @@ from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
 from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention_pallas
 from jaxspec.pallas.paged_attention import paged_attention_pallas
+from jaxspec.pallas.rms_norm import rms_norm_pallas
 from jaxspec.pallas.rope_write import rope_write_pallas
 
 _BF16 = jnp.bfloat16
@@ -178,15 +179,24 @@ def gather_case(batch: int, rows_per_request: int, hidden: int | None):
 
 def rope_write_case(rows: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128, layers: int = 32):
     """RoPE on ``rows`` new tokens' q and k, and their K/V written into the pool."""
-    q = _sds((rows, q_heads, head_dim), _BF16)
-    kv = _sds((rows, kv_heads, head_dim), _BF16)
+    qkv = _sds((rows, q_heads + 2 * kv_heads, head_dim), _BF16)
     pool = _sds((layers, 32 * CTX + 16, kv_heads, head_dim), _BF16)
     inv_freq = RopeConfig(theta=500_000.0).inv_freq(head_dim)
 
-    def fn(q, k, v, k_pool, v_pool, layer, slots, positions):
-        return rope_write_pallas(q, k, v, k_pool, v_pool, layer, slots, positions, inv_freq, interpret=False)
+    def fn(qkv, k_pool, v_pool, layer, slots, positions):
+        return rope_write_pallas(qkv, k_pool, v_pool, layer, slots, positions, inv_freq, q_heads=q_heads,
+                                 interpret=False)
 
-    return fn, (q, kv, kv, pool, pool, _sds((), _I32), _sds((rows,), _I32), _sds((rows,), _I32))
+    return fn, (qkv, pool, pool, _sds((), _I32), _sds((rows,), _I32), _sds((rows,), _I32))
+
+
+def rms_norm_case(rows: int, width: int = 4096, layers: int = 32):
+    """RMSNorm of ``rows`` rows with one layer's weights out of the stacked ``[L, H]``."""
+
+    def fn(x, weights, layer):
+        return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False)
+
+    return fn, (_sds((rows, width), _BF16), _sds((layers, width), _BF16), _sds((), _I32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +343,10 @@ CASES: list[CompileCase] = [
     CompileCase("rope_write llama3-8b prefill 2048", "rope_write", functools.partial(rope_write_case, 2048)),
     CompileCase("rope_write qwen2.5-7b decode B=16 (28/4 heads)", "rope_write",
                 functools.partial(rope_write_case, 16, 28, 4, 128, 28)),
+    # RMSNorm: Llama-3-8B's width at decode and in a prefill chunk; Qwen2.5-7B's 3584 (padded)
+    CompileCase("rms_norm llama3-8b decode B=1", "rms_norm", functools.partial(rms_norm_case, 1)),
+    CompileCase("rms_norm llama3-8b prefill 2048", "rms_norm", functools.partial(rms_norm_case, 2048)),
+    CompileCase("rms_norm qwen2.5-7b decode B=16 (H=3584)", "rms_norm", functools.partial(rms_norm_case, 16, 3584, 28)),
     # The exact mode's kernels (fixed tiles: the same programs for 1 row as for n)
     CompileCase("exact attention llama3-8b decode B=32 p16", "exact_attention",
                 functools.partial(exact_attention_case, _decode(32, **LLAMA))),

@@ -66,8 +66,9 @@ def test_dry_run_runs_every_item_of_both_calls():
     # XLA option variants: every option accepted by this jaxlib; the first and last compiled.
     for name in ("variants_b1", "variants_b16"):
         assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
-        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, RoPE and K/V write on XLA"]
-        assert rows[name][1]["options"] == "engine table" and rows[name][1]["implementation"] == [["rope_write", "xla"]]
+        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, small kernels on XLA"]
+        assert rows[name][1]["options"] == "engine table"
+        assert rows[name][1]["implementation"] == [["rms_norm", "xla"], ["rope_write", "xla"]]
     # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
     assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
     assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])
@@ -88,7 +89,7 @@ def test_dry_run_runs_every_item_of_both_calls():
     # (a difference of two wall times: at toy sizes on a busy CPU it can come out negative)
     assert isinstance(rows["v4"][0]["ms_per_step"], float)
     assert rows["v4"][0]["weight_bytes"] > rows["v4"][0]["active_weight_bytes_b1"] > 0
-    kinds = {"attention", "mla", "indexer", "kv_move", "gather"}
+    kinds = {"attention", "mla", "indexer", "kv_move", "gather", "rope_write", "rms_norm"}
     assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "exact_attention"}
     assert all(r["pallas_calls"] >= 2 for r in rows["kernels"])
     assert {r["kind"] for r in rows["check"]} == kinds and all(r["ok"] for r in rows["check"])

@@ -1,5 +1,5 @@
 """RoPE-and-write kernel (interpret mode on CPU) against its float32 reference and against the
-model's XLA path (``apply_rope`` then ``KVPool.write``), on fresh random inputs.
+model's XLA path (``apply_rope`` then ``KVPool.write``), on fresh random joined q/k/v heads.
 
 The pool is updated in place, so every slot the call does not write must stay bit-identical,
 and a row whose slot is the scratch page writes nothing. Values are copied, so they are
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,7 +64,7 @@ def _inputs(case: RopeCase):
     slots[1::3] = SCRATCH_PAGE * P + rng.integers(0, P, size=len(slots[1::3]))
     positions = rng.integers(0, 70_000, size=R).astype(np.int32)
     inv_freq = RopeConfig(theta=500_000.0).inv_freq(D)
-    return dict(q=rand(R, case.q_heads, D), k=rand(R, case.kv_heads, D), v=rand(R, case.kv_heads, D),
+    return dict(qkv=rand(R, case.q_heads + 2 * case.kv_heads, D),
                 k_pool=rand(case.layers, N, case.kv_heads, D), v_pool=rand(case.layers, N, case.kv_heads, D),
                 layer=jnp.int32(case.layers - 2), slots=jnp.asarray(slots), positions=jnp.asarray(positions),
                 inv_freq=inv_freq)
@@ -81,9 +80,9 @@ def test_rope_write_matches_reference(case, interpret):
     x = _inputs(case)
     N = x["k_pool"].shape[1]
     where = scratch_dropped(x["slots"], case.page_size, N)
-    args = (x["q"], x["k"], x["v"], x["k_pool"], x["v_pool"], x["layer"], where, x["positions"], x["inv_freq"])
-    q, k_pool, v_pool = rope_write_pallas(*args, scale=case.scale, interpret=interpret)
-    q_ref, k_ref, v_ref = rope_write_reference(*args, scale=case.scale)
+    args = (x["qkv"], x["k_pool"], x["v_pool"], x["layer"], where, x["positions"], x["inv_freq"])
+    q, k_pool, v_pool = rope_write_pallas(*args, q_heads=case.q_heads, scale=case.scale, interpret=interpret)
+    q_ref, k_ref, v_ref = rope_write_reference(*args, q_heads=case.q_heads, scale=case.scale)
     _close(q, q_ref, case.tolerance())
     _close(k_pool, k_ref, case.tolerance())
     np.testing.assert_array_equal(np.asarray(v_pool), np.asarray(v_ref))  # values are copied
@@ -103,9 +102,9 @@ def test_fused_path_matches_the_xla_path(case):
     pool = KVPool(k=x["k_pool"], v=x["v_pool"], page_size=case.page_size)
     R = case.rows
     shape = lambda a: a.reshape((2, R // 2) + a.shape[1:]) if R % 2 == 0 else a[None]  # noqa: E731  [B, T, ...]
-    q, k, v = shape(x["q"]), shape(x["k"]), shape(x["v"])
     rope = Rope(shape(x["positions"]), x["inv_freq"], case.scale)
-    outs = {impl: rotate_and_write(q, k, v, pool, x["layer"], x["slots"], rope, implementation=impl)
+    outs = {impl: rotate_and_write(shape(x["qkv"]), pool, x["layer"], x["slots"], rope, q_heads=case.q_heads,
+                                   implementation=impl)
             for impl in ("pallas", "xla")}
     (q_p, pool_p), (q_x, pool_x) = outs["pallas"], outs["xla"]
     # The XLA path rounds each bf16 product; the kernel rounds once: one bf16 step apart at most.
@@ -119,18 +118,22 @@ def test_rope_write_is_one_kernel_per_call():
     case = CASES[0]
     x = _inputs(case)
     where = scratch_dropped(x["slots"], case.page_size, x["k_pool"].shape[1])
-    fn = lambda *a: rope_write_pallas(*a, x["inv_freq"], interpret=False)  # noqa: E731
-    assert triton_calls(fn, x["q"], x["k"], x["v"], x["k_pool"], x["v_pool"], x["layer"], where, x["positions"]) == 1
+    fn = lambda *a: rope_write_pallas(*a, x["inv_freq"], q_heads=case.q_heads, interpret=False)  # noqa: E731
+    assert triton_calls(fn, x["qkv"], x["k_pool"], x["v_pool"], x["layer"], where, x["positions"]) == 1
 
 
 def test_kernel_refuses_what_it_cannot_take():
-    assert rope_write_unsupported((1, 4, 31), (2, 64, 4, 31)) is not None  # odd head width
-    assert rope_write_unsupported((1, 4, 128), (2**10, 2**18, 8, 128)) is not None  # int32 row index
-    assert rope_write_unsupported((1, 32, 128), (32, 2064, 8, 128)) is None
-    q = jnp.zeros((1, 4, 31))
+    assert rope_write_unsupported((2, 64, 4, 31)) is not None  # odd head width
+    assert rope_write_unsupported((2**10, 2**18, 8, 128)) is not None  # int32 row index
+    assert rope_write_unsupported((32, 2064, 8, 128)) is None
+    pool = jnp.zeros((2, 8, 2, 31))
     with pytest.raises(NotImplementedError, match="even head width"):
-        rope_write_pallas(q, q[:, :2], q[:, :2], jnp.zeros((2, 8, 2, 31)), jnp.zeros((2, 8, 2, 31)), 0,
-                          jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), np.ones(15, np.float32), interpret=True)
+        rope_write_pallas(jnp.zeros((1, 8, 31)), pool, pool, 0, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                          np.ones(15, np.float32), q_heads=4, interpret=True)
+    pool = jnp.zeros((2, 8, 2, 32))
+    with pytest.raises(ValueError, match="query heads does not fit"):
+        rope_write_pallas(jnp.zeros((1, 7, 32)), pool, pool, 0, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                          np.ones(16, np.float32), q_heads=4, interpret=True)
 
 
 def test_engine_config_names_the_op():

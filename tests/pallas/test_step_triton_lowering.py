@@ -53,17 +53,19 @@ def _dsa(tiny_target):
 # (pair, spec, page size, kernels expected in one spec step). Page sizes and prompts match the
 # step tests so the prefill compiles are shared.
 CASES = [
-    # A Llama-family layer rotates q and k and writes K/V in one kernel (rope_write), then attends.
-    ("eagle3-chain", _llama("eagle3"), CHAIN, 4, {"rope_write", "paged_attention", "gather_spec_extras"}),
-    ("eagle3-tree", _llama("eagle3"), TREE, 4, {"rope_write", "paged_attention", "kv_move", "gather_spec_extras"}),
+    # A Llama-family target layer normalizes in one kernel each (rms_norm), rotates q and k and writes
+    # K/V in one (rope_write), then attends.
+    ("eagle3-chain", _llama("eagle3"), CHAIN, 4, {"rms_norm", "rope_write", "paged_attention", "gather_spec_extras"}),
+    ("eagle3-tree", _llama("eagle3"), TREE, 4,
+     {"rms_norm", "rope_write", "paged_attention", "kv_move", "gather_spec_extras"}),
     # Frozen KV: the seed step is folded into the draft loop; extend only gathers the root and the
     # target's hidden at the last accepted row (the same fused gather as every draft).
     ("frozen_kv-tree", _llama("frozen_kv"), TREE, 4,
-     {"rope_write", "paged_attention", "kv_move", "gather_spec_extras"}),
+     {"rms_norm", "rope_write", "paged_attention", "kv_move", "gather_spec_extras"}),
     # DFlash: the block forward's full layer through the paged kernel (its sliding layer reads its
     # window with XLA), the context extend writes only; no fused gather.
-    ("dflash-chain", _dflash(1), CHAIN, 4, {"rope_write", "paged_attention"}),
-    ("dflash2-tree", _dflash(2), TREE, 4, {"rope_write", "paged_attention", "kv_move"}),
+    ("dflash-chain", _dflash(1), CHAIN, 4, {"rms_norm", "rope_write", "paged_attention"}),
+    ("dflash2-tree", _dflash(2), TREE, 4, {"rms_norm", "rope_write", "paged_attention", "kv_move"}),
     ("mtp_mla-chain", _mtp, js.SpecConfig.chain(2), 4, {"mla_attention", "gather_spec_extras"}),
     ("mtp_mla-tree", _mtp, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 4,
      {"mla_attention", "kv_move", "gather_spec_extras"}),
@@ -90,7 +92,7 @@ def test_spec_step_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec
 
 
 @pytest.mark.parametrize("make,spec,page,expected", [
-    (_llama("eagle3"), TREE, 4, {"rope_write", "paged_attention"}),
+    (_llama("eagle3"), TREE, 4, {"rms_norm", "rope_write", "paged_attention"}),
     (_mtp, js.SpecConfig.chain(2), 4, {"mla_attention"}),
 ], ids=["eagle3", "mtp_mla"])
 def test_prefill_lowers_to_triton_kernels(tiny_target, monkeypatch, make, spec, page, expected):

@@ -55,7 +55,7 @@ from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed
 from jaxspec.model.layers import (attention_over, embed_lookup, gather_window, head_logits, layer_tail, lm_head,
                                   mask_padded_vocab, project_q, rms_norm, rope_inv_freq)
 from jaxspec.model.targets.gemma4 import GROUPS, gemma_layer_tail, gemma_query, norm
-from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
+from jaxspec.model.targets.gemma4_config import SLIDING, AttentionShape, Gemma4Config
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.pallas.paged_attention import paged_attention
 

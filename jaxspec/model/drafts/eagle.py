@@ -32,8 +32,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import (embed_lookup, head_logits, layer_rope, layer_tail, mask_padded_vocab, project_qkv,
-                                  rms_norm, rope_inv_freq, write_and_attend)
+from jaxspec.model.layers import (embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_and_attend,
+                                  rms_norm, rope_inv_freq)
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -120,9 +120,8 @@ def eagle_forward(
     lp = params["layer"]
     a, residual = eagle_attention_input(params, cfg, tokens, feature, from_target=from_target)
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-    q, k, v = project_qkv(lp, cfg, a, positions, inv_freq, rotate=False)
-    o, pool = write_and_attend(q, k, v, pool, jnp.int32(0), attn, implementation=implementation,
-                               rope=layer_rope(cfg, positions, inv_freq))
+    o, pool = project_and_attend(lp, cfg, a, pool, jnp.int32(0), attn, positions, inv_freq,
+                                 implementation=implementation)
     return layer_tail(lp, cfg, residual, o), pool
 
 

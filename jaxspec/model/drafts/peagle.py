@@ -49,8 +49,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
-from jaxspec.model.layers import (attention_qkv, embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_qkv,
-                                  rms_norm, rope_inv_freq, write_and_attend)
+from jaxspec.model.layers import (embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_and_attend, rms_norm,
+                                  rope_inv_freq)
 from jaxspec.sampling.grammar_masks import Grammar
 
 
@@ -130,13 +130,13 @@ def peagle_layers(
     lp = params["layer0"]
     hn = rms_norm(h, lp["hidden_norm"], cfg.rms_norm_eps)
     a = jnp.concatenate([rms_norm(emb.astype(h.dtype), lp["input_norm"], cfg.rms_norm_eps), hn], axis=-1)
-    q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
-    o, pool = write_and_attend(q, k, v, pool, jnp.int32(0), attn, implementation=implementation)
+    o, pool = project_and_attend(lp, cfg, a, pool, jnp.int32(0), attn, positions, inv_freq,
+                                 implementation=implementation)
     x = layer_tail(lp, cfg, hn if cfg.norm_before_residual else h, o)
     for i in range(1, cfg.num_layers):
         lp = params[f"layer{i}"]
-        q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
-        o, pool = write_and_attend(q, k, v, pool, jnp.int32(i), attn, implementation=implementation)
+        o, pool = project_and_attend(lp, cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), pool, jnp.int32(i),
+                                     attn, positions, inv_freq, implementation=implementation)
         x = layer_tail(lp, cfg, x, o)
     return x, pool
 

@@ -20,6 +20,7 @@ last positions of each request; see ``jaxspec.kvcache.paging``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool, SplitPool
-from jaxspec.model.layers import (attention_qkv, embed_lookup, layer_rope, layer_tail, rms_norm, rope_inv_freq,
-                                  window_write_and_attend, write_and_attend)
+from jaxspec.model.layers import (embed_lookup, layer_tail, project_and_attend, project_qkv, rms_norm, rope_inv_freq,
+                                  stacked_rms_norm, window_write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -66,19 +67,25 @@ def llama_forward(
     window = cfg.sliding_window
     layers_pool = pool if window is None else pool.window
 
+    # The norms' stacked weights are read whole, indexed by the layer inside the norm (one kernel a
+    # norm on a GPU, no copy of a layer's slice).
+    attn_norms, mlp_norms = params["layers"]["attn_norm"], params["layers"]["mlp_norm"]  # [L, H] each
+    norm = functools.partial(stacked_rms_norm, eps=cfg.rms_norm_eps, implementation=implementation,
+                             tensor_parallel=cfg.tensor_parallel)
+
     def layer(carry, lp):
         x, part, aux, l = carry
         aux = taps.record(aux, l, x)
+        a = norm(x, attn_norms, l)
         if window is None:
-            q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq, rotate=False)
-            o, part = write_and_attend(q, k, v, part, l, attn, implementation=implementation,
-                                       tensor_parallel=cfg.tensor_parallel, rope=layer_rope(cfg, positions, inv_freq))
+            o, part = project_and_attend(lp, cfg, a, part, l, attn, positions, inv_freq, implementation=implementation)
         else:
-            q, k, v = attention_qkv(lp, cfg, x, positions, inv_freq)
+            q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
             o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
                                               sm_scale=1.0 / math.sqrt(cfg.head_dim),
                                               tensor_parallel=cfg.tensor_parallel)
-        return (layer_tail(lp, cfg, x, o), part, aux, l + 1), None
+        x = layer_tail(lp, cfg, x, o, mlp_norm=lambda y: norm(y, mlp_norms, l))
+        return (x, part, aux, l + 1), None
 
     (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, taps.empty(x), jnp.int32(0)), params["layers"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)

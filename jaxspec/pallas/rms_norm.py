@@ -1,0 +1,90 @@
+"""RMSNorm of rows with a layer's weight taken from the stacked weights, in one launch.
+
+Glossary: R rows, H width, L layers.
+
+What it replaces. XLA runs an RMSNorm as two kernels: a row reduction (the mean of squares) and an
+elementwise fusion (scale and weight). A decode layer has two norms, so four launches of a few
+kilobytes each, 32 times a step. This op is one launch per norm. It takes the whole stacked weight
+``[L, H]`` and the layer index, because a layer's slice of a stacked array handed to a custom call
+would first be copied into a buffer of its own (one more small kernel); the products do not have
+this problem, since XLA passes their slices to cuBLAS where they lie.
+
+Arithmetic (HF Llama's): ``ms = mean(x^2)`` in f32, ``x * rsqrt(ms + eps)`` rounded to the input
+dtype, then times the weight (the product of two bf16 values is exact in f32, so rounding it once
+equals XLA's bf16 multiply). The mean's summation order is the kernel's own: a row's result is
+independent of the other rows and of how many rows a call holds, so verify and decode normalize a
+token identically.
+
+Pallas kernel (Triton): grid ``(R,)``; the program of row ``r`` loads the row (padded to a power of
+two, masked), reduces it, and stores the normalized row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxspec.pallas.block_sizes import next_pow2
+from jaxspec.pallas.triton_common import whole
+
+
+def rms_norm_reference(
+    x: jax.Array,  # [R, H]
+    weights: jax.Array,  # [L, H]
+    layer: jax.Array,  # i32[]
+    eps: float,
+) -> jax.Array:  # [R, H], result dtype of (weights, x)
+    """Pure-jnp oracle: HF Llama's RMSNorm with ``weights[layer]``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weights[layer] * xf.astype(x.dtype)
+
+
+def _rms_norm_kernel(layer_ref, x_ref, w_ref, o_ref, *, width: int, eps: float):
+    r = pl.program_id(0)
+    c = jnp.arange(next_pow2(width), dtype=jnp.int32)
+    ok = None if c.shape[0] == width else c < width
+    load = (lambda ref, idx: plgpu.load(ref.at[idx])) if ok is None else (
+        lambda ref, idx: plgpu.load(ref.at[idx], mask=ok, other=0))
+    x = load(x_ref, r * width + c).astype(jnp.float32)  # [Hp]
+    inv = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
+    xn = (x * inv).astype(x_ref.dtype).astype(jnp.float32)
+    w = load(w_ref, layer_ref[0] * width + c).astype(jnp.float32)
+    plgpu.store(o_ref.at[r * width + c], (w * xn).astype(o_ref.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def _rms_norm_call(x, weights, layer, *, eps: float, interpret: bool):
+    R, H = x.shape
+    L = weights.shape[0]
+    ins = (layer, x.reshape(R * H), weights.reshape(L * H))
+    out_shape = jax.ShapeDtypeStruct((R * H,), jnp.result_type(weights.dtype, x.dtype))
+    out = pl.pallas_call(
+        functools.partial(_rms_norm_kernel, width=H, eps=eps),
+        grid=(R,),
+        in_specs=[whole(a) for a in ins],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="rms_norm",
+    )(*ins)
+    return out.reshape(R, H)
+
+
+def rms_norm_pallas(
+    x: jax.Array,  # [R, H]
+    weights: jax.Array,  # [L, H] stacked per layer
+    layer: jax.Array,  # i32[]
+    eps: float,
+    *,
+    interpret: bool,
+) -> jax.Array:  # [R, H]
+    """Pallas path: RMSNorm of every row of ``x`` with ``weights[layer]`` (module docstring)."""
+    if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
+        raise ValueError(f"x {x.shape} and stacked weights {weights.shape} must be [R, H] and [L, H]")
+    return _rms_norm_call(x, weights, jnp.asarray(layer, jnp.int32).reshape(1), eps=float(eps), interpret=interpret)
