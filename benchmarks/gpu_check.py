@@ -76,7 +76,8 @@ Call 2:
   kernels      each Pallas kernel against the XLA path in device time (N calls in one program,
                ``benchmarks/kernels.py``) and its HBM floor: paged attention decode, verify n=8 and
                n=64 and an 8-token draft extend (B=16, ctx 8192); MLA decode and verify n=8 (B=32,
-               ctx 4096); the DSA indexer; KV moves; the gather of accepted extras; the exact mode's
+               ctx 4096); the DSA indexer; KV moves; the gather of accepted extras; RoPE with the K/V
+               write and RMSNorm (8B layer, decode B=1 and verify n=8 B=16); the exact mode's
                fixed-tile product against cuBLAS and its row-by-row attention against the default
                paged kernel.
   exact        the plain step and EAGLE-3 chain 5 at batch 1 (8B shape) on the default path and in the
