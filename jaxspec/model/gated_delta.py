@@ -108,8 +108,9 @@ def delta_chain(
 ):  # -> o f32[B, T, H, Dv], the state after the last token f32[B, H, Dk, Dv] (, the marks' f32[B, M, H, Dk, Dv])
     """A causal chain (a prompt) in chunks of ``chunk`` tokens, the state carried between chunks.
     Tokens that must not touch the state (padding) carry ``g = 0`` and ``beta = 0``. With ``marks``,
-    also the state after each marked token, built inside its chunk by ``state_at`` (the prefix
-    cache's snapshots at page points, wherever they fall in the chunk grid); a mark < 0 gives zeros."""
+    also the state after each marked token (the prefix cache's snapshots at page points, wherever they
+    fall in the chunk grid): the scan keeps the state entering each mark's chunk, and ``state_at``
+    builds the mark's state from it once, after the scan. A mark < 0 (or past the chain) gives zeros."""
     B, T0, H, _ = q.shape
     C = min(chunk, T0)
     pad = -T0 % C  # padded tokens (g = 0, beta = 0) leave the state as it is
@@ -119,26 +120,39 @@ def delta_chain(
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (B, C, C))
     split = lambda x: jnp.moveaxis(x.reshape((B, T // C, C) + x.shape[2:]), 1, 0)  # noqa: E731
     M = 0 if marks is None else marks.shape[1]
-    kept0 = jnp.zeros((B, M) + s0.shape[1:], jnp.float32)
     tok = jnp.arange(C, dtype=jnp.int32)
+    if M:
+        marked = (marks >= 0) & (marks < T0)  # [B, M]
+        mark_chunk = jnp.where(marked, marks // C, -1)  # the chunk holding each mark
 
     def step(carry, xs):
-        s, kept = carry
+        s, starts = carry
         c, (qc, kc, vc, gc, bc) = xs
         o, u, G = delta_block(qc, kc, vc, gc, bc, s, causal)
-        for m in range(M):  # a mark inside this chunk: the state after it
-            i = marks[:, m] - c * C  # [B]
-            inside = (i >= 0) & (i < C)
-            i = jnp.clip(i, 0, C - 1)
-            mid = state_at(s, kc, u, G, tok[None, :] <= i[:, None], i)
-            kept = kept.at[:, m].set(jnp.where(inside[:, None, None, None], mid, kept[:, m]))
+        if M:  # the state entering the chunk that holds a mark (its state is built after the scan)
+            here = (mark_chunk == c)[:, :, None, None, None]  # [B, M, 1, 1, 1]
+            starts = jnp.where(here, s[:, None], starts)
         s = state_at(s, kc, u, G, jnp.ones((B, C), bool), jnp.full((B,), C - 1, jnp.int32))
-        return (s, kept), o
+        return (s, starts), ((o, u, G) if M else (o,))
 
     chunks = jnp.arange(T // C, dtype=jnp.int32)
-    (s, kept), o = jax.lax.scan(step, (s0, kept0), (chunks, tuple(split(x) for x in (q, k, v, g, beta))))
-    o = jnp.moveaxis(o, 0, 1).reshape(B, T, H, -1)[:, :T0]
-    return (o, s) if marks is None else (o, s, kept)
+    starts0 = jnp.zeros((B, M) + s0.shape[1:], jnp.float32)
+    ks = split(k)
+    (s, starts), outs = jax.lax.scan(step, (s0, starts0), (chunks, (split(q), ks, split(v), split(g), split(beta))))
+    o = jnp.moveaxis(outs[0], 0, 1).reshape(B, T, H, -1)[:, :T0]
+    if marks is None:
+        return o, s
+    # Each mark's state from its chunk's entering state, keys and (u, G): one ``state_at`` per mark,
+    # not one per mark and chunk.
+    _, us, Gs = outs  # [T / C, B, C, H, Dv], [T / C, B, C, H]
+    rows = jnp.arange(B)
+    kept = []
+    for m in range(M):
+        cm = jnp.clip(mark_chunk[:, m], 0, T // C - 1)  # [B]
+        i = jnp.clip(marks[:, m] - cm * C, 0, C - 1)
+        mid = state_at(starts[:, m], ks[cm, rows], us[cm, rows], Gs[cm, rows], tok[None, :] <= i[:, None], i)
+        kept.append(jnp.where(marked[:, m, None, None, None], mid, 0.0))
+    return o, s, jnp.stack(kept, axis=1)
 
 
 def delta_rows(

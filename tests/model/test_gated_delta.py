@@ -59,17 +59,18 @@ def test_chunked_chain_equals_the_rule(T, chunk):
 
 def test_a_chunked_chain_also_gives_the_state_after_marked_tokens():
     """The prefix cache's snapshots: the state after any token of the chain (a chunk's first, middle
-    and last token, the chain's last), per row, wherever it falls in the chunk grid; -1 gives zeros."""
+    and last token, the chain's last), per row, wherever it falls in the chunk grid; -1 and a token past
+    the chain give zeros."""
     rng = np.random.default_rng(5)
     T, chunk = 40, 16
     q, k, v, g, beta, s0 = inputs(rng, T, decay=(0.001, 0.2))
     _, want_s = delta_reference(q, k, v, g, beta, s0, jnp.asarray(np.broadcast_to(np.arange(T) - 1, (B, T))))
-    marks = np.array([[0, 15, 39], [21, -1, 32]], np.int32)
+    marks = np.array([[0, 15, 39, 2], [21, -1, 32, 60]], np.int32)
     _, s, kept = delta_chain(q, k, v, g, beta, s0, chunk=chunk, marks=jnp.asarray(marks))
     np.testing.assert_allclose(np.asarray(s), np.asarray(want_s[:, -1]), atol=5e-5)
     for b in range(B):
         for m, t in enumerate(marks[b]):
-            want = np.zeros_like(want_s[b, 0]) if t < 0 else want_s[b, t]
+            want = np.zeros_like(want_s[b, 0]) if not 0 <= t < T else want_s[b, t]
             np.testing.assert_allclose(np.asarray(kept[b, m]), np.asarray(want), atol=5e-5, err_msg=f"row {b} mark {t}")
 
 
