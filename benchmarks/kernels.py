@@ -393,7 +393,8 @@ def rope_fn(implementation: str):
     def fn(out, qkv, layer, slots, positions):
         pool = KVPool(k=out[0], v=out[1], page_size=16)
         rope = Rope(positions[:, None], RopeConfig(theta=500_000.0).inv_freq(qkv.shape[-1]))
-        q, pool = rotate_and_write(qkv, pool, layer, slots, rope, q_heads=out[2].shape[2], implementation=implementation)
+        q, pool = rotate_and_write(qkv, pool, layer, slots, rope, q_heads=out[2].shape[2],
+                                   implementation=implementation)
         return pool.k, pool.v, q
 
     return fn

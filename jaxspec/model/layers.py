@@ -142,16 +142,16 @@ def rope_write_and_attend(
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """``write_and_attend`` for q/k/v as the joined product leaves them: RoPE on q and k and the K/V
     write in one step (``rotate_and_write``: one kernel on a GPU), then attention."""
-    Hkv = pool.k.shape[2] * tensor_parallel
-
     def local(qkv, pool, layer, attn, positions):
         B, T = qkv.shape[:2]
-        q, pool = rotate_and_write(qkv, pool, layer, attn.write_slots.reshape(B * T), rope._replace(positions=positions),
+        slots = attn.write_slots.reshape(B * T)
+        q, pool = rotate_and_write(qkv, pool, layer, slots, rope._replace(positions=positions),
                                    q_heads=q_heads // tensor_parallel, implementation=implementation)
         return _attend(q, pool, layer, attn, implementation, sm_scale), pool
 
-    if qkv.shape[2] != q_heads + 2 * (pool.k.shape[2]):
-        raise ValueError(f"joined heads {qkv.shape} do not hold {q_heads} query heads and the pool's {Hkv} KV heads")
+    if qkv.shape[2] != q_heads + 2 * pool.k.shape[2]:  # (global shapes: every shard's heads)
+        raise ValueError(f"joined heads {qkv.shape} do not hold {q_heads} query heads and the pool's "
+                         f"{pool.k.shape[2]} KV heads")
     return _per_head_shard(local, tensor_parallel, head_args=1)(qkv, pool, layer, attn, rope.positions)
 
 

@@ -6,8 +6,8 @@ N pool slots.
 What it replaces. The Llama layer body rotates q and k (rotate-half RoPE) and then writes k and v
 into the pool at each row's slot. On an H200, XLA ran that part of a batch-1 decode layer as six
 small kernels (the query rotation; the scatter's bounds check, a read of the old row, a select and
-two in-place updates, the key rotation fused into one of them): six launches of a few hundred
-bytes each, 32 times a step. This op is one launch per layer. The XLA path the model runs
+two in-place updates, the key rotation fused into one of them): six launches of a few kilobytes
+each, 32 times a step. This op is one launch per layer. The XLA path the model runs
 otherwise is ``apply_rope`` and ``KVPool.write`` in ``jaxspec.model.layers``; the reference here
 is the same arithmetic in float32, written out.
 
@@ -20,8 +20,9 @@ decode rotate a token identically).
 Pallas kernel (Triton): grid ``(R,)``; the heads arrive joined, ``[R, Hq + 2 Hkv, D]`` (the q/k/v
 product's output as it lies). The program of row ``r`` loads the two halves of every query and key
 head as ``[heads, D / 2]`` tiles, rotates them, stores the queries to a new array and the keys and
-values to the pool rows ``(layer * N + slot) * Hkv + h`` in place (``input_output_aliases``). A row whose slot is ``>= N`` (the scratch page, see
-``kvcache.paging.scratch_dropped``) rotates its query and writes nothing.
+values to the pool rows ``(layer * N + slot) * Hkv + h`` in place (``input_output_aliases``). A row
+whose slot is ``>= N`` (the scratch page, see ``kvcache.paging.scratch_dropped``) rotates its query
+and writes nothing.
 """
 
 from __future__ import annotations
