@@ -142,6 +142,8 @@ def delta_chain(
     o = jnp.moveaxis(outs[0], 0, 1).reshape(B, T, H, -1)[:, :T0]
     if marks is None:
         return o, s
+    if not M:
+        return o, s, starts0
     # Each mark's state from its chunk's entering state, keys and (u, G): one ``state_at`` per mark,
     # not one per mark and chunk.
     _, us, Gs = outs  # [T / C, B, C, H, Dv], [T / C, B, C, H]
