@@ -49,7 +49,12 @@ def scratch_dropped(slots: jax.Array, page_size: int, num_slots: int) -> jax.Arr
     checkpoint table's unused columns all map to scratch; as many writes to one slot serialize on a
     GPU (a 1k-token prompt's head written to a window pool's scratch slot took 43 ms a layer on an
     H200), and nothing reads scratch."""
-    return jnp.where(slots >= (SCRATCH_PAGE + 1) * page_size, slots, num_slots)
+    return jnp.where(slots >= scratch_end(page_size), slots, num_slots)
+
+
+def scratch_end(page_size: int) -> int:
+    """The first slot past the scratch page."""
+    return (SCRATCH_PAGE + 1) * page_size
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.kvcache.paging import AttentionInputs, WindowTable, scratch_dropped
+from jaxspec.kvcache.paging import AttentionInputs, WindowTable, scratch_end
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
@@ -190,9 +190,8 @@ def rotate_and_write(
         v = qkv[:, :, q_heads + Hkv:]
         return q, pool.write(layer, slots, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
     q, k_pool, v_pool = rope_write_pallas(
-        qkv.reshape(B * T, Hw, D), pool.k, pool.v, layer, scratch_dropped(slots, pool.page_size, pool.num_slots),
-        rope.positions.reshape(B * T), rope.inv_freq, q_heads=q_heads, scale=rope.scale,
-        interpret=dispatch.interpret_mode())
+        qkv.reshape(B * T, Hw, D), pool.k, pool.v, layer, slots, rope.positions.reshape(B * T), rope.inv_freq,
+        q_heads=q_heads, scale=rope.scale, scratch_slots=scratch_end(pool.page_size), interpret=dispatch.interpret_mode())
     return q.reshape(B, T, q_heads, D), pool.with_buffers((k_pool, v_pool))
 
 

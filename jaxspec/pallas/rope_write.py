@@ -21,8 +21,10 @@ Pallas kernel (Triton): grid ``(R,)``; the heads arrive joined, ``[R, Hq + 2 Hkv
 product's output as it lies). The program of row ``r`` loads the two halves of every query and key
 head as ``[heads, D / 2]`` tiles, rotates them, stores the queries to a new array and the keys and
 values to the pool rows ``(layer * N + slot) * Hkv + h`` in place (``input_output_aliases``). A row
-whose slot is ``>= N`` (the scratch page, see ``kvcache.paging.scratch_dropped``) rotates its query
-and writes nothing.
+whose slot is below ``scratch_slots`` (the scratch page, see ``kvcache.paging.scratch_dropped``) or
+``>= N`` rotates its query and writes nothing. The kernel tests the scratch bound itself: mapping
+the slots past N in the layer would be one more small launch per layer, which XLA does not hoist out
+of the layer loop.
 """
 
 from __future__ import annotations
@@ -63,15 +65,17 @@ def rope_write_reference(
     k_pool: jax.Array,  # [L, N, Hkv, D]
     v_pool: jax.Array,  # [L, N, Hkv, D]
     layer: jax.Array,  # i32[]
-    slots: jax.Array,  # i32[R] write slots (>= N: not written)
+    slots: jax.Array,  # i32[R] write slots (< scratch_slots or >= N: not written)
     positions: jax.Array,  # i32[R]
     inv_freq,  # f32[D // 2]
     *,
     q_heads: int,
     scale: float = 1.0,
+    scratch_slots: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # rotated q [R, Hq, D], k_pool, v_pool
     """Pure-jnp oracle of the kernel."""
-    Hkv = k_pool.shape[2]
+    Hkv, N = k_pool.shape[2], k_pool.shape[1]
+    slots = jnp.where(slots >= scratch_slots, slots, N)
     q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + Hkv], qkv[:, q_heads + Hkv:]
     cos, sin = rope_cos_sin(positions, inv_freq, scale, qkv.dtype)
     k = rotate(k, cos, sin)
@@ -96,6 +100,7 @@ def _rope_write_kernel(
     kv_heads: int,
     half: int,  # D / 2
     num_slots: int,  # N
+    scratch_slots: int,  # slots below it are the scratch page's
     scale: float,
 ):
     r = pl.program_id(0)
@@ -129,7 +134,7 @@ def _rope_write_kernel(
     slot = slot_ref[r]
     hk = jnp.arange(next_pow2(kv_heads), dtype=jnp.int32)
     src_ok = hk < kv_heads
-    dst_ok = src_ok & (slot >= 0) & (slot < num_slots)
+    dst_ok = src_ok & (slot >= max(scratch_slots, 0)) & (slot < num_slots)
     k_row = first + q_heads + jnp.where(src_ok, hk, 0)
     dst = jnp.where(dst_ok, (layer_ref[0] * num_slots + slot) * kv_heads + hk, k_pool_ref.shape[0])
     src_mask, dst_mask = tile_mask(src_ok, c, c_ok), tile_mask(dst_ok, c, c_ok)
@@ -137,9 +142,9 @@ def _rope_write_kernel(
     store(v_pool_ref, dst, *halves(qkv_ref, k_row + kv_heads, src_mask), dst_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("q_heads", "scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("q_heads", "scale", "scratch_slots", "interpret"))
 def _rope_write_call(qkv, k_pool, v_pool, layer, slots, positions, inv_freq, *, q_heads: int, scale: float,
-                     interpret: bool):
+                     scratch_slots: int, interpret: bool):
     R, Hw, D = qkv.shape
     L, N, Hkv, _ = k_pool.shape
     ins = (layer, slots, positions, inv_freq, qkv.reshape(R * Hw, D), k_pool.reshape(L * N * Hkv, D),
@@ -147,7 +152,8 @@ def _rope_write_call(qkv, k_pool, v_pool, layer, slots, positions, inv_freq, *, 
     out_shape = (jax.ShapeDtypeStruct((R * q_heads, D), qkv.dtype), jax.ShapeDtypeStruct(ins[5].shape, k_pool.dtype),
                  jax.ShapeDtypeStruct(ins[6].shape, v_pool.dtype))
     q_out, k_flat, v_flat = pl.pallas_call(
-        functools.partial(_rope_write_kernel, q_heads=q_heads, kv_heads=Hkv, half=D // 2, num_slots=N, scale=scale),
+        functools.partial(_rope_write_kernel, q_heads=q_heads, kv_heads=Hkv, half=D // 2, num_slots=N,
+                          scratch_slots=scratch_slots, scale=scale),
         grid=(R,),
         in_specs=[whole(x) for x in ins],
         out_specs=tuple(whole(s) for s in out_shape),
@@ -175,12 +181,13 @@ def rope_write_pallas(
     k_pool: jax.Array,  # [L, N, Hkv, D]
     v_pool: jax.Array,  # [L, N, Hkv, D]
     layer: jax.Array,  # i32[]
-    slots: jax.Array,  # i32[R] write slots (>= N: not written)
+    slots: jax.Array,  # i32[R] write slots (< scratch_slots or >= N: not written)
     positions: jax.Array,  # i32[R]
     inv_freq,  # f32[D // 2]
     *,
     q_heads: int,
     scale: float = 1.0,
+    scratch_slots: int = 0,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # rotated q [R, Hq, D], k_pool, v_pool (updated in place)
     """Pallas path: rotates q and k, writes k and v at ``slots`` of ``layer`` (module docstring).
@@ -195,5 +202,5 @@ def rope_write_pallas(
     return _rope_write_call(
         qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32).reshape(R),
         positions.astype(jnp.int32).reshape(R), jnp.asarray(inv_freq, jnp.float32), q_heads=q_heads,
-        scale=float(scale), interpret=interpret,
+        scale=float(scale), scratch_slots=int(scratch_slots), interpret=interpret,
     )

@@ -24,6 +24,7 @@ with split-KV, the online softmax and the output store.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -59,17 +60,23 @@ def split_out_shapes(num_splits: int, rows: int, width: int, dtype) -> tuple[jax
 
 def merge_splits(out: tuple[jax.Array, ...], shape: tuple[int, ...], dtype) -> jax.Array:
     """Flash-decoding merge: rescales each split to the common max and normalizes.
-    ``shape`` is the output shape [..., width]; ``out`` comes from ``split_out_shapes``."""
+    ``shape`` is the output shape [..., width]; ``out`` comes from ``split_out_shapes``.
+
+    The splits are combined one by one (a left-to-right chain of elementwise ops over S, a small
+    static count) rather than with reductions over the split axis: XLA fuses the whole merge into
+    one loop kernel that way, where the max and the sums as reductions cost two launches a layer
+    on a GPU."""
     if len(out) == 1:
         return out[0].reshape(shape)
     rows = shape[:-1]
     o_part = out[0].reshape((-1,) + tuple(shape))  # [S, ..., width]
     m_part, l_part = (x.reshape((-1,) + tuple(rows)) for x in out[1:])
-    m_all = jnp.max(m_part, axis=0)
-    scale = jnp.exp(m_part - m_all[None])
-    l_all = jnp.sum(scale * l_part, axis=0)
-    o = jnp.sum(scale[..., None] * o_part, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return o.astype(dtype)
+    S = o_part.shape[0]
+    m_all = functools.reduce(jnp.maximum, [m_part[s] for s in range(S)])
+    scale = [jnp.exp(m_part[s] - m_all) for s in range(S)]
+    l_all = functools.reduce(jnp.add, [scale[s] * l_part[s] for s in range(S)])
+    o = functools.reduce(jnp.add, [scale[s][..., None] * o_part[s] for s in range(S)])
+    return (o / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(dtype)
 
 
 def columns(width: int, pad: int) -> tuple[jax.Array, jax.Array | None]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxspec as js
-from jaxspec.kvcache.paging import SCRATCH_PAGE, scratch_dropped
+from jaxspec.kvcache.paging import SCRATCH_PAGE, scratch_dropped, scratch_end
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.layers import Rope, rotate_and_write
@@ -74,15 +74,21 @@ def _close(got, want, tol):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("skip", ["past N", "scratch bound"])
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_rope_write_matches_reference(case, interpret):
+def test_rope_write_matches_reference(case, interpret, skip):
+    """Scratch rows skipped either way: slots mapped past N beforehand (``scratch_dropped``), or the
+    raw slots with the scratch page's bound given to the kernel (what the model passes)."""
     x = _inputs(case)
     N = x["k_pool"].shape[1]
     where = scratch_dropped(x["slots"], case.page_size, N)
-    args = (x["qkv"], x["k_pool"], x["v_pool"], x["layer"], where, x["positions"], x["inv_freq"])
-    q, k_pool, v_pool = rope_write_pallas(*args, q_heads=case.q_heads, scale=case.scale, interpret=interpret)
-    q_ref, k_ref, v_ref = rope_write_reference(*args, q_heads=case.q_heads, scale=case.scale)
+    bound = scratch_end(case.page_size) if skip == "scratch bound" else 0
+    args = (x["qkv"], x["k_pool"], x["v_pool"], x["layer"], x["slots"] if bound else where, x["positions"],
+            x["inv_freq"])
+    q, k_pool, v_pool = rope_write_pallas(*args, q_heads=case.q_heads, scale=case.scale, scratch_slots=bound,
+                                          interpret=interpret)
+    q_ref, k_ref, v_ref = rope_write_reference(*args, q_heads=case.q_heads, scale=case.scale, scratch_slots=bound)
     _close(q, q_ref, case.tolerance())
     _close(k_pool, k_ref, case.tolerance())
     np.testing.assert_array_equal(np.asarray(v_pool), np.asarray(v_ref))  # values are copied
