@@ -1,0 +1,149 @@
+"""Kernels a step launches on a GPU, counted from the optimized HLO (``benchmarks/gpu_launches.py``).
+
+The counting is checked on a small hand-written program and on the decode program an H200 compiled
+(``tests/data/hlo``). Where ``.venv-aot`` exists (``JAXSPEC_AOT=1 scripts/env.sh``: jaxlib's CUDA
+plugin), the engine's Llama-3-8B decode program is compiled for an H100 without one and its launches
+counted: the small Pallas kernels must leave fewer launches per step than their XLA paths."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.background import ROOT
+
+BENCH = ROOT + "/benchmarks"
+AOT_PYTHON = Path(ROOT) / ".venv-aot" / "bin" / "python"
+
+
+def _gpu_launches():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import gpu_launches
+
+    return gpu_launches
+
+
+# A step loop (no known trip count) around: a cuBLAS call, a layer loop of 3 trips (two fusions and a
+# Pallas call a trip; its condition is not launched), a conditional whose larger branch has two
+# kernels, and the step loop's condition (one fusion).
+PROGRAM = """HloModule m
+
+%fused_add (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  ROOT %a = s32[] add(%p, %p)
+}
+
+%fused_mul (p: f32[4]) -> f32[4] {
+  %p = f32[4] parameter(0)
+  ROOT %m = f32[4] multiply(%p, %p)
+}
+
+%fused_lt (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p, %c), direction=LT
+}
+
+%layer_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %i1 = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  %y = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_mul
+  %z = f32[4]{0} custom-call(%y), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i1, %z)
+}
+
+%layer_cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
+%small (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %y = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_mul
+}
+
+%large (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %y = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_mul
+  ROOT %z = f32[4]{0} copy(%y)
+}
+
+%step_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %g = (f32[4]{0}, s8[64]{0}) custom-call(%x), custom_call_target="__cublas$lt$matmul"
+  %g0 = f32[4]{0} get-tuple-element(%g), index=0
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %g0)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %wx = f32[4]{0} get-tuple-element(%w), index=1
+  %b = s32[] get-tuple-element(%t), index=0
+  %k = f32[4]{0} conditional(%b, %wx, %wx), branch_computations={%small, %large}
+  ROOT %r = (s32[], f32[4]{0}) tuple(%b, %k)
+}
+
+%step_cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
+ENTRY %main (a: s32[], x: f32[4]) -> (s32[], f32[4]) {
+  %a = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %init = (s32[], f32[4]{0}) tuple(%a, %x)
+  ROOT %w = (s32[], f32[4]{0}) while(%init), condition=%step_cond, body=%step_body
+}
+"""
+
+
+def test_launches_are_counted_per_step_with_the_layer_loop_times_its_trips():
+    n = _gpu_launches().step_launches(PROGRAM)
+    assert n.loops == [("w", 3)]
+    assert dict(n.per_step) == {
+        "cuBLAS": 1,
+        "XLA fusion: add": 3, "XLA fusion: multiply": 3 + 1, "Pallas (Triton)": 3,  # the layers; a branch
+        "copy": 1, "conditional": 1,  # the larger branch and its dispatch
+        "XLA fusion: compare": 1,  # the step loop's condition only
+    }
+    assert n.total == 14
+
+
+def test_the_h200_decode_program_launches_its_layer_body_32_times():
+    """The 8B decode program as the H200 compiled it: one paged-attention kernel a layer, and every
+    layer kind of launch a multiple of 32 apart from the few outside the layer loop."""
+    with gzip.open(ROOT + "/tests/data/hlo/h200_llama3_8b_decode_b1.hlo.txt.gz", "rt") as f:
+        n = _gpu_launches().step_launches(f.read())
+    assert n.loops == [(n.loops[0][0], 32)]
+    assert n.per_step["Pallas (Triton)"] == 32
+    assert n.per_step["cuBLAS"] >= 32 * 4 + 1  # four products a layer at least, and the head
+    assert not any("compare" in k and v >= 32 for k, v in n.per_step.items())  # no layer-loop condition
+
+
+@pytest.mark.skipif(not AOT_PYTHON.exists(), reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
+def test_the_small_kernels_leave_fewer_launches_in_the_h100_program(tmp_path):
+    """Compiled for an H100 without one: the default step (RoPE + K/V write and the norms as Pallas
+    kernels) launches fewer kernels than the same step with both ops on XLA, at least the 32 x 3 the
+    layer loop saves, and four Pallas kernels a layer (two norms, rope_write, paged attention)."""
+    rows = {}
+    for name, impl in (("default", None), ("xla", "rope_write=xla,rms_norm=xla")):
+        out = tmp_path / f"{name}.json"
+        cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", "plain", "--batches", "1", "--out", str(out)]
+        if impl:
+            cmd += ["--implementation", impl]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        subprocess.run(cmd, check=True, timeout=600, env=env, cwd=ROOT, capture_output=True)
+        rows[name] = json.loads(out.read_text())["rows"][0]
+    default, xla = rows["default"], rows["xla"]
+    assert default["by_kind"]["Pallas (Triton)"] == 4 * 32
+    assert xla["kernels_per_step"] - default["kernels_per_step"] >= 3 * 32, (default, xla)
