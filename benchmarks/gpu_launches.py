@@ -208,9 +208,12 @@ def _parse_implementation(text: str | None):
 
 
 def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, context: int = 1024,
-               steps: int = 4) -> tuple[str, float]:
+               steps: int = 4, product_rows: int | None = None, options: dict | None = None) -> tuple[str, float]:
     """The optimized HLO of the engine's decode program for ``method`` ("plain" or a name in
-    ``step_timing.METHODS``) at the Llama-3-8B shape, compiled for ``gpu``; and its compile seconds."""
+    ``step_timing.METHODS``) at the Llama-3-8B shape, compiled for ``gpu``; and its compile seconds.
+    ``product_rows``: the row multiple forwards pad to, instead of the GPU's
+    (``dispatch.product_rows``; 1 turns the padding off). ``options``: XLA options over the engine's
+    table (``jaxspec.xla_options``)."""
     import step_timing as st
     from jaxspec.engine.geometry import next_pow2
     from jaxspec.engine.programs import decode_program
@@ -261,13 +264,16 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     t0 = time.perf_counter()
     # The kernels dispatch as on that GPU (natively, its block-table entries), and Pallas lowers for
     # its kind (the abstract mesh's device).
-    on_gpu, dispatch.on_gpu = dispatch.on_gpu, lambda: True
+    on_gpu, rows = dispatch.on_gpu, dispatch.product_rows
+    dispatch.on_gpu = lambda: True
+    if product_rows is not None:
+        dispatch.product_rows = lambda: product_rows
     try:
         with dispatch.assume_gpu(gpu), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             lowered = decode_program.lower(plan, *args)
     finally:
-        dispatch.on_gpu = on_gpu
-    compiled = lowered.compile({**dict(plan.compiler_options), "xla_gpu_autotune_level": 0})
+        dispatch.on_gpu, dispatch.product_rows = on_gpu, rows
+    compiled = lowered.compile({**dict(plan.compiler_options), **(options or {}), "xla_gpu_autotune_level": 0})
     return compiled.as_text(), time.perf_counter() - t0
 
 
@@ -281,15 +287,25 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--implementation", default=None,
                    help='EngineConfig.implementation: "pallas", "xla" or op=choice pairs, e.g. rope_write=xla')
+    p.add_argument("--product-rows", type=int, default=None,
+                   help="the row multiple forwards pad to (default: the GPU's, 8; 1: no padding)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA option over the engine's table (repeatable), e.g. xla_gpu_dot_merger_threshold_mb=0")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--hlo-dir", default=None, help="also write each program's optimized HLO here")
     args = p.parse_args(argv)
+    options = {}
+    for pair in args.xla_option:
+        name, value = pair.split("=", 1)
+        options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit()
+                                                           else value)
     rows = []
     print(f"| method | batch | kernels per step | cuBLAS | Pallas | XLA fusions | other | compile s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for method in args.methods.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            hlo, seconds = decode_hlo(method, batch, gpu=args.gpu, implementation=args.implementation)
+            hlo, seconds = decode_hlo(method, batch, gpu=args.gpu, implementation=args.implementation,
+                                      product_rows=args.product_rows, options=options)
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.hlo_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', method)}_b{batch}.hlo.txt").write_text(hlo)
@@ -299,6 +315,7 @@ def main(argv=None) -> int:
                 by["cuBLAS" if kind == "cuBLAS" else "Pallas" if kind.startswith("Pallas") else
                    "XLA" if kind.startswith("XLA") else "other"] += k
             rows.append(dict(method=method, batch=batch, gpu=args.gpu, implementation=args.implementation,
+                             product_rows=args.product_rows, xla_options=options,
                              kernels_per_step=n.total, by_kind=dict(n.per_step), compile_s=seconds))
             print(f"| {method} | {batch} | {n.total} | {by['cuBLAS']} | {by['Pallas']} | {by['XLA']} | {by['other']} "
                   f"| {seconds:.1f} |", flush=True)

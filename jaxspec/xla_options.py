@@ -87,6 +87,14 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # the products before them. H200, batch 1: 5.95 against 5.92 ms (the GPU program copies no
     # weight slice: each product reads its slice where it lies, benchmarks/hlo_copies.py).
     "latency_hiding_scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    # XLA's dot merger off. It joins products that share an input into one, concatenating their
+    # weights inside the program: a DFlash or DSpark draft layer's q and k/v products (wq and wkv,
+    # kept apart because the context projects k/v alone) became one product over a [4096, 6144]
+    # weight built again every step, five to six 48-64 MB copies a step at the 8B shape. Counted in
+    # the H100 program compiled without a GPU (benchmarks/gpu_launches.py, RESULTS.md): the copies
+    # gone, DFlash block 16 at batch 1 575 -> 513 kernels a step, DSpark chain 8 640 -> 578; plain,
+    # EAGLE-3 and n-gram steps unchanged. No GPU time yet: time a DFlash or DSpark step with it.
+    "dot_merger_off": {"xla_gpu_dot_merger_threshold_mb": 0},
 }
 
 Value = bool | int | float | str

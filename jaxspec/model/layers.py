@@ -139,20 +139,46 @@ def rope_write_and_attend(
     implementation,
     sm_scale: float | None = None,
     tensor_parallel: int = 1,
+    tokens: int | None = None,  # T: the real tokens a request, when qkv holds more (padding)
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """``write_and_attend`` for q/k/v as the joined product leaves them: RoPE on q and k and the K/V
-    write in one step (``rotate_and_write``: one kernel on a GPU), then attention."""
+    write in one step (``rotate_and_write``: one kernel on a GPU), then attention.
+
+    ``qkv`` may hold more rows per request than the forward's ``tokens`` (``padded_tokens``): those
+    rows are padding, neither written (``attn.write_slots`` and ``rope.positions`` padded alike, with
+    scratch slot 0) nor attended, and their output rows are zeros."""
     def local(qkv, pool, layer, attn, positions):
-        B, T = qkv.shape[:2]
-        slots = attn.write_slots.reshape(B * T)
-        q, pool = rotate_and_write(qkv, pool, layer, slots, rope._replace(positions=positions),
+        B, Tp = qkv.shape[:2]
+        T = Tp if tokens is None else tokens
+        # (A forward pads its slots and positions once, outside the layer loop; these are no-ops then.)
+        slots = pad_tokens(attn.write_slots, Tp).reshape(B * Tp)
+        q, pool = rotate_and_write(qkv, pool, layer, slots, rope._replace(positions=pad_tokens(positions, Tp)),
                                    q_heads=q_heads // tensor_parallel, implementation=implementation)
-        return _attend(q, pool, layer, attn, implementation, sm_scale), pool
+        return pad_tokens(_attend(q[:, :T], pool, layer, attn, implementation, sm_scale), Tp), pool
 
     if qkv.shape[2] != q_heads + 2 * pool.k.shape[2]:  # (global shapes: every shard's heads)
         raise ValueError(f"joined heads {qkv.shape} do not hold {q_heads} query heads and the pool's "
                          f"{pool.k.shape[2]} KV heads")
     return _per_head_shard(local, tensor_parallel, head_args=1)(qkv, pool, layer, attn, rope.positions)
+
+
+def padded_tokens(B: int, T: int) -> int:
+    """Tokens per request a forward of B x T new tokens runs over: T rounded up until B * T rows are
+    a multiple of ``dispatch.product_rows()`` (8 on a GPU). XLA:GPU pads each bf16 product's rows to
+    a multiple of 8 and slices the result back, nine small kernels a Llama layer at B * T = 6 (an
+    EAGLE chain of 5 verified at batch 1); rows padded once per forward leave none. A decode (T = 1)
+    is a vector product and stays as it is."""
+    multiple = dispatch.product_rows()
+    Tp = T
+    while T > 1 and (B * Tp) % multiple:
+        Tp += 1
+    return Tp
+
+
+def pad_tokens(x: jax.Array, Tp: int) -> jax.Array:  # [B, T, ...] -> [B, Tp, ...] zeros after T
+    if x.shape[1] == Tp:
+        return x
+    return jnp.pad(x, ((0, 0), (0, Tp - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
 
 def _attend(q, pool: KVPool, layer, attn: AttentionInputs, implementation, sm_scale) -> jax.Array:  # [B, T, Hq, D]
@@ -434,14 +460,18 @@ def attention_qkv(
 def project_and_attend(
     lp: dict, cfg, a: jax.Array, pool: KVPool, layer: jax.Array, attn: AttentionInputs,
     positions: jax.Array, inv_freq, *, implementation,  # a [B, T, A] attention input
+    tokens: int | None = None,  # the real tokens a request when ``a`` holds padding rows after them
 ) -> tuple[jax.Array, KVPool]:  # o [B, T, Hq, D], new pool
     """q/k/v of ``a``, RoPE, the K/V write and attention over the pool: the joined heads through
     ``rope_write_and_attend`` where the layer's weights allow it (``joins_heads``), else
-    ``project_qkv`` and ``write_and_attend``."""
+    ``project_qkv`` and ``write_and_attend`` (no padding rows)."""
     tp = shards_of(cfg)
     if joins_heads(lp, cfg):
         return rope_write_and_attend(joined_qkv(lp, cfg, a), pool, layer, attn, layer_rope(cfg, positions, inv_freq),
-                                     q_heads=cfg.num_heads, implementation=implementation, tensor_parallel=tp)
+                                     q_heads=cfg.num_heads, implementation=implementation, tensor_parallel=tp,
+                                     tokens=tokens)
+    if tokens is not None and tokens != a.shape[1]:
+        raise ValueError("padding rows need the joined q/k/v path (joins_heads)")
     q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
     return write_and_attend(q, k, v, pool, layer, attn, implementation=implementation, tensor_parallel=tp)
 

@@ -102,6 +102,13 @@ def warn_fallback(op: str, reason: str) -> None:
                       stacklevel=3)
 
 
+def product_rows() -> int:
+    """The row multiple a forward pads its tokens to (``model.layers.padded_tokens``): 8 on a GPU,
+    where XLA pads a bf16 matrix product's rows to a multiple of 8 and slices the result back (two
+    small kernels around every product), 1 elsewhere."""
+    return 8 if on_gpu() else 1
+
+
 def interpret_mode() -> bool:
     """Pallas kernels run natively on GPU and in interpret mode everywhere else."""
     return not on_gpu()

@@ -3,7 +3,8 @@
 The counting is checked on a small hand-written program and on the decode program an H200 compiled
 (``tests/data/hlo``). Where ``.venv-aot`` exists (``JAXSPEC_AOT=1 scripts/env.sh``: jaxlib's CUDA
 plugin), the engine's Llama-3-8B decode program is compiled for an H100 without one and its launches
-counted: the small Pallas kernels must leave fewer launches per step than their XLA paths."""
+counted: the small Pallas kernels must leave fewer launches per step than their XLA paths, and the
+padded verify rows fewer than XLA's pads and slices around every product."""
 
 from __future__ import annotations
 
@@ -130,20 +131,34 @@ def test_the_h200_decode_program_launches_its_layer_body_32_times():
     assert not any("compare" in k and v >= 32 for k, v in n.per_step.items())  # no layer-loop condition
 
 
-@pytest.mark.skipif(not AOT_PYTHON.exists(), reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
+def _h100_launches(tmp_path, method: str, *flags: str) -> dict:
+    """``gpu_launches.py`` run in .venv-aot for one method at batch 1: its JSON row."""
+    out = tmp_path / "launches.json"
+    cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", method, "--batches", "1", "--out", str(out),
+           *flags]
+    subprocess.run(cmd, check=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                   capture_output=True)
+    return json.loads(out.read_text())["rows"][0]
+
+
+needs_aot = pytest.mark.skipif(not AOT_PYTHON.exists(), reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
+
+
+@needs_aot
 def test_the_small_kernels_leave_fewer_launches_in_the_h100_program(tmp_path):
     """Compiled for an H100 without one: the default step (RoPE + K/V write and the norms as Pallas
     kernels) launches fewer kernels than the same step with both ops on XLA, at least the 32 x 3 the
     layer loop saves, and four Pallas kernels a layer (two norms, rope_write, paged attention)."""
-    rows = {}
-    for name, impl in (("default", None), ("xla", "rope_write=xla,rms_norm=xla")):
-        out = tmp_path / f"{name}.json"
-        cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", "plain", "--batches", "1", "--out", str(out)]
-        if impl:
-            cmd += ["--implementation", impl]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        subprocess.run(cmd, check=True, timeout=600, env=env, cwd=ROOT, capture_output=True)
-        rows[name] = json.loads(out.read_text())["rows"][0]
-    default, xla = rows["default"], rows["xla"]
+    default = _h100_launches(tmp_path, "plain")
+    xla = _h100_launches(tmp_path, "plain", "--implementation", "rope_write=xla,rms_norm=xla")
     assert default["by_kind"]["Pallas (Triton)"] == 4 * 32
     assert xla["kernels_per_step"] - default["kernels_per_step"] >= 3 * 32, (default, xla)
+
+
+@needs_aot
+def test_padded_verify_rows_leave_no_product_padding_in_the_h100_program(tmp_path):
+    """An EAGLE-3 chain of 5 at batch 1 verifies 6 rows: padded to 8 once per forward, the layer loop
+    runs none of the pads and slices XLA puts around each of its products (at least five a layer)."""
+    padded = _h100_launches(tmp_path, "EAGLE-3 chain 5")
+    unpadded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--product-rows", "1")
+    assert unpadded["kernels_per_step"] - padded["kernels_per_step"] >= 5 * 32, (padded, unpadded)

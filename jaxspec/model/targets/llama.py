@@ -20,6 +20,7 @@ last positions of each request; see ``jaxspec.kvcache.paging``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -28,8 +29,8 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool, SplitPool
-from jaxspec.model.layers import (embed_lookup, layer_tail, project_and_attend, project_qkv, rms_norm, rope_inv_freq,
-                                  stacked_rms_norm, window_write_and_attend)
+from jaxspec.model.layers import (embed_lookup, joins_heads, layer_tail, pad_tokens, padded_tokens, project_and_attend,
+                                  project_qkv, rms_norm, rope_inv_freq, stacked_rms_norm, window_write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -66,6 +67,15 @@ def llama_forward(
     taps = AuxTaps(cfg.num_layers, aux_layers)
     window = cfg.sliding_window
     layers_pool = pool if window is None else pool.window
+    B, T = tokens.shape
+    aux0 = taps.empty(x)
+    # The layers run over Tp >= T tokens a request, the extra rows zeros that are neither written
+    # nor attended, so that no product's rows need padding (``padded_tokens``); the joined q/k/v
+    # path carries them (``rope_write_and_attend``).
+    Tp = padded_tokens(B, T) if window is None and joins_heads(params["layers"], cfg) else T
+    x = pad_tokens(x, Tp)  # [B, Tp, H]
+    layer_positions = pad_tokens(positions, Tp)  # padding rows: position 0, scratch slot 0 (not written)
+    layer_attn = dataclasses.replace(attn, write_slots=pad_tokens(attn.write_slots, Tp))
 
     # The norms' stacked weights are read whole, indexed by the layer inside the norm (one kernel a
     # norm on a GPU, no copy of a layer's slice).
@@ -75,10 +85,11 @@ def llama_forward(
 
     def layer(carry, lp):
         x, part, aux, l = carry
-        aux = taps.record(aux, l, x)
+        aux = taps.record(aux, l, x[:, :T])
         a = norm(x, attn_norms, l)
         if window is None:
-            o, part = project_and_attend(lp, cfg, a, part, l, attn, positions, inv_freq, implementation=implementation)
+            o, part = project_and_attend(lp, cfg, a, part, l, layer_attn, layer_positions, inv_freq,
+                                         implementation=implementation, tokens=T)
         else:
             q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)
             o, part = window_write_and_attend(q, k, v, part, l, attn, positions, window=window,
@@ -87,7 +98,7 @@ def llama_forward(
         x = layer_tail(lp, cfg, x, o, mlp_norm=lambda y: norm(y, mlp_norms, l))
         return (x, part, aux, l + 1), None
 
-    (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, taps.empty(x), jnp.int32(0)), params["layers"])
-    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    (x, part, aux, _), _ = jax.lax.scan(layer, (x, layers_pool, aux0, jnp.int32(0)), params["layers"])
+    hidden = rms_norm(x[:, :T], params["norm"], cfg.rms_norm_eps)
     pool = part if window is None else SplitPool(full=pool.full, window=part)
     return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=pool)

@@ -1,0 +1,67 @@
+"""Forwards whose products' rows are padded (``model.layers.padded_tokens``), run on the CPU.
+
+On a GPU a Llama-family forward of B x T tokens with B * T not a multiple of 8 (an EAGLE chain of 5
+verified at batch 1: 6 rows) runs its layers over extra zero rows, so that XLA pads no product.
+Here ``dispatch.product_rows`` is made to answer 8 as on a GPU: the padded forward must give the
+unpadded one's logits, hidden states and taps, write only its real rows' K/V, and speculative
+decoding through it must equal plain greedy decoding, token for token (chain and tree, pages 1 and
+16, ragged batches)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec as js
+from jaxspec.model.layers import padded_tokens
+from jaxspec.model.targets import forward_sequence
+from jaxspec.pallas import dispatch
+from tests.spec.test_lossless import test_speculative_greedy_equals_plain_greedy as lossless_case
+
+
+@pytest.fixture
+def rows_of_eight(monkeypatch):
+    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
+
+
+@pytest.mark.parametrize("B,T,Tp", [(1, 1, 1), (1, 6, 8), (3, 4, 8), (2, 4, 4), (16, 6, 6), (5, 9, 16)])
+def test_padded_tokens_rounds_rows_up_to_eight(rows_of_eight, B, T, Tp):
+    assert padded_tokens(B, T) == Tp
+    assert (B * Tp) % 8 == 0 or T == 1
+
+
+def test_padded_tokens_leaves_the_cpu_alone():
+    assert padded_tokens(1, 6) == 6
+
+
+@pytest.mark.parametrize("T", [3, 6])
+def test_a_padded_forward_gives_the_unpadded_outputs(tiny_target, monkeypatch, T):
+    tokens = np.random.default_rng(T).integers(0, tiny_target.config.vocab_size, (1, T))
+    taps = (1, tiny_target.config.num_layers)
+    logits, hidden, aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
+    assert padded_tokens(1, T) == 8
+    p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+    assert p_logits.shape == logits.shape and p_aux.shape == aux.shape
+    for got, want in ((p_logits, logits), (p_hidden, hidden), (p_aux, aux)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)
+    assert (jnp.argmax(p_logits, -1) == jnp.argmax(logits, -1)).all()
+
+
+SUBSET = [  # (spec, page_size, batch, draft, implementation): verify rows not a multiple of 8
+    pytest.param(js.SpecConfig.chain(3), 16, 1, "eagle3", "xla", id="S3_k1_n4-eagle3-page16-B1"),
+    pytest.param(js.SpecConfig.chain(4), 1, 4, "perturbed", "xla", id="S4_k1_n5-perturbed-page1-B4"),
+    pytest.param(js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5), 16, 4, "perturbed", "xla",
+                 id="S3_k2_n5-perturbed-page16-B4"),
+    # The kernels' path (interpret mode here): rope_write skips the padding rows' slots itself.
+    pytest.param(js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5), 1, 4, "perturbed", "pallas",
+                 id="S3_k2_n5-perturbed-page1-B4-pallas"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,page,batch,draft,implementation", SUBSET)
+def test_speculative_greedy_through_padded_forwards_equals_plain_greedy(rows_of_eight, tiny_target, spec, page,
+                                                                         batch, draft, implementation):
+    lossless_case(tiny_target, spec, page, batch, draft, implementation=implementation)
