@@ -59,6 +59,12 @@ Call 1:
                Pallas under cuBLAS; the engine's options with RoPE, the K/V write and the norms on
                XLA (ten small kernels a layer) instead of the ``rope_write`` and ``rms_norm`` kernels
                (three).
+  spec_variants
+               two speculative steps at batch 1 beside their ``spec_b1`` rows, each changed in a way
+               only counted so far (``benchmarks/gpu_launches.py``): EAGLE-3 chain 5 with its 6 verify
+               rows not padded to 8 (``dispatch.product_rows`` 1: XLA's pads and slices around every
+               product come back), DFlash block 16 with XLA's dot merger off
+               (``xla_options.CANDIDATES["dot_merger_off"]``: no per-step weight concatenation).
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
   candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
@@ -101,6 +107,7 @@ The last three rarely fit in call 2; they are kept for a session with time to sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import importlib.util
@@ -133,8 +140,8 @@ import step_timing as st  # noqa: E402  (benchmarks/step_timing.py)
 from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
-    1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "compare", "variants_b16",
-        "candidates"],
+    1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "spec_variants", "compare",
+        "variants_b16", "candidates"],
     2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
         "check", "pytest", "sweep"],
 }
@@ -507,6 +514,49 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
                      implementation=impl or "default", plain_s=plain, bound=True)
 
 
+@contextlib.contextmanager
+def _product_rows(multiple: int):
+    """Forwards traced inside pad their tokens to ``multiple`` rows (``dispatch.product_rows``)."""
+    saved = dispatch.product_rows
+    dispatch.product_rows = lambda: multiple
+    try:
+        yield
+    finally:
+        dispatch.product_rows = saved
+
+
+def item_spec_variants(check: Check, sizes, models, deadline, args):
+    from jaxspec import xla_options
+
+    target = models.llama()
+    bb = sizes.batch(1)
+    plain = _plain_seconds(check, bb)
+    methods = {m.name: m for m in st.METHODS}
+    table = dict(xla_options.TABLE["gpu"])
+    m = methods["EAGLE-3 chain 5"]
+    need(deadline, sizes.compile_s(), f"{m.name}, rows not padded")
+    # The table's options passed explicitly: a fresh jit, so the program is traced again unpadded.
+    with guarded(check, f"{m.name}, verify rows not padded"), _product_rows(1):
+        r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb, options=table)
+        step_row(check, sizes, target, r, batch=bb, config=f"{m.name}, verify rows not padded",
+                 what="decode_steps with dispatch.product_rows() = 1", options="engine table", plain_s=plain,
+                 verified_expected=m.spec.num_draft_tokens)
+    m = methods["DFlash block 16 (chain 15)"]
+    extra = xla_options.CANDIDATES["dot_merger_off"]
+    if bad := _variant_options_ok({**table, **extra}):
+        check.note(f"dot_merger_off: options refused by this jaxlib: {bad}")
+        return
+    if sizes.dry_run:
+        check.note("dot_merger_off: options accepted (dry run: not compiled)")
+        return
+    need(deadline, sizes.compile_s(), f"{m.name}, dot merger off")
+    with guarded(check, f"{m.name}, dot merger off"):
+        r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb, options={**table, **extra})
+        step_row(check, sizes, target, r, batch=bb, config=f"{m.name}, dot merger off",
+                 what="decode_steps under jax.jit(compiler_options=table + candidate)", options=json.dumps(extra),
+                 plain_s=plain, verified_expected=m.spec.num_draft_tokens)
+
+
 def item_profile(check: Check, sizes, models, deadline, args):
     """Device kernels per step of the 8B plain step and of EAGLE-3 chain 5 (batch 1 and 16) and n-gram
     chain 5 (batch 16), from the profiler (``benchmarks/kernel_trace.py``); each trace kept as
@@ -794,7 +844,7 @@ def item_sweep(check: Check, sizes, models, deadline, args):
 RUNNERS = dict(
     env=item_env, copy=item_copy, plain=item_plain, copies=item_copies,
     spec_b1=lambda *a: item_spec(*a, batch=1), spec_b16=lambda *a: item_spec(*a, batch=16),
-    variants_b1=lambda *a: item_variants(*a, batch=1), compare=item_compare,
+    variants_b1=lambda *a: item_variants(*a, batch=1), spec_variants=item_spec_variants, compare=item_compare,
     variants_b16=lambda *a: item_variants(*a, batch=16), profile=item_profile, candidates=item_candidates,
     batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
     hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
@@ -802,9 +852,8 @@ RUNNERS = dict(
 )
 assert set(RUNNERS) == set(ITEMS)
 # Items whose rows are decode-step timings (one Markdown table layout).
-STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "variants_b16", "candidates", "batch64", "controls",
-              "constraint",
-              "exact", "spec_controls", "hybrid", "v4"}
+STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "spec_variants", "variants_b16", "candidates", "batch64",
+              "controls", "constraint", "exact", "spec_controls", "hybrid", "v4"}
 
 
 # --------------------------------------------------------------------------- Markdown

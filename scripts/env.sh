@@ -50,7 +50,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -
     12) extras="test,serve,cuda12" ;;
     *) echo "error: JAXSPEC_CUDA must be 1 (CUDA 13), 13 or 12, got '${JAXSPEC_CUDA}'" >&2; exit 1 ;;
   esac
-  [ "$venv" = .venv-aot ] && extras="$extras,aot"
+  [ "$venv" = .venv-aot ] && extras="aot"  # only what compiling the engine's programs needs
   $venv/bin/python -m pip install -q -c requirements.lock -e ".[$extras]" >&2
   touch "$stamp"
 fi

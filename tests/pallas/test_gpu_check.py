@@ -69,6 +69,11 @@ def test_dry_run_runs_every_item_of_both_calls():
         assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, small kernels on XLA"]
         assert rows[name][1]["options"] == "engine table"
         assert rows[name][1]["implementation"] == [["rms_norm", "xla"], ["rope_write", "xla"]]
+    # The speculative variants: the unpadded EAGLE-3 chain compiled and timed; the dot merger's option
+    # accepted by this jaxlib (compiled only on a GPU).
+    assert [r["config"] for r in rows["spec_variants"]] == ["EAGLE-3 chain 5, verify rows not padded"]
+    assert rows["spec_variants"][0]["verified"] == rows["spec_variants"][0]["verified_expected"]
+    assert items["spec_variants"]["notes"] == ["dot_merger_off: options accepted (dry run: not compiled)"]
     # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
     assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
     assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])

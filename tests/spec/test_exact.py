@@ -21,7 +21,9 @@ import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.checkpoints.checkpoint import read_config
 from jaxspec.model.checkpoints.loader import target_family
+from jaxspec.model.layers import padded_tokens
 from jaxspec.model.targets import Model, create_target_pool, exact_support, target_forward, target_logits
+from jaxspec.pallas import dispatch
 from tests.conftest import PROMPTS_4, TINY, tiny_model
 from tests.spec.test_lossless import drafts
 
@@ -83,6 +85,17 @@ def _row_logits(exact: bool, implementation=None) -> dict:
 
 
 def test_a_rows_logits_are_the_same_bits_however_it_is_computed():
+    ways = _row_logits(exact=True)
+    ref = ways.pop("decode")
+    for name, lg in ways.items():
+        np.testing.assert_array_equal(lg, ref, err_msg=name)
+
+
+def test_padded_rows_change_no_bit(monkeypatch):
+    """With a GPU's row padding (``layers.padded_tokens``: a verify of 6 or 3 rows runs over 8), every
+    way still gives the decode's bits."""
+    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
+    assert padded_tokens(1, 6) == 8 and padded_tokens(1, 3) == 8
     ways = _row_logits(exact=True)
     ref = ways.pop("decode")
     for name, lg in ways.items():
