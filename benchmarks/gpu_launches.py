@@ -300,7 +300,7 @@ def main(argv=None) -> int:
         options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit()
                                                            else value)
     rows = []
-    print(f"| method | batch | kernels per step | cuBLAS | Pallas | XLA fusions | other | compile s |")
+    print("| method | batch | kernels per step | cuBLAS | Pallas | XLA fusions | other | compile s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for method in args.methods.split(","):
         for batch in (int(b) for b in args.batches.split(",")):

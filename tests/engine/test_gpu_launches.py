@@ -21,6 +21,7 @@ from tests.background import ROOT
 
 BENCH = ROOT + "/benchmarks"
 AOT_PYTHON = Path(ROOT) / ".venv-aot" / "bin" / "python"
+AOT_READY = (Path(ROOT) / ".venv-aot" / ".jaxspec-installed").exists()  # written once its install succeeded
 
 
 def _gpu_launches():
@@ -141,7 +142,7 @@ def _h100_launches(tmp_path, method: str, *flags: str) -> dict:
     return json.loads(out.read_text())["rows"][0]
 
 
-needs_aot = pytest.mark.skipif(not AOT_PYTHON.exists(), reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
+needs_aot = pytest.mark.skipif(not AOT_READY, reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
 
 
 @needs_aot
