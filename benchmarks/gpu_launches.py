@@ -151,8 +151,8 @@ class Launches:
 def step_launches(hlo: str) -> Launches:
     """Count the kernels one iteration of the program's outer loop with an unknown trip count (the
     engine's step loop) launches: every scheduled instruction once, the body of a loop with a known
-    trip count (the layer scan) times its trips, the largest branch of a conditional, the step
-    loop's condition once."""
+    trip count (the layer scan) times its trips, a loop inside the step with no known trip count
+    once (body and condition), the largest branch of a conditional, the step loop's condition once."""
     comps = computations(hlo)
     roots = _root_ops(comps)
     entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
@@ -174,8 +174,9 @@ def step_launches(hlo: str) -> Launches:
                 n = int(trips.group(1)) if trips else 1
                 if in_step:
                     loops.append((name, n))
-                # A loop of known trip count runs its body n times without evaluating its condition
-                # (no condition kernels in the H200's traces).
+                # A loop of known trip count runs its body n times without evaluating its condition:
+                # the H200's traces show no condition kernel, where 32 a step would rank among the
+                # heaviest.
                 inner = count(body, in_step) + (count(cond, in_step) if trips is None else collections.Counter())
                 c.update({k: v * n for k, v in inner.items()})
             elif op == "conditional":
