@@ -107,7 +107,6 @@ The last three rarely fit in call 2; they are kept for a session with time to sp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gzip
 import importlib.util
@@ -514,17 +513,6 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
                      implementation=impl or "default", plain_s=plain, bound=True)
 
 
-@contextlib.contextmanager
-def _product_rows(multiple: int):
-    """Forwards traced inside pad their tokens to ``multiple`` rows (``dispatch.product_rows``)."""
-    saved = dispatch.product_rows
-    dispatch.product_rows = lambda: multiple
-    try:
-        yield
-    finally:
-        dispatch.product_rows = saved
-
-
 def item_spec_variants(check: Check, sizes, models, deadline, args):
     from jaxspec import xla_options
 
@@ -536,7 +524,7 @@ def item_spec_variants(check: Check, sizes, models, deadline, args):
     m = methods["EAGLE-3 chain 5"]
     need(deadline, sizes.compile_s(), f"{m.name}, rows not padded")
     # The table's options passed explicitly: a fresh jit, so the program is traced again unpadded.
-    with guarded(check, f"{m.name}, verify rows not padded"), _product_rows(1):
+    with guarded(check, f"{m.name}, verify rows not padded"), dispatch.rows_padded_to(1):
         r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb, options=table)
         step_row(check, sizes, target, r, batch=bb, config=f"{m.name}, verify rows not padded",
                  what="decode_steps with dispatch.product_rows() = 1", options="engine table", plain_s=plain,

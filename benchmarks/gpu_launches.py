@@ -28,6 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax starts: the plugin c
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -265,15 +266,14 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     t0 = time.perf_counter()
     # The kernels dispatch as on that GPU (natively, its block-table entries), and Pallas lowers for
     # its kind (the abstract mesh's device).
-    on_gpu, rows = dispatch.on_gpu, dispatch.product_rows
+    on_gpu = dispatch.on_gpu
     dispatch.on_gpu = lambda: True
-    if product_rows is not None:
-        dispatch.product_rows = lambda: product_rows
     try:
-        with dispatch.assume_gpu(gpu), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with (dispatch.assume_gpu(gpu), jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+              dispatch.rows_padded_to(product_rows) if product_rows else contextlib.nullcontext()):
             lowered = decode_program.lower(plan, *args)
     finally:
-        dispatch.on_gpu, dispatch.product_rows = on_gpu, rows
+        dispatch.on_gpu = on_gpu
     compiled = lowered.compile({**dict(plan.compiler_options), **(options or {}), "xla_gpu_autotune_level": 0})
     return compiled.as_text(), time.perf_counter() - t0
 

@@ -102,11 +102,27 @@ def warn_fallback(op: str, reason: str) -> None:
                       stacklevel=3)
 
 
+_assumed_rows: list[int] = []  # stack of rows_padded_to() multiples
+
+
 def product_rows() -> int:
     """The row multiple a forward pads its tokens to (``model.layers.padded_tokens``): 8 on a GPU,
     where XLA pads a bf16 matrix product's rows to a multiple of 8 and slices the result back (two
-    small kernels around every product), 1 elsewhere."""
+    small kernels around every product), 1 elsewhere; inside ``rows_padded_to``, its multiple."""
+    if _assumed_rows:
+        return _assumed_rows[-1]
     return 8 if on_gpu() else 1
+
+
+@contextlib.contextmanager
+def rows_padded_to(multiple: int):
+    """Forwards traced while inside pad their tokens to ``multiple`` rows (1: no padding), whatever
+    the backend (benchmarks comparing a program with and without the padding)."""
+    _assumed_rows.append(multiple)
+    try:
+        yield
+    finally:
+        _assumed_rows.pop()
 
 
 def interpret_mode() -> bool:
