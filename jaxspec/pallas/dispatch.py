@@ -117,12 +117,18 @@ def product_rows() -> int:
 @contextlib.contextmanager
 def rows_padded_to(multiple: int):
     """Forwards traced while inside pad their tokens to ``multiple`` rows (1: no padding), whatever
-    the backend (benchmarks comparing a program with and without the padding)."""
+    the backend (benchmarks and tests comparing a program with and without the padding).
+
+    The multiple is read while tracing and is not part of a jitted function's cache key, so a
+    program traced outside would be reused inside unchanged (and the other way round): JAX's
+    caches are cleared on entering and on leaving. (On a machine the multiple never changes.)"""
+    jax.clear_caches()
     _assumed_rows.append(multiple)
     try:
         yield
     finally:
         _assumed_rows.pop()
+        jax.clear_caches()
 
 
 def interpret_mode() -> bool:

@@ -157,3 +157,23 @@ def test_write_entries_merges(tmp_path):
     table = json.loads(path.read_text())
     assert table["h100"]["blocks"] == {VERIFY_128: {"block_m": 32}, "kv_move": {"num_warps": 2}}
     assert table["h100"]["xla"] == {"kv_move": "slower than XLA"}
+
+
+def test_a_program_traced_inside_rows_padded_to_is_traced_again():
+    """The row multiple is read while tracing, so a jitted function traced outside the context must not
+    be reused inside it, nor the padded trace after it (the GPU check once timed the padded program as
+    the unpadded one)."""
+    import jax
+
+    @jax.jit
+    def multiple(x):
+        return x + dispatch.product_rows()
+
+    x = jnp.zeros((), jnp.int32)
+    assert int(multiple(x)) == 1
+    with dispatch.rows_padded_to(8):
+        assert int(multiple(x)) == 8
+        with dispatch.rows_padded_to(1):
+            assert int(multiple(x)) == 1
+        assert int(multiple(x)) == 8
+    assert int(multiple(x)) == 1

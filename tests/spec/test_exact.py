@@ -91,12 +91,13 @@ def test_a_rows_logits_are_the_same_bits_however_it_is_computed():
         np.testing.assert_array_equal(lg, ref, err_msg=name)
 
 
-def test_padded_rows_change_no_bit(monkeypatch):
+def test_padded_rows_change_no_bit():
     """With a GPU's row padding (``layers.padded_tokens``: a verify of 6 or 3 rows runs over 8), every
-    way still gives the decode's bits."""
-    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
-    assert padded_tokens(1, 6) == 8 and padded_tokens(1, 3) == 8
-    ways = _row_logits(exact=True)
+    way still gives the decode's bits. (``rows_padded_to``, not a patched ``product_rows``: the other
+    tests' programs, traced unpadded, would be reused.)"""
+    with dispatch.rows_padded_to(8):
+        assert padded_tokens(1, 6) == 8 and padded_tokens(1, 3) == 8
+        ways = _row_logits(exact=True)
     ref = ways.pop("decode")
     for name, lg in ways.items():
         np.testing.assert_array_equal(lg, ref, err_msg=name)

@@ -2,7 +2,7 @@
 
 On a GPU a Llama-family forward of B x T tokens with B * T not a multiple of 8 (an EAGLE chain of 5
 verified at batch 1: 6 rows) runs its layers over extra zero rows, so that XLA pads no product.
-Here ``dispatch.product_rows`` is made to answer 8 as on a GPU: the padded forward must give the
+Here ``dispatch.rows_padded_to(8)`` pads them as on a GPU: the padded forward must give the
 unpadded one's logits, hidden states and taps, write only its real rows' K/V, and speculative
 decoding through it must equal plain greedy decoding, token for token (chain and tree, pages 1 and
 16, ragged batches)."""
@@ -21,8 +21,10 @@ from tests.spec.test_lossless import test_speculative_greedy_equals_plain_greedy
 
 
 @pytest.fixture
-def rows_of_eight(monkeypatch):
-    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
+def rows_of_eight():
+    # (not a patched product_rows: a program traced earlier in this process would be reused unpadded)
+    with dispatch.rows_padded_to(8):
+        yield
 
 
 @pytest.mark.parametrize("B,T,Tp", [(1, 1, 1), (1, 6, 8), (3, 4, 8), (2, 4, 4), (16, 6, 6), (5, 9, 16)])
@@ -36,13 +38,13 @@ def test_padded_tokens_leaves_the_cpu_alone():
 
 
 @pytest.mark.parametrize("T", [3, 6])
-def test_a_padded_forward_gives_the_unpadded_outputs(tiny_target, monkeypatch, T):
+def test_a_padded_forward_gives_the_unpadded_outputs(tiny_target, T):
     tokens = np.random.default_rng(T).integers(0, tiny_target.config.vocab_size, (1, T))
     taps = (1, tiny_target.config.num_layers)
     logits, hidden, aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
-    monkeypatch.setattr(dispatch, "product_rows", lambda: 8)
-    assert padded_tokens(1, T) == 8
-    p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+    with dispatch.rows_padded_to(8):
+        assert padded_tokens(1, T) == 8
+        p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
     assert p_logits.shape == logits.shape and p_aux.shape == aux.shape
     for got, want in ((p_logits, logits), (p_hidden, hidden), (p_aux, aux)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)
