@@ -46,7 +46,10 @@ Call 1:
                DFlash block 16 (chain 15), DSpark chain 8 and n-gram chain 5, each as a ratio to the
                plain step of its batch, each verifying its whole tree every step (printed: nodes
                verified per step); random drafts at their published shapes
-               (``benchmarks/step_timing.py``).
+               (``benchmarks/step_timing.py``). Each row's bound adds the draft weights the step
+               reads (``step_timing.draft_weight_bytes_read``: EAGLE-3 reads its layer and head once
+               per draft step), and ``floor vs plain`` is that bound over the plain step's: the
+               least ratio a step at the bandwidth bound could show.
   profile      where the time goes: the device kernels of the plain step at batch 1 and 16 and of
                EAGLE-3 chain 5 at batch 1, from JAX's profiler (``benchmarks/kernel_trace.py``): per
                step the device's busy time against the wall time, the time per kernel class (the
@@ -60,11 +63,12 @@ Call 1:
                XLA (ten small kernels a layer) instead of the ``rope_write`` and ``rms_norm`` kernels
                (three).
   spec_variants
-               two speculative steps at batch 1 beside their ``spec_b1`` rows, each changed in a way
-               only counted so far (``benchmarks/gpu_launches.py``): EAGLE-3 chain 5 with its 6 verify
-               rows not padded to 8 (``dispatch.product_rows`` 1: XLA's pads and slices around every
-               product come back), DFlash block 16 with XLA's dot merger off
-               (``xla_options.CANDIDATES["dot_merger_off"]``: no per-step weight concatenation).
+               speculative steps at batch 1 beside their ``spec_b1`` rows, each changed one way
+               (``SPEC_VARIANTS``): EAGLE-3 chain 5 with its 6 verify rows not padded to 8
+               (``dispatch.rows_padded_to(1)``: XLA's pads and slices around every product come
+               back) and with its layer loops unrolled (``CANDIDATES["unrolled_layer_loop"]``),
+               DFlash block 16 and DSpark chain 8 with XLA's dot merger off
+               (``CANDIDATES["dot_merger_off"]``: no per-step weight concatenation).
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
   candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
@@ -107,6 +111,7 @@ The last three rarely fit in call 2; they are kept for a session with time to sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import importlib.util
@@ -296,9 +301,12 @@ def bandwidths(check: Check) -> tuple[float | None, float | None]:
 
 
 def step_row(check: Check, sizes: Sizes, target, r: dict, *, batch: int, config: str, what: str, options: str,
-             plain_s: float | None = None, bound: bool = False, **extra) -> dict:
+             plain_s: float | None = None, bound: bool = False, draft=None, spec=None, **extra) -> dict:
     """One timed step row: ms per step, its ratio to the plain step, the nodes it verified, and
-    (``bound``) the bytes a plain step reads over the measured and the datasheet bandwidth."""
+    (``bound``) the bytes the step reads over the measured and the datasheet bandwidth: a plain
+    step's, plus with a ``draft`` the draft weights its ``spec`` reads
+    (``step_timing.draft_weight_bytes_read``), and then the floor's ratio to the plain step's
+    (``floor_vs_plain``: the least ``vs_plain`` a step at the bandwidth bound could show)."""
     row = dict(batch=batch, config=config, what=what, options=options, ms_per_step=r["seconds"] * 1e3,
                verified=round(r.get("verified_mean", 1.0), 2), compile_s=round(r.get("compile_s", 0.0), 1), **extra)
     if "spread" in r:
@@ -309,16 +317,20 @@ def step_row(check: Check, sizes: Sizes, target, r: dict, *, batch: int, config:
         measured, sheet = bandwidths(check)
         w = st.weight_bytes_read(target.params, batch)
         kv = st.kv_bytes_read(target.config, batch, r.get("positions", sizes.context), target.dtype)
+        d = st.draft_weight_bytes_read(draft, spec)
         row.update(weight_bytes_read=w, kv_bytes_read=int(kv))
+        if draft is not None:
+            row.update(draft_weight_bytes_read=d, floor_vs_plain=(w + kv + d) / (w + kv))
         for name, bw in (("measured", measured), ("datasheet", sheet)):
             if bw:
-                row[f"bound_ms_{name}"] = (w + kv) / bw * 1e3
-                row[f"share_of_bound_{name}"] = (w + kv) / bw / r["seconds"]
+                row[f"bound_ms_{name}"] = (w + kv + d) / bw * 1e3
+                row[f"share_of_bound_{name}"] = (w + kv + d) / bw / r["seconds"]
     check.row(**row)
     shares = "".join(f", {row[f'share_of_bound_{n}'] * 100:.0f}% of the {n} bound" for n in ("measured", "datasheet")
                      if f"share_of_bound_{n}" in row)
     print(f"  batch {batch} {config}: {row['ms_per_step']:.3f} ms/step"
           + (f" ({row['vs_plain']:.2f}x plain)" if "vs_plain" in row else "")
+          + (f" (floor {row['floor_vs_plain']:.2f}x plain)" if "floor_vs_plain" in row else "")
           + f", verified {row['verified']}{shares} [compile+first call {row['compile_s']} s]", flush=True)
     return row
 
@@ -472,9 +484,11 @@ def item_spec(check: Check, sizes, models, deadline, args, batch=1):
     for m in st.METHODS if batch == 1 else dry_subset(sizes, st.METHODS):
         need(deadline, sizes.compile_s(), m.name)
         with guarded(check, m.name):
-            r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb)
+            draft = m.make(target, sizes.dry_run)
+            r = _time(sizes, target, draft, m.spec, bb)
             step_row(check, sizes, target, r, batch=bb, config=m.name, what=ENGINE_PROGRAM,
-                     options="engine default", plain_s=plain, verified_expected=m.spec.num_draft_tokens)
+                     options="engine default", plain_s=plain, verified_expected=m.spec.num_draft_tokens,
+                     bound=True, draft=draft, spec=m.spec)
 
 
 def _variant_options_ok(options: dict) -> str | None:
@@ -513,6 +527,16 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
                      implementation=impl or "default", plain_s=plain, bound=True)
 
 
+# Speculative steps at batch 1 changed one way each, timed beside their ``spec_b1`` rows:
+# (method, what changes, rows the forwards pad to (None: the GPU's 8), a candidate merged over the table).
+SPEC_VARIANTS = [
+    ("EAGLE-3 chain 5", "verify rows not padded", 1, None),
+    ("EAGLE-3 chain 5", "layer loops unrolled", None, "unrolled_layer_loop"),
+    ("DFlash block 16 (chain 15)", "dot merger off", None, "dot_merger_off"),
+    ("DSpark chain 8", "dot merger off", None, "dot_merger_off"),
+]
+
+
 def item_spec_variants(check: Check, sizes, models, deadline, args):
     from jaxspec import xla_options
 
@@ -521,28 +545,25 @@ def item_spec_variants(check: Check, sizes, models, deadline, args):
     plain = _plain_seconds(check, bb)
     methods = {m.name: m for m in st.METHODS}
     table = dict(xla_options.TABLE["gpu"])
-    m = methods["EAGLE-3 chain 5"]
-    need(deadline, sizes.compile_s(), f"{m.name}, rows not padded")
-    # The table's options passed explicitly: a fresh jit, so the program is traced again unpadded.
-    with guarded(check, f"{m.name}, verify rows not padded"), dispatch.rows_padded_to(1):
-        r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb, options=table)
-        step_row(check, sizes, target, r, batch=bb, config=f"{m.name}, verify rows not padded",
-                 what="decode_steps with dispatch.product_rows() = 1", options="engine table", plain_s=plain,
-                 verified_expected=m.spec.num_draft_tokens)
-    m = methods["DFlash block 16 (chain 15)"]
-    extra = xla_options.CANDIDATES["dot_merger_off"]
-    if bad := _variant_options_ok({**table, **extra}):
-        check.note(f"dot_merger_off: options refused by this jaxlib: {bad}")
-        return
-    if sizes.dry_run:
-        check.note("dot_merger_off: options accepted (dry run: not compiled)")
-        return
-    need(deadline, sizes.compile_s(), f"{m.name}, dot merger off")
-    with guarded(check, f"{m.name}, dot merger off"):
-        r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb, options={**table, **extra})
-        step_row(check, sizes, target, r, batch=bb, config=f"{m.name}, dot merger off",
-                 what="decode_steps under jax.jit(compiler_options=table + candidate)", options=json.dumps(extra),
-                 plain_s=plain, verified_expected=m.spec.num_draft_tokens)
+    for name, change, rows, candidate in SPEC_VARIANTS:
+        m, extra = methods[name], xla_options.CANDIDATES.get(candidate, {})
+        if bad := _variant_options_ok({**table, **extra}):
+            check.note(f"{candidate}: options refused by this jaxlib: {bad}")
+            continue
+        if sizes.dry_run and candidate:
+            check.note(f"{candidate}: options accepted (dry run: not compiled)")
+            continue
+        need(deadline, sizes.compile_s(), f"{name}, {change}")
+        # The table's options passed explicitly: a fresh jit (and inside rows_padded_to, a fresh trace).
+        with (guarded(check, f"{name}, {change}"),
+              dispatch.rows_padded_to(rows) if rows else contextlib.nullcontext()):
+            draft = m.make(target, sizes.dry_run)
+            r = _time(sizes, target, draft, m.spec, bb, options={**table, **extra})
+            step_row(check, sizes, target, r, batch=bb, config=f"{name}, {change}",
+                     what=("decode_steps under jax.jit(compiler_options=table + candidate)" if candidate else
+                           f"decode_steps with its forwards' rows padded to {rows}"),
+                     options=json.dumps(extra) if candidate else "engine table", plain_s=plain,
+                     verified_expected=m.spec.num_draft_tokens, bound=True, draft=draft, spec=m.spec)
 
 
 def item_profile(check: Check, sizes, models, deadline, args):
@@ -656,9 +677,11 @@ def item_batch64(check: Check, sizes, models, deadline, args):
     for m in dry_subset(sizes, st.METHODS[:1], keep=0):  # EAGLE-3 chain 5
         need(deadline, sizes.compile_s(), m.name)
         with guarded(check, m.name):
-            r = _time(sizes, target, m.make(target, sizes.dry_run), m.spec, bb)
+            draft = m.make(target, sizes.dry_run)
+            r = _time(sizes, target, draft, m.spec, bb)
             step_row(check, sizes, target, r, batch=bb, config=m.name, what=ENGINE_PROGRAM, options="engine default",
-                     plain_s=_plain_seconds(check, bb), verified_expected=m.spec.num_draft_tokens)
+                     plain_s=_plain_seconds(check, bb), verified_expected=m.spec.num_draft_tokens,
+                     bound=True, draft=draft, spec=m.spec)
 
 
 def _pair(check, sizes, models, deadline, method, *, grammars=None, temperature=0.0, label: str, exact=False,
@@ -729,9 +752,11 @@ def item_hybrid(check: Check, sizes, models, deadline, args):
     bb = sizes.batch(1)
     spec = js_chain(3)
     with guarded(check, "hybrid MTP chain 3"):
-        r = _time(sizes, target, st.mtp_for(target), spec, bb)
+        draft = st.mtp_for(target)
+        r = _time(sizes, target, draft, spec, bb)
         step_row(check, sizes, target, r, batch=bb, config="hybrid MTP chain 3", what=ENGINE_PROGRAM,
-                 options="engine default", plain_s=plain.get(bb), verified_expected=spec.num_draft_tokens)
+                 options="engine default", plain_s=plain.get(bb), verified_expected=spec.num_draft_tokens,
+                 bound=True, draft=draft, spec=spec)
 
 
 def js_chain(n: int):
@@ -869,13 +894,13 @@ def markdown(summary: dict) -> str:
         if item.get("error"):
             out += ["", "```", item["error"][-2500:], "```"]
         if rows and name in STEP_ITEMS:
-            out += ["", "| batch | config | timed | XLA options | ms/step | vs plain | verified/step | "
+            out += ["", "| batch | config | timed | XLA options | ms/step | vs plain | floor vs plain | verified/step | "
                     "share of bound (measured / datasheet) | bound ms (measured / datasheet) |",
-                    "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+                    "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
             for r in rows:
                 if "ms_per_step" not in r:  # a failed row
                     why = (r.get("error") or "").strip().splitlines()[-1:] or [""]
-                    out.append(f"| {r.get('batch', '')} | {r.get('config', '')} | ERROR: {why[0][:200]} | | | | | | |")
+                    out.append(f"| {r.get('batch', '')} | {r.get('config', '')} | ERROR: {why[0][:200]} | | | | | | | |")
                     continue
                 share = " / ".join(f"{r[k] * 100:.0f}%" for k in ("share_of_bound_measured", "share_of_bound_datasheet")
                                    if r.get(k) is not None)
@@ -883,7 +908,8 @@ def markdown(summary: dict) -> str:
                                    if r.get(k) is not None)
                 impl = f"; attention {r['implementation']}" if r.get("implementation") not in (None, "default") else ""
                 out.append(f"| {r['batch']} | {r['config']} | {r['what']} | {r['options']}{impl} | "
-                           f"{r['ms_per_step']:.3f} | {_fmt(r.get('vs_plain'))} | {_fmt(r.get('verified'), 1)} | "
+                           f"{r['ms_per_step']:.3f} | {_fmt(r.get('vs_plain'))} | {_fmt(r.get('floor_vs_plain'))} | "
+                           f"{_fmt(r.get('verified'), 1)} | "
                            f"{share} | {bound} |")
         elif name == "kernels" and rows:
             copy = summary.get("items", {}).get("copy", {}).get("rows") or [{}]

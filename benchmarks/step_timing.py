@@ -21,7 +21,8 @@ n-gram lookup (a chain of 5) with every step verifying its whole chain whether o
 (``full_length_ngram``). Model drafts always verify their whole tree.
 
 The bound of a plain step is the bytes it must read over a bandwidth: every weight but the embedding
-table (of which it reads one row per token) plus the KV of every row's committed positions.
+table (of which it reads one row per token) plus the KV of every row's committed positions; a
+speculative step's adds the draft weights its drafting reads (``draft_weight_bytes_read``).
 
 ``--controls`` / ``--constraint`` time each configuration again with every generation control on
 (logit bias on 64 tokens, repetition / presence / frequency penalties, min-p, 20 top log-probabilities)
@@ -67,11 +68,11 @@ from jaxspec.model.checkpoints.qwen_mtp import qwen_mtp_table  # noqa: E402
 from jaxspec.model.checkpoints.speculators import dspark_table  # noqa: E402
 from jaxspec.model.config import RopeConfig, padded_vocab_size  # noqa: E402
 from jaxspec.model.drafts.base import DraftModel, zero_pool  # noqa: E402
-from jaxspec.model.drafts.dflash import DFlashConfig, dflash_config_for, dflash_draft  # noqa: E402
+from jaxspec.model.drafts.dflash import DFlashConfig, DFlashDraft, dflash_config_for, dflash_draft  # noqa: E402
 from jaxspec.model.drafts.dspark import DSparkConfig, dspark_draft  # noqa: E402
-from jaxspec.model.drafts.eagle import eagle3_config_for, eagle_draft  # noqa: E402
+from jaxspec.model.drafts.eagle import Eagle3Draft, eagle3_config_for, eagle_draft  # noqa: E402
 from jaxspec.model.drafts.ngram import NgramConfig, NgramLookup  # noqa: E402
-from jaxspec.model.drafts.qwen_mtp import QwenMtpConfig, qwen_mtp_draft  # noqa: E402
+from jaxspec.model.drafts.qwen_mtp import QwenMtpConfig, QwenMtpDraft, qwen_mtp_draft  # noqa: E402
 from jaxspec.model.targets import Model, create_target_pool  # noqa: E402
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, DeepseekV4Config  # noqa: E402
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig  # noqa: E402
@@ -161,6 +162,36 @@ def weight_bytes_read(params, batch: int) -> int:
     if embed is None or "lm_head" not in params:
         return total
     return total - embed.size * embed.dtype.itemsize + batch * embed.shape[-1] * embed.dtype.itemsize
+
+
+def draft_weight_bytes_read(draft: DraftModel | None, spec) -> int:
+    """Bytes of draft weights one speculative step reads while drafting: each pass reads the
+    matrices it multiplies by once, whatever the batch; a shared embedding only its rows (not
+    counted). With the plain step's bytes it gives the step's floor: at batch 1 a chain of 5 EAGLE-3
+    steps at the Llama-3-8B shape reads 3.8 GB of draft weights beside the target's 16 GB, so no
+    such step can cost less than 1.24x a plain one.
+
+    - EAGLE-3: the fc over the target's taps once (the pass over the accepted tokens), the layer and
+      the draft head once per draft step (``num_steps`` passes, the first over the accepted tokens).
+    - Qwen3.5 MTP: the fc, the layers and the (target's) head once per draft step.
+    - DFlash / DSpark: one pass of the block through the fc and every layer, and the head once; a
+      DSpark Markov head reads its matrices (all but ``w1``, whose rows are gathered) once per slot,
+      the slots drafted one after another.
+    - n-gram lookup: no weights.
+    """
+    if draft is None or isinstance(draft.config, NgramLookup):
+        return 0
+    p, d = draft.params, draft.config
+    if isinstance(d, Eagle3Draft):
+        return param_bytes(p["fc"]) + spec.num_steps * (param_bytes(p["layer"]) + param_bytes(p["lm_head"]))
+    if isinstance(d, QwenMtpDraft):
+        return spec.num_steps * (param_bytes(p["fc"]) + param_bytes(p["layers"]) + param_bytes(p["head"]))
+    if isinstance(d, DFlashDraft):
+        markov = p.get("markov", {})
+        per_slot = param_bytes(markov) - param_bytes(markov.get("w1", []))
+        return (param_bytes(p["fc"]) + param_bytes(p["layers"]) + param_bytes(p["lm_head"])
+                + d.block_size * per_slot)
+    raise NotImplementedError(f"no weight-read count for a {type(d).__name__} draft")
 
 
 def kv_bytes_read(cfg, batch: int, positions: float, dtype) -> float:
@@ -603,7 +634,8 @@ def main(argv=None) -> int:
                       else " exact mode" if args.exact else " + controls")
                 config = m.name + (on if j else "")
                 positions = r.get("positions", args.context)
-                read = weight_bytes_read(target.params, batch) + kv_bytes_read(cfg, batch, positions, dtype)
+                read = (weight_bytes_read(target.params, batch) + kv_bytes_read(cfg, batch, positions, dtype)
+                        + draft_weight_bytes_read(draft, m.spec))
                 bound = read / bw * 1e3 if bw else float("nan")
                 row = dict(batch=batch, config=config, ms_per_step=r["seconds"] * 1e3,
                            ratio_to_plain=r["seconds"] / plain, verified=r["verified_mean"], bound_ms=bound)

@@ -63,17 +63,22 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert [r["config"] for r in rows["spec_b1"]] == methods and [r["config"] for r in rows["spec_b16"]] == methods[:1]
     for r in rows["spec_b1"] + rows["spec_b16"] + rows["batch64"][1:]:
         assert r["verified"] == r["verified_expected"] and r["vs_plain"] > 0, r
+    # Each step's bound counts the draft weights it reads: above the plain step's for a model draft.
+    floors = {r["config"]: r["floor_vs_plain"] for r in rows["spec_b1"]}
+    assert floors.pop(methods[-1]) == 1.0 and all(f > 1.0 for f in floors.values()), floors
+    assert all(r["bound_ms_measured"] > 0 for r in rows["spec_b1"] + rows["spec_variants"] + rows["hybrid"])
     # XLA option variants: every option accepted by this jaxlib; the first and last compiled.
     for name in ("variants_b1", "variants_b16"):
         assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
         assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, small kernels on XLA"]
         assert rows[name][1]["options"] == "engine table"
         assert rows[name][1]["implementation"] == [["rms_norm", "xla"], ["rope_write", "xla"]]
-    # The speculative variants: the unpadded EAGLE-3 chain compiled and timed; the dot merger's option
+    # The speculative variants: the unpadded EAGLE-3 chain compiled and timed; the candidates' options
     # accepted by this jaxlib (compiled only on a GPU).
     assert [r["config"] for r in rows["spec_variants"]] == ["EAGLE-3 chain 5, verify rows not padded"]
     assert rows["spec_variants"][0]["verified"] == rows["spec_variants"][0]["verified_expected"]
-    assert items["spec_variants"]["notes"] == ["dot_merger_off: options accepted (dry run: not compiled)"]
+    assert items["spec_variants"]["notes"] == [f"{c}: options accepted (dry run: not compiled)"
+                                               for *_, c in gpu_check.SPEC_VARIANTS[1:]]
     # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
     assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
     assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])
@@ -111,6 +116,34 @@ def test_dry_run_runs_every_item_of_both_calls():
     # A later invocation adds its items to the same summary.
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--items", "env"]) == 0
     assert list(json.loads((tmp_path / "gpu_check.json").read_text())["items"]) == list(items)
+
+
+def test_a_speculative_steps_floor_counts_each_draft_pass_once():
+    """The draft weights a step reads, against the drafts' shapes written out by hand (float32, so 4
+    bytes an element): EAGLE-3 reads its fc once and its layer and head once per draft step; a block
+    draft reads its fc, its layers and the target's head once, and a DSpark Markov head its ``w2``
+    once per slot; n-gram lookup nothing."""
+    st = _module("step_timing")
+    import jaxspec as js
+
+    target = st.random_target(st.TINY, jnp.float32)
+    H, I, V, heads, kv, d = 64, 128, 256, 4, 2, 16  # st.TINY
+    attn_out = heads * d * H + H * 2 * I + I * H  # wo, gate/up, down
+    eagle_layer = 2 * H * (heads + 2 * kv) * d + attn_out + 3 * H  # q/k/v over [embed, hidden]; three norms
+    block_layer = H * heads * d + H * 2 * kv * d + attn_out + 2 * H + 2 * d  # wq, wkv; four norms
+    block_fc, head = 2 * H * H, H * V  # two taps from a four-layer target; the target's head
+    cases = [
+        (st.eagle3_for(target), js.SpecConfig.chain(5), 3 * H * H + 5 * (eagle_layer + H * V)),
+        (st.eagle3_for(target), js.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8),
+         3 * H * H + 3 * (eagle_layer + H * V)),
+        (st.dflash_for(target, layers=2, block=16), js.SpecConfig.chain(15), block_fc + 2 * block_layer + head),
+        (st.dspark_for(target, layers=2, block=8, markov_rank=16), js.SpecConfig.chain(8),
+         block_fc + 2 * block_layer + head + 8 * 16 * V),
+        (st.full_length_ngram(), js.SpecConfig.chain(5), 0),
+    ]
+    for draft, spec, elements in cases:
+        assert st.draft_weight_bytes_read(draft, spec) == 4 * elements, type(draft.config).__name__
+    assert st.draft_weight_bytes_read(None, None) == 0
 
 
 def test_the_kernel_harness_ties_each_call_to_the_last_without_changing_its_inputs():
