@@ -57,8 +57,9 @@ TABLE: dict[str, dict[str, bool | int | float | str]] = {
 _XLA_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 # Option sets to time over the table on a GPU (not in it: no measured gain yet). The GPU check's
-# ``candidates`` item times each; its last run (H200, plain 8B step at batch 1, 5.92 ms over the
-# table, one run, benchmarks/RESULTS.md): every set within 1.5% of the table's step time.
+# ``candidates`` item times each; its last run (H200, main at cf1614b, plain 8B step 4.76 / 5.26 ms at
+# batch 1 / 16 over the table, one run, benchmarks/RESULTS.md): every set within the 4.73-4.89 ms the
+# table's own step spread over in that run but ``unrolled_layer_loop``.
 CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # CUDA graphs over the loops too: XLA's default command buffers hold fusions and library calls
     # but not WHILE / CONDITIONAL, so the layer loop, the draft loops and the step loop are
@@ -79,7 +80,8 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # XLA unrolls loops of a known trip count (the layer loop): each layer's weight slice has a
     # static offset and may be read where it lies. Not measured (an unrolled lax.scan, unroll=32,
     # took 12.22 against 12.35 ms with Triton GEMMs). With cuBLAS on an H200, batch 1: 5.83 against
-    # 5.92 ms, within one run's noise.
+    # 5.92 ms; at cf1614b 4.63 against 4.76 ms (batch 16: 5.19 against 5.26), twice under the table,
+    # with twice the compile time (2.6 against 1.2 s). Not timed on a speculative step yet.
     "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
     # cuBLASLt for the products (epilogues fused into the GEMM). H200, batch 1: 5.95 against 5.92 ms.
     "cublaslt": {"xla_gpu_enable_cublaslt": True},
@@ -93,7 +95,9 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # weight built again every step, five to six 48-64 MB copies a step at the 8B shape. Counted in
     # the H100 program compiled without a GPU (benchmarks/gpu_launches.py, RESULTS.md): the copies
     # gone, DFlash block 16 at batch 1 575 -> 513 kernels a step, DSpark chain 8 640 -> 578; plain,
-    # EAGLE-3 and n-gram steps unchanged. No GPU time yet: time a DFlash or DSpark step with it.
+    # EAGLE-3 and n-gram steps unchanged. H200 at cf1614b, one run: DFlash block 16 at batch 1 6.29
+    # -> 6.09 ms; the plain step 4.70 against 4.76 ms (batch 1), 5.31 against 5.26 ms (batch 16).
+    # Not timed on DSpark or the MLA families, whose products sharing an input it also splits.
     "dot_merger_off": {"xla_gpu_dot_merger_threshold_mb": 0},
 }
 
