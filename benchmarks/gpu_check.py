@@ -67,8 +67,8 @@ Call 1:
                (``SPEC_VARIANTS``): EAGLE-3 chain 5 with its 6 verify rows not padded to 8
                (``dispatch.rows_padded_to(1)``: XLA's pads and slices around every product come
                back) and with its layer loops unrolled (``CANDIDATES["unrolled_layer_loop"]``),
-               DFlash block 16 and DSpark chain 8 with XLA's dot merger off
-               (``CANDIDATES["dot_merger_off"]``: no per-step weight concatenation).
+               DFlash block 16 and DSpark chain 8 with XLA's dot merger on (the table turns it off:
+               it concatenated their draft layers' weights every step).
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
   candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
@@ -527,13 +527,14 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
                      implementation=impl or "default", plain_s=plain, bound=True)
 
 
-# Speculative steps at batch 1 changed one way each, timed beside their ``spec_b1`` rows:
-# (method, what changes, rows the forwards pad to (None: the GPU's 8), a candidate merged over the table).
+# Speculative steps at batch 1 changed one way each, timed beside their ``spec_b1`` rows: (method,
+# what changes, rows the forwards pad to (None: the GPU's 8), the options merged over the table (a
+# candidate's name, or a mapping whose None drops the table's entry)).
 SPEC_VARIANTS = [
     ("EAGLE-3 chain 5", "verify rows not padded", 1, None),
     ("EAGLE-3 chain 5", "layer loops unrolled", None, "unrolled_layer_loop"),
-    ("DFlash block 16 (chain 15)", "dot merger off", None, "dot_merger_off"),
-    ("DSpark chain 8", "dot merger off", None, "dot_merger_off"),
+    ("DFlash block 16 (chain 15)", "dot merger on (XLA's default)", None, {"xla_gpu_dot_merger_threshold_mb": None}),
+    ("DSpark chain 8", "dot merger on (XLA's default)", None, {"xla_gpu_dot_merger_threshold_mb": None}),
 ]
 
 
@@ -545,24 +546,26 @@ def item_spec_variants(check: Check, sizes, models, deadline, args):
     plain = _plain_seconds(check, bb)
     methods = {m.name: m for m in st.METHODS}
     table = dict(xla_options.TABLE["gpu"])
-    for name, change, rows, candidate in SPEC_VARIANTS:
-        m, extra = methods[name], xla_options.CANDIDATES.get(candidate, {})
-        if bad := _variant_options_ok({**table, **extra}):
-            check.note(f"{candidate}: options refused by this jaxlib: {bad}")
+    for name, change, rows, delta in SPEC_VARIANTS:
+        m = methods[name]
+        extra = xla_options.CANDIDATES[delta] if isinstance(delta, str) else (delta or {})
+        options = {k: v for k, v in {**table, **extra}.items() if v is not None}
+        if bad := _variant_options_ok(options):
+            check.note(f"{name}, {change}: options refused by this jaxlib: {bad}")
             continue
-        if sizes.dry_run and candidate:
-            check.note(f"{candidate}: options accepted (dry run: not compiled)")
+        if sizes.dry_run and extra:
+            check.note(f"{name}, {change}: options accepted (dry run: not compiled)")
             continue
         need(deadline, sizes.compile_s(), f"{name}, {change}")
         # The table's options passed explicitly: a fresh jit (and inside rows_padded_to, a fresh trace).
         with (guarded(check, f"{name}, {change}"),
               dispatch.rows_padded_to(rows) if rows else contextlib.nullcontext()):
             draft = m.make(target, sizes.dry_run)
-            r = _time(sizes, target, draft, m.spec, bb, options={**table, **extra})
+            r = _time(sizes, target, draft, m.spec, bb, options=options)
             step_row(check, sizes, target, r, batch=bb, config=f"{name}, {change}",
-                     what=("decode_steps under jax.jit(compiler_options=table + candidate)" if candidate else
+                     what=("decode_steps under jax.jit(compiler_options=table + these)" if extra else
                            f"decode_steps with its forwards' rows padded to {rows}"),
-                     options=json.dumps(extra) if candidate else "engine table", plain_s=plain,
+                     options=json.dumps(extra) if extra else "engine table", plain_s=plain,
                      verified_expected=m.spec.num_draft_tokens, bound=True, draft=draft, spec=m.spec)
 
 

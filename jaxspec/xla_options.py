@@ -40,6 +40,16 @@ TABLE: dict[str, dict[str, bool | int | float | str]] = {
         # with q/k/v and gate/up joined (benchmarks/gpu_check.py --call 1, benchmarks/RESULTS.md):
         # batch 1 11.58 -> 5.94 ms, batch 16 12.07 -> 5.47 ms.
         "xla_gpu_enable_triton_gemm": False,
+        # XLA's dot merger off. It joins products that share an input into one, concatenating their
+        # weights inside the program: a DFlash or DSpark draft layer's q and k/v products (wq and
+        # wkv, kept apart because the context projects k/v alone) became one product over a
+        # [4096, 6144] weight built again every step, five to six 48-64 MB copies a step at the 8B
+        # shape (counted in the H100 program compiled without a GPU, benchmarks/gpu_launches.py:
+        # DFlash block 16 at batch 1 575 -> 513 kernels a step). NVIDIA H200, batch 1, the 8B shape
+        # (benchmarks/gpu_check.py, RESULTS.md): DFlash block 16 6.29 -> 6.09 ms and 6.26 -> 6.00 ms
+        # in two runs, DSpark chain 8 6.67 -> 6.42 ms; the plain step within its run-to-run spread
+        # (4.70 / 4.76, 4.69 / 4.66 ms); EAGLE-3 and n-gram programs unchanged by it.
+        "xla_gpu_dot_merger_threshold_mb": 0,
     },
     # CPU: nothing. Measured against XLA's defaults (plain decode step, random f32 weights, context
     # 256, 8 steps a call, medians of 9 interleaved calls on a shared 2-core x86 machine under load,
@@ -80,8 +90,10 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # XLA unrolls loops of a known trip count (the layer loop): each layer's weight slice has a
     # static offset and may be read where it lies. Not measured (an unrolled lax.scan, unroll=32,
     # took 12.22 against 12.35 ms with Triton GEMMs). With cuBLAS on an H200, batch 1: 5.83 against
-    # 5.92 ms; at cf1614b 4.63 against 4.76 ms (batch 16: 5.19 against 5.26), twice under the table,
-    # with twice the compile time (2.6 against 1.2 s). Not timed on a speculative step yet.
+    # 5.92 ms; at cf1614b 4.63 against 4.76 ms (batch 16: 5.19 against 5.26); at e512864 4.58 against
+    # 4.66 ms, EAGLE-3 chain 5 5.85 against 5.90 ms. It removes the layer loop's counter (a kernel a
+    # layer, 55 us a step at batch 1) and doubles the compile time (2.0-2.6 against 0.9-1.2 s); not
+    # measured on the larger programs (DeepSeek-V4, the hybrid), whose compile it may lengthen more.
     "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
     # cuBLASLt for the products (epilogues fused into the GEMM). H200, batch 1: 5.95 against 5.92 ms.
     "cublaslt": {"xla_gpu_enable_cublaslt": True},
@@ -89,16 +101,6 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # the products before them. H200, batch 1: 5.95 against 5.92 ms (the GPU program copies no
     # weight slice: each product reads its slice where it lies, benchmarks/hlo_copies.py).
     "latency_hiding_scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
-    # XLA's dot merger off. It joins products that share an input into one, concatenating their
-    # weights inside the program: a DFlash or DSpark draft layer's q and k/v products (wq and wkv,
-    # kept apart because the context projects k/v alone) became one product over a [4096, 6144]
-    # weight built again every step, five to six 48-64 MB copies a step at the 8B shape. Counted in
-    # the H100 program compiled without a GPU (benchmarks/gpu_launches.py, RESULTS.md): the copies
-    # gone, DFlash block 16 at batch 1 575 -> 513 kernels a step, DSpark chain 8 640 -> 578; plain,
-    # EAGLE-3 and n-gram steps unchanged. H200 at cf1614b, one run: DFlash block 16 at batch 1 6.29
-    # -> 6.09 ms; the plain step 4.70 against 4.76 ms (batch 1), 5.31 against 5.26 ms (batch 16).
-    # Not timed on DSpark or the MLA families, whose products sharing an input it also splits.
-    "dot_merger_off": {"xla_gpu_dot_merger_threshold_mb": 0},
 }
 
 Value = bool | int | float | str

@@ -77,8 +77,8 @@ def test_dry_run_runs_every_item_of_both_calls():
     # accepted by this jaxlib (compiled only on a GPU).
     assert [r["config"] for r in rows["spec_variants"]] == ["EAGLE-3 chain 5, verify rows not padded"]
     assert rows["spec_variants"][0]["verified"] == rows["spec_variants"][0]["verified_expected"]
-    assert items["spec_variants"]["notes"] == [f"{c}: options accepted (dry run: not compiled)"
-                                               for *_, c in gpu_check.SPEC_VARIANTS[1:]]
+    assert items["spec_variants"]["notes"] == [f"{m}, {c}: options accepted (dry run: not compiled)"
+                                               for m, c, *_ in gpu_check.SPEC_VARIANTS[1:]]
     # The profile: two plain steps traced (a CPU trace has no device process: nothing to split).
     assert [(r["batch"], r["config"]) for r in rows["profile"]] == [(1, "plain"), (2, "plain")]
     assert all(r["wall_ms_per_step"] > 0 and (tmp_path / r["trace"]).exists() for r in rows["profile"])
