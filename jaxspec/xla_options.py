@@ -92,8 +92,10 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # took 12.22 against 12.35 ms with Triton GEMMs). With cuBLAS on an H200, batch 1: 5.83 against
     # 5.92 ms; at cf1614b 4.63 against 4.76 ms (batch 16: 5.19 against 5.26); at e512864 4.58 against
     # 4.66 ms, EAGLE-3 chain 5 5.85 against 5.90 ms. It removes the layer loop's counter (a kernel a
-    # layer, 55 us a step at batch 1) and doubles the compile time (2.0-2.6 against 0.9-1.2 s); not
-    # measured on the larger programs (DeepSeek-V4, the hybrid), whose compile it may lengthen more.
+    # layer, 55 us a step at batch 1) and doubles the compile time (2.0-2.6 against 0.9-1.2 s; the 8B
+    # speculative programs 1-3 s more each, compiled for an H100 without a GPU). Not in the table: it
+    # unrolls every known-trip loop (a long prefill's chunked Gated DeltaNet scans too), and the
+    # DeepSeek-V4 and hybrid programs have not been compiled or timed with it.
     "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
     # cuBLASLt for the products (epilogues fused into the GEMM). H200, batch 1: 5.95 against 5.92 ms.
     "cublaslt": {"xla_gpu_enable_cublaslt": True},

@@ -181,7 +181,8 @@ def snapshots_on_mesh(tp, dp, page=16):
                     engine=engine(page, 2 * dp, max_seq_len=192, check_pages=True))
     outs = [eng.generate([SYSTEM + q], sampling=sampling, progress=False) for q in QUESTIONS[:3]]
     snaps = eng.pages.snapshots
-    return dict(equal=[o.token_ids for o in outs] == want, cached=[o.stats[0].cached_tokens for o in outs],
+    got = [o.token_ids for o in outs]
+    return dict(equal=got == want, want=want, got=got, cached=[o.stats[0].cached_tokens for o in outs],
                 hits=snaps.hits, written=snaps.written, shards=len(snaps.allocators),
                 snapshot_spec=str(eng.tpool.snapshots.ssm.sharding.spec))
 
