@@ -168,8 +168,8 @@ def draft_weight_bytes_read(draft: DraftModel | None, spec) -> int:
     """Bytes of draft weights one speculative step reads while drafting: each pass reads the
     matrices it multiplies by once, whatever the batch; a shared embedding only its rows (not
     counted). With the plain step's bytes it gives the step's floor: at batch 1 a chain of 5 EAGLE-3
-    steps at the Llama-3-8B shape reads 3.8 GB of draft weights beside the target's 16 GB, so no
-    such step can cost less than 1.24x a plain one.
+    steps at the Llama-3-8B shape reads 3.84 GB of draft weights beside the 15.1 GB of weights and KV
+    a plain step reads, so no such step can cost less than 1.25x a plain one.
 
     - EAGLE-3: the fc over the target's taps once (the pass over the accepted tokens), the layer and
       the draft head once per draft step (``num_steps`` passes, the first over the accepted tokens).
