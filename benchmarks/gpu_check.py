@@ -545,11 +545,10 @@ def item_spec_variants(check: Check, sizes, models, deadline, args):
     bb = sizes.batch(1)
     plain = _plain_seconds(check, bb)
     methods = {m.name: m for m in st.METHODS}
-    table = dict(xla_options.TABLE["gpu"])
     for name, change, rows, delta in SPEC_VARIANTS:
         m = methods[name]
         extra = xla_options.CANDIDATES[delta] if isinstance(delta, str) else (delta or {})
-        options = {k: v for k, v in {**table, **extra}.items() if v is not None}
+        options = dict(xla_options.resolve_options(tuple(sorted(extra.items())), "gpu"))
         if bad := _variant_options_ok(options):
             check.note(f"{name}, {change}: options refused by this jaxlib: {bad}")
             continue
