@@ -100,6 +100,12 @@ Call 2:
                weight bytes printed): plain step at batch 1 through ``jaxspec.Engine`` (wall-time
                difference of two generations).
   spec_controls  EAGLE-3 chain 5 at batch 16 with every control and with the constraint.
+  target_candidates
+               the hybrid (decode program) and the V4-shaped target (through ``jaxspec.Engine``,
+               prefill compiled too) at batch 1 with one ``CANDIDATES`` set over the table
+               (``--target-candidate``, default ``unrolled_layer_loop``), each beside the table's
+               program timed the same way: whether an option the 8B shape gains from holds for the
+               other layer kinds, and its compile time.
   check        every kernel natively against its f32 reference (``kernels.py --check``).
   pytest       ``pytest -m gpu tests/pallas`` and ``tests/spec/test_lossless_pallas.py`` natively.
   sweep        block sizes and launch sizes per shape class, in device time (``benchmarks/block_sweep.py``):
@@ -147,7 +153,7 @@ CALLS = {
     1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "spec_variants", "compare",
         "variants_b16", "candidates"],
     2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
-        "check", "pytest", "sweep"],
+        "target_candidates", "check", "pytest", "sweep"],
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
 
@@ -791,6 +797,52 @@ def item_v4(check: Check, sizes, models, deadline, args):
              weight_bytes=total, active_weight_bytes_b1=int(active), **extra)
 
 
+def item_target_candidates(check: Check, sizes, models, deadline, args):
+    """The hybrid and the V4-shaped targets with one option set of ``xla_options.CANDIDATES``
+    (``--target-candidate``, default ``unrolled_layer_loop``) merged over the table, each beside the
+    table's program timed the same way in this item: whether a candidate the 8B shape gains from holds
+    for the other layer kinds (Gated DeltaNet scans, compressed attention, routed experts), and what
+    it costs to compile (the V4 rows through ``jaxspec.Engine``: its prefill programs included)."""
+    from jaxspec import xla_options
+
+    name = args.target_candidate
+    extra = xla_options.CANDIDATES[name]
+    options = dict(xla_options.resolve_options(tuple(sorted(extra.items())), "gpu"))
+    if bad := _variant_options_ok(options):
+        raise Skip(f"{name}: options refused by this jaxlib: {bad}")
+    label = f" + {name}"
+    cfg = st.qwen35_shape(tiny=sizes.dry_run)
+    need(deadline, 20 + 2 * sizes.compile_s(), f"the hybrid target{label}")
+    target = models.get("hybrid", lambda: st.random_target(cfg, sizes.dtype))
+    bb = sizes.batch(1)
+    table = None
+    for config, opts in (("hybrid plain", None), ("hybrid plain" + label, options)):
+        need(deadline, sizes.compile_s(), config)
+        with guarded(check, config):
+            r = _time(sizes, target, None, None, bb, options=opts)
+            table = table or r["seconds"]
+            step_row(check, sizes, target, r, batch=bb, config=config,
+                     what=ENGINE_PROGRAM if opts is None else "decode_steps under jax.jit(compiler_options=table + "
+                     "candidate)", options="engine table" if opts is None else json.dumps(extra), plain_s=table,
+                     bound=True)
+    if sizes.dry_run:  # the engine path below is the v4 item's, with EngineConfig.compiler_options
+        check.note("dry run: the V4-shaped rows run in the v4 item (not compiled again)")
+        return
+    cfg = st.v4_shape(tiny=sizes.dry_run)
+    need(deadline, 30 + 2 * sizes.compile_s(), f"the V4-shaped target{label}")
+    target = models.get("v4", lambda: st.random_target(cfg, sizes.dtype))
+    table = None
+    for config, setting in (("V4-shaped plain", None), ("V4-shaped plain" + label, extra)):
+        need(deadline, 50, config)
+        with guarded(check, config):
+            r = st.engine_step_seconds(target, batch=bb, context=sizes.context, steps=sizes.steps, calls=4,
+                                       repeats=2, compiler_options=setting)
+            table = table or r["seconds"]
+            step_row(check, sizes, target, r, batch=bb, config=config,
+                     what="jaxspec.Engine.generate, difference of two generations",
+                     options="engine table" if setting is None else json.dumps(extra), plain_s=table)
+
+
 def item_kernels(check: Check, sizes, models, deadline, args):
     for name in list(models.cache):
         models.free(name)
@@ -862,13 +914,13 @@ RUNNERS = dict(
     variants_b1=lambda *a: item_variants(*a, batch=1), spec_variants=item_spec_variants, compare=item_compare,
     variants_b16=lambda *a: item_variants(*a, batch=16), profile=item_profile, candidates=item_candidates,
     batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
-    hybrid=item_hybrid, v4=item_v4, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
+    hybrid=item_hybrid, v4=item_v4, target_candidates=item_target_candidates, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
     sweep=item_sweep,
 )
 assert set(RUNNERS) == set(ITEMS)
 # Items whose rows are decode-step timings (one Markdown table layout).
 STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "spec_variants", "variants_b16", "candidates", "batch64",
-              "controls", "constraint", "exact", "spec_controls", "hybrid", "v4"}
+              "controls", "constraint", "exact", "spec_controls", "hybrid", "v4", "target_candidates"}
 
 
 # --------------------------------------------------------------------------- Markdown
@@ -995,6 +1047,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", default=None,
                     help="comma-separated parts of shape names: sweep only the shapes whose name holds one")
     ap.add_argument("--candidate-batches", default="1,16", help="batches the option candidates are timed at")
+    ap.add_argument("--target-candidate", default="unrolled_layer_loop",
+                    help="the xla_options.CANDIDATES entry target_candidates times on the hybrid and V4 targets")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "
                          "reuses them)")

@@ -515,18 +515,19 @@ def time_pair(target, draft, spec, *, batch: int, context: int, steps: int, repe
 
 
 def engine_step_seconds(target: Model, draft=None, spec=None, *, batch: int, context: int, steps: int = 16,
-                        calls: int = 4, repeats: int = 3, page_size: int = 16) -> dict:
+                        calls: int = 4, repeats: int = 3, page_size: int = 16, compiler_options=None) -> dict:
     """Seconds per decode step through ``js.Engine`` (any target family, with its own pools and page
     tables): after a warm-up generation (which compiles), two generations of the same random prompts
     whose lengths differ by about ``calls`` decode calls of ``steps`` steps, ``repeats`` times each,
     alternated; the difference of their median wall times over the difference of their steps (the
     prefill and the work before the first step cancel; the host's work between calls, one round trip
-    per ``steps`` steps, is counted)."""
+    per ``steps`` steps, is counted). ``compiler_options``: ``EngineConfig.compiler_options`` (None:
+    the table)."""
     short_new, long_new = 1 + 2 * steps, 1 + (2 + calls) * steps
     accept = 1 if spec is None else spec.max_accept
     eng = js.Engine(target, draft=draft, spec=spec, engine=js.EngineConfig(
         page_size=page_size, max_batch=batch, max_seq_len=context + long_new + (steps + 2) * accept + 64,
-        steps_per_call=steps))
+        steps_per_call=steps, compiler_options=compiler_options))
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, target.config.vocab_size, context)] for _ in range(batch)]
 
