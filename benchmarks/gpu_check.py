@@ -66,8 +66,7 @@ Call 1:
                speculative steps at batch 1 beside their ``spec_b1`` rows, each changed one way
                (``SPEC_VARIANTS``): EAGLE-3 chain 5 with its 6 verify rows not padded to 8
                (``dispatch.rows_padded_to(1)``: XLA's pads and slices around every product come
-               back) and with its layer loops unrolled (``CANDIDATES["unrolled_layer_loop"]``),
-               DFlash block 16 and DSpark chain 8 with XLA's dot merger on (the table turns it off:
+               back), DFlash block 16 and DSpark chain 8 with XLA's dot merger on (the table turns it off:
                it concatenated their draft layers' weights every step).
   compare      ``jaxspec generate --compare`` on the shipped demo pair (a subprocess): its table.
   variants_b16 the variants at batch 16, when time is left.
@@ -103,7 +102,8 @@ Call 2:
   target_candidates
                the hybrid (decode program) and the V4-shaped target (through ``jaxspec.Engine``,
                prefill compiled too) at batch 1 with one ``CANDIDATES`` set over the table
-               (``--target-candidate``, default ``unrolled_layer_loop``), each beside the table's
+               (``--target-candidate``, default ``command_buffer_loops``; a ``REJECTED`` set by its
+               name too), each beside the table's
                program timed the same way: whether an option the 8B shape gains from holds for the
                other layer kinds, and its compile time.
   check        every kernel natively against its f32 reference (``kernels.py --check``).
@@ -538,7 +538,6 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
 # candidate's name, or a mapping whose None drops the table's entry)).
 SPEC_VARIANTS = [
     ("EAGLE-3 chain 5", "verify rows not padded", 1, None),
-    ("EAGLE-3 chain 5", "layer loops unrolled", None, "unrolled_layer_loop"),
     ("DFlash block 16 (chain 15)", "dot merger on (XLA's default)", None, {"xla_gpu_dot_merger_threshold_mb": None}),
     ("DSpark chain 8", "dot merger on (XLA's default)", None, {"xla_gpu_dot_merger_threshold_mb": None}),
 ]
@@ -798,15 +797,16 @@ def item_v4(check: Check, sizes, models, deadline, args):
 
 
 def item_target_candidates(check: Check, sizes, models, deadline, args):
-    """The hybrid and the V4-shaped targets with one option set of ``xla_options.CANDIDATES``
-    (``--target-candidate``, default ``unrolled_layer_loop``) merged over the table, each beside the
+    """The hybrid and the V4-shaped targets with one option set of ``xla_options.CANDIDATES`` or
+    ``REJECTED`` (``--target-candidate``, default ``command_buffer_loops``) merged over the table, each
+    beside the
     table's program timed the same way in this item: whether a candidate the 8B shape gains from holds
     for the other layer kinds (Gated DeltaNet scans, compressed attention, routed experts), and what
     it costs to compile (the V4 rows through ``jaxspec.Engine``: its prefill programs included)."""
     from jaxspec import xla_options
 
     name = args.target_candidate
-    extra = xla_options.CANDIDATES[name]
+    extra = {**xla_options.CANDIDATES, **xla_options.REJECTED}[name]
     options = dict(xla_options.resolve_options(tuple(sorted(extra.items())), "gpu"))
     if bad := _variant_options_ok(options):
         raise Skip(f"{name}: options refused by this jaxlib: {bad}")
@@ -1047,8 +1047,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", default=None,
                     help="comma-separated parts of shape names: sweep only the shapes whose name holds one")
     ap.add_argument("--candidate-batches", default="1,16", help="batches the option candidates are timed at")
-    ap.add_argument("--target-candidate", default="unrolled_layer_loop",
-                    help="the xla_options.CANDIDATES entry target_candidates times on the hybrid and V4 targets")
+    ap.add_argument("--target-candidate", default="command_buffer_loops",
+                    help="the xla_options.CANDIDATES (or REJECTED) entry target_candidates times on the hybrid "
+                         "and V4 targets")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not keep compiled programs in /tmp/jaxspec-jax-cache (a rerun on the same machine "
                          "reuses them)")

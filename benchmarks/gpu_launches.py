@@ -209,10 +209,19 @@ def _parse_implementation(text: str | None):
     return tuple(tuple(kv.split("=", 1)) for kv in text.split(","))
 
 
+def target_shape(name: str):
+    """A target shape of ``step_timing`` by name: the Llama-3-8B shape or the Qwen3.5-9B-shaped hybrid."""
+    import step_timing as st
+
+    return {"llama3-8b": lambda: st.LLAMA3_8B, "qwen35": st.qwen35_shape}[name]()
+
+
 def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, context: int = 1024,
-               steps: int = 4, product_rows: int | None = None, options: dict | None = None) -> tuple[str, float]:
+               steps: int = 4, product_rows: int | None = None, options: dict | None = None,
+               target: str = "llama3-8b") -> tuple[str, float]:
     """The optimized HLO of the engine's decode program for ``method`` ("plain" or a name in
-    ``step_timing.METHODS``) at the Llama-3-8B shape, compiled for ``gpu``; and its compile seconds.
+    ``step_timing.METHODS``) at the ``target`` shape (``target_shape``), compiled for ``gpu``; and its
+    compile seconds.
     ``product_rows``: the row multiple forwards pad to, instead of the GPU's
     (``dispatch.product_rows``; 1 turns the padding off). ``options``: XLA options over the engine's
     table (``jaxspec.xla_options``)."""
@@ -220,7 +229,6 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     from jaxspec.engine.geometry import next_pow2
     from jaxspec.engine.programs import decode_program
     from jaxspec.kvcache.paging import pages_needed
-    from jaxspec.model.checkpoints.llama import llama_table
     from jaxspec.model.drafts.base import DraftModel, zero_pool
     from jaxspec.model.targets import Model, create_target_pool
     from jaxspec.pallas import dispatch
@@ -229,8 +237,8 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
 
     device = gpu_device(gpu)
     sharding = jax.sharding.SingleDeviceSharding(device)
-    cfg, dtype = st.LLAMA3_8B, jnp.bfloat16
-    target = Model(config=cfg, params=jax.eval_shape(lambda: st.random_params(llama_table(cfg), 0, dtype)),
+    cfg, dtype = target_shape(target), jnp.bfloat16
+    target = Model(config=cfg, params=jax.eval_shape(lambda: st.random_target(cfg, dtype).params),
                    dtype=np.dtype(dtype))
     draft, spec = None, None
     if method != "plain":
@@ -286,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="plain," + ",".join(m.name for m in st.METHODS),
                    help="comma-separated: plain and names of step_timing.METHODS")
     p.add_argument("--batches", default="1,16")
+    p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "qwen35"),
+                   help="the target's shape: Llama-3-8B, or the Qwen3.5-9B-shaped hybrid")
     p.add_argument("--implementation", default=None,
                    help='EngineConfig.implementation: "pallas", "xla" or op=choice pairs, e.g. rope_write=xla')
     p.add_argument("--product-rows", type=int, default=None,
@@ -306,7 +316,7 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             hlo, seconds = decode_hlo(method, batch, gpu=args.gpu, implementation=args.implementation,
-                                      product_rows=args.product_rows, options=options)
+                                      product_rows=args.product_rows, options=options, target=args.target)
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.hlo_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', method)}_b{batch}.hlo.txt").write_text(hlo)
@@ -315,7 +325,8 @@ def main(argv=None) -> int:
             for kind, k in n.per_step.items():
                 by["cuBLAS" if kind == "cuBLAS" else "Pallas" if kind.startswith("Pallas") else
                    "XLA" if kind.startswith("XLA") else "other"] += k
-            rows.append(dict(method=method, batch=batch, gpu=args.gpu, implementation=args.implementation,
+            rows.append(dict(method=method, batch=batch, gpu=args.gpu, target=args.target,
+                             implementation=args.implementation,
                              product_rows=args.product_rows, xla_options=options,
                              kernels_per_step=n.total, by_kind=dict(n.per_step), compile_s=seconds))
             print(f"| {method} | {batch} | {n.total} | {by['cuBLAS']} | {by['Pallas']} | {by['XLA']} | {by['other']} "

@@ -28,8 +28,10 @@ DEMO_METHODS = {
 # What ``jaxspec generate`` runs with no arguments, by JAX backend: the method that measured fastest on
 # the demo prompt there (``jaxspec generate --compare``; benchmarks/RESULTS.md has the runs). CPU (2
 # cores): n-gram 2.0x plain, the block drafter 1.4x (a verify of n tokens costs nearly n decode steps,
-# so the cheapest draft wins). GPU (one H200, the only card measured so far): the block drafter 2.81x,
-# n-gram 2.08x. A backend not measured yet takes the CPU's choice.
+# so the cheapest draft wins). GPU: the block drafter and the hybrid (EAGLE-3 + n-gram) lead every run,
+# within a run's spread of each other: H200 2.55x / 2.42x, 2.28x / 2.30x; H100 2.40x / 2.42x (n-gram
+# 1.80-1.91x, EAGLE-3 1.51-1.67x). The block drafter stays: ahead on average, and one draft model
+# instead of a model and a lookup. A backend not measured yet takes the CPU's choice.
 DEMO_DEFAULTS = {"cpu": "n-gram", "gpu": "block"}
 
 

@@ -22,6 +22,7 @@ what it does not know with a ``ValueError`` naming the option.
 
 ``CANDIDATES`` names option sets not in the table: measured to change nothing yet, or not measured;
 a GPU check times each over the table (``EngineConfig(compiler_options=CANDIDATES[name])``).
+``REJECTED`` keeps the sets measured to lose, with the measurement.
 Benchmarks that jit their own functions take the table with ``compiler_options()``.
 """
 
@@ -67,9 +68,10 @@ TABLE: dict[str, dict[str, bool | int | float | str]] = {
 _XLA_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 # Option sets to time over the table on a GPU (not in it: no measured gain yet). The GPU check's
-# ``candidates`` item times each; its last run (H200, main at cf1614b, plain 8B step 4.76 / 5.26 ms at
-# batch 1 / 16 over the table, one run, benchmarks/RESULTS.md): every set within the 4.73-4.89 ms the
-# table's own step spread over in that run but ``unrolled_layer_loop``.
+# ``candidates`` item times each; its H200 run at cf1614b (plain 8B step 4.76 / 5.26 ms at batch 1 /
+# 16 over the table, one run, benchmarks/RESULTS.md): every set within the 4.73-4.89 ms the table's own
+# step spread over in that run. Its H100 run at ac9006f (6.135 / 6.907 ms): every set 1.00-1.03x the
+# table's step, none faster.
 CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # CUDA graphs over the loops too: XLA's default command buffers hold fusions and library calls
     # but not WHILE / CONDITIONAL, so the layer loop, the draft loops and the step loop are
@@ -87,22 +89,26 @@ CANDIDATES: dict[str, dict[str, bool | int | float | str]] = {
     # GEMMs, 6.91 / 6.41 ms with cuBLAS; with the joined products, over cuBLAS and command buffers:
     # 5.85 / 5.51 against 5.85 / 5.43 ms).
     "dynamic_slice_fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
-    # XLA unrolls loops of a known trip count (the layer loop): each layer's weight slice has a
-    # static offset and may be read where it lies. Not measured (an unrolled lax.scan, unroll=32,
-    # took 12.22 against 12.35 ms with Triton GEMMs). With cuBLAS on an H200, batch 1: 5.83 against
-    # 5.92 ms; at cf1614b 4.63 against 4.76 ms (batch 16: 5.19 against 5.26); at e512864 4.58 against
-    # 4.66 ms, EAGLE-3 chain 5 5.85 against 5.90 ms. It removes the layer loop's counter (a kernel a
-    # layer, 55 us a step at batch 1) and doubles the compile time (2.0-2.6 against 0.9-1.2 s; the 8B
-    # speculative programs 1-3 s more each, compiled for an H100 without a GPU). Not in the table: it
-    # unrolls every known-trip loop (a long prefill's chunked Gated DeltaNet scans too), and the
-    # DeepSeek-V4 and hybrid programs have not been compiled or timed with it.
-    "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
     # cuBLASLt for the products (epilogues fused into the GEMM). H200, batch 1: 5.95 against 5.92 ms.
     "cublaslt": {"xla_gpu_enable_cublaslt": True},
     # The latency-hiding scheduler overlaps the per-layer weight copies (async dynamic slices) with
     # the products before them. H200, batch 1: 5.95 against 5.92 ms (the GPU program copies no
     # weight slice: each product reads its slice where it lies, benchmarks/hlo_copies.py).
     "latency_hiding_scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
+}
+
+# Option sets measured and kept out of the table for good, with the measurement that decided it (the
+# GPU check can still time one by name: ``--target-candidate``).
+REJECTED: dict[str, dict[str, bool | int | float | str]] = {
+    # XLA unrolls every loop of a known trip count. On the 8B shape it removes the layer loop's
+    # counter (a kernel a layer, 55 us a step at batch 1 on an H200) and doubled the compile time
+    # (2.0-2.6 against 0.9-1.2 s); H200 plain step at batch 1 in three runs -1.5%, -2.6%, -1.8%,
+    # EAGLE-3 chain 5 -0.9%; NVIDIA H100 (gpu_check at ac9006f): plain 6.148 against 6.135 ms at batch
+    # 1, 6.965 against 6.907 at batch 16, EAGLE-3 chain 5 7.856 against 7.879 ms, the Qwen3.5-shaped
+    # hybrid 9.18 against 9.29 ms: within one run's spread. And it unrolls every loop of known trip
+    # count, not the layer loop alone: the DeepSeek-V4-shaped target's step (through the engine, H100,
+    # batch 1, the same item of the same run) took 137.4 against 16.5 ms, 8.3x slower (not traced).
+    "unrolled_layer_loop": {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
 }
 
 Value = bool | int | float | str

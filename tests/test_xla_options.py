@@ -18,7 +18,7 @@ from jaxspec.engine.scoring import score_program
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.drafts.base import zero_pool
 from jaxspec.model.targets import create_target_pool
-from jaxspec.xla_options import CANDIDATES, TABLE, resolve_options
+from jaxspec.xla_options import CANDIDATES, REJECTED, TABLE, resolve_options
 
 # Visible in a CPU program's compiled text: XLA:CPU hands its dots to YNNPACK as ``__ynn_fusion``
 # custom fusions; an empty list of YNN fusion kinds leaves none.
@@ -54,7 +54,7 @@ def test_unknown_options_are_refused_when_the_config_is_built(options, match):
 
 
 def test_the_table_and_the_candidates_are_options_jaxlib_takes():
-    for options in [*TABLE.values(), *CANDIDATES.values()]:
+    for options in [*TABLE.values(), *CANDIDATES.values(), *REJECTED.values()]:
         js.EngineConfig(compiler_options=options)
 
 

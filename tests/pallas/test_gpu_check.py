@@ -100,9 +100,9 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert isinstance(rows["v4"][0]["ms_per_step"], float)
     assert rows["v4"][0]["weight_bytes"] > rows["v4"][0]["active_weight_bytes_b1"] > 0
     # The candidate on the other targets: the hybrid's program with the table, then with the candidate.
-    assert [r["config"] for r in rows["target_candidates"]] == ["hybrid plain", "hybrid plain + unrolled_layer_loop"]
+    assert [r["config"] for r in rows["target_candidates"]] == ["hybrid plain", "hybrid plain + command_buffer_loops"]
     assert rows["target_candidates"][0]["vs_plain"] == 1.0 and rows["target_candidates"][1]["vs_plain"] > 0
-    assert "xla_gpu_enable_while_loop_unrolling" in rows["target_candidates"][1]["options"]
+    assert "WHILE,CONDITIONAL" in rows["target_candidates"][1]["options"]
     kinds = {"attention", "mla", "indexer", "kv_move", "gather", "rope_write", "rms_norm"}
     assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "exact_attention"}
     assert all(r["pallas_calls"] >= 2 for r in rows["kernels"])
