@@ -61,7 +61,8 @@ Call 1:
                CONDITIONAL too; that plus dynamic-slice fusion; the XLA attention path instead of
                Pallas under cuBLAS; the engine's options with RoPE, the K/V write and the norms on
                XLA (ten small kernels a layer) instead of the ``rope_write`` and ``rms_norm`` kernels
-               (three).
+               (three); the engine's options with the step loop of known trip count
+               (``step_timing.decode_steps_known_trips``: no host round trip per step).
   spec_variants
                speculative steps at batch 1 beside their ``spec_b1`` rows, each changed one way
                (``SPEC_VARIANTS``): EAGLE-3 chain 5 with its 6 verify rows not padded to 8
@@ -157,22 +158,27 @@ CALLS = {
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
 
-# XLA options of the plain-step variants: (name, options, attention implementation).
+# The plain-step variants: (name, XLA options (None: the table's), implementation, step loop of known
+# trip count).
 TRITON_OFF = {"xla_gpu_enable_triton_gemm": False}
 # A repeated option replaces XLA's whole list: its defaults (jaxlib 0.11.2) plus WHILE and CONDITIONAL.
 COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 VARIANTS = [
-    ("no options", {}, None),
-    ("cuBLAS GEMMs", TRITON_OFF, None),
+    ("no options", {}, None, False),
+    ("cuBLAS GEMMs", TRITON_OFF, None, False),
     ("cuBLAS + command buffers with WHILE, CONDITIONAL",
-     {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS}, None),
+     {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS}, None, False),
     ("cuBLAS + command buffers + dynamic-slice fusion",
      {**TRITON_OFF, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_dynamic_slice_fusion": True},
-     None),
-    ("cuBLAS, XLA attention", TRITON_OFF, "xla"),
+     None, False),
+    ("cuBLAS, XLA attention", TRITON_OFF, "xla", False),
     # The engine's own options (None: the table), with RoPE, the K/V write and the norms as XLA's
     # kernels instead of the one rope_write and two rms_norm launches a layer: what those save.
-    ("small kernels on XLA", None, (("rms_norm", "xla"), ("rope_write", "xla"))),
+    ("small kernels on XLA", None, (("rms_norm", "xla"), ("rope_write", "xla")), False),
+    # The engine's options, its steps in a loop of known trip count (step_timing.decode_steps_known_trips):
+    # what the host round trip XLA:GPU makes for the step loop's condition every step costs. The H100
+    # trace at ac9006f shows a gap at every step's start (condition, copy to the host, relaunch).
+    ("step loop of known trip count", None, None, True),
 ]
 # Seconds the demo pair's comparison is given in call 1 (its compile and runs took 55 s on an H200).
 COMPARE_RESERVE_S = 100
@@ -511,24 +517,25 @@ def item_variants(check: Check, sizes, models, deadline, args, batch=1):
     bb = sizes.batch(batch)
     plain = _plain_seconds(check, bb)
     table = importlib.util.find_spec("jaxspec.xla_options") is not None
-    for i, (name, options, impl) in enumerate(VARIANTS):
+    for name, options, impl, known_trips in VARIANTS:
         bad = _variant_options_ok(options)
         if bad:
             check.note(f"{name}: options refused by this jaxlib: {bad}")
             continue
-        if not options and impl is None and not table and plain is not None:
+        if not options and impl is None and not known_trips and not table and plain is not None:
             # The engine passes no options: its program is this variant's (the plain row).
             check.row(batch=bb, config=f"plain, {name}", what=f"{ENGINE_PROGRAM} (the plain row's time)",
                       options="{}", implementation="default", ms_per_step=plain * 1e3, vs_plain=1.0, verified=1.0)
             continue
-        if sizes.dry_run and 0 < i < len(VARIANTS) - 1:
+        if sizes.dry_run and options:  # GPU options: accepted above, not compiled for a CPU
             check.note(f"{name}: options accepted (dry run: not compiled into the decode program)")
             continue
         need(deadline, sizes.compile_s(), name)
         with guarded(check, f"plain, {name}"):
-            r = _time(sizes, target, None, None, bb, options=options, implementation=impl)
+            r = _time(sizes, target, None, None, bb, options=options, implementation=impl, known_trips=known_trips)
             step_row(check, sizes, target, r, batch=bb, config=f"plain, {name}",
-                     what="decode_steps under jax.jit(compiler_options=...)",
+                     what=("decode_steps_known_trips" if known_trips else "decode_steps")
+                     + " under jax.jit(compiler_options=...)",
                      options="engine table" if options is None else json.dumps(options),
                      implementation=impl or "default", plain_s=plain, bound=True)
 

@@ -54,7 +54,7 @@ from jaxspec.xla_options import program_backend, resolve_options  # noqa: E402
 from jaxspec.config import MAX_LOGPROBS  # noqa: E402
 from jaxspec.engine.geometry import next_pow2  # noqa: E402
 from jaxspec.engine.prefill import request_arrays  # noqa: E402
-from jaxspec.engine.programs import decode_program, decode_steps  # noqa: E402
+from jaxspec.engine.programs import decode_program, decode_step, decode_steps  # noqa: E402
 from jaxspec.engine.requests import check_models  # noqa: E402
 from jaxspec.engine.state import DecodeState  # noqa: E402
 from jaxspec.kvcache.paging import pages_needed  # noqa: E402
@@ -337,13 +337,30 @@ def _normal(key, shape, dtype, scale):
     return jax.random.normal(key, shape, dtype) * jnp.asarray(scale, dtype)
 
 
-def decode_fn(options: dict | None):
+def decode_steps_known_trips(plan: Plan, tparams, dparams, state: DecodeState, tpool, dpool, page_table):
+    """``programs.decode_steps`` with a step loop of known trip count: ``plan.steps_per_call`` steps
+    every call, with no early exit when every row is done; returns the steps in which a row was
+    active as its steps run. A loop whose trip count XLA:GPU does not know (the engine's, which
+    stops early) copies its condition to the host and waits for it every iteration; this one runs
+    step after step without (one device, no data shards)."""
+    def body(_, carry):
+        st, tp, dp, n = carry
+        busy = jnp.any(st.active)
+        return *decode_step(plan, tparams, dparams, st, tp, dp, page_table), n + busy.astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, plan.steps_per_call, body, (state, tpool, dpool, jnp.int32(0)))
+
+
+def decode_fn(options: dict | None, known_trips: bool = False):
     """The engine's decode program (the options table of ``jaxspec.xla_options``, as the engine
-    compiles it), or the same function compiled with exactly these XLA options instead."""
-    if options is None:
+    compiles it), or the same function compiled with exactly these XLA options instead (``None``
+    with ``known_trips``: the table's); ``known_trips``: ``decode_steps_known_trips`` instead."""
+    if options is None and not known_trips:
         return decode_program
-    return jax.jit(decode_steps, static_argnames=("plan",), donate_argnames=("state", "tpool", "dpool"),
-                   compiler_options=dict(options) or None)
+    if options is None:
+        options = dict(resolve_options(None, program_backend()))
+    return jax.jit(decode_steps_known_trips if known_trips else decode_steps, static_argnames=("plan",),
+                   donate_argnames=("state", "tpool", "dpool"), compiler_options=dict(options) or None)
 
 
 class Stepper:
@@ -352,11 +369,12 @@ class Stepper:
     def __init__(self, target: Model, draft: DraftModel | None, spec, *, batch: int, context: int, steps: int,
                  repeats: int, implementation=None, options: dict | None = None, controls: bool = False,
                  grammars=None, temperature: float = 0.0, seed: int = 0, page_size: int = 16,
-                 general: bool = False, exact: bool = False):
+                 general: bool = False, exact: bool = False, known_trips: bool = False):
         """``controls``: every row with every generation control on (and the plan compiling them in).
         ``general``: the serve core's plan (sampling, top-k / top-p sorts, controls and 20 logprobs
         compiled in) over rows that use none of it (unless ``controls`` also sets them). ``exact``:
-        the exact mode's plan (``EngineConfig(exact=True)``)."""
+        the exact mode's plan (``EngineConfig(exact=True)``). ``known_trips``: the step loop of
+        ``decode_steps_known_trips``."""
         check_models(target, draft, spec)
         cfg, V = target.config, target.config.vocab_size
         self.plan = plan = Plan(target=cfg, draft=None if draft is None else draft.config, spec=spec,
@@ -390,7 +408,7 @@ class Stepper:
                                  max_new=max_new, max_len=width * page_size, grammars=grammars,
                                  temperature=temperature, seed=seed, set_controls=controls)
         self.target, self.dparams = target, None if draft is None else draft.params
-        self.fn = decode_fn(options)
+        self.fn = decode_fn(options, known_trips)
         self.batch, self.context = batch, context
 
     def call(self) -> float:
@@ -470,13 +488,14 @@ def ready_state(plan: Plan, target: Model, draft, *, batch: int, context: int, o
 
 
 def time_steps(target, draft, spec, *, batch: int, context: int, steps: int, repeats: int, implementation=None,
-               options: dict | None = None, controls: bool = False, grammars=None, temperature: float = 0.0) -> dict:
+               options: dict | None = None, controls: bool = False, grammars=None, temperature: float = 0.0,
+               known_trips: bool = False) -> dict:
     """Median seconds per step of one configuration (the first call compiles and is not counted),
     with the nodes it verified and the bytes its plain step reads."""
     t0 = time.perf_counter()
     s = Stepper(target, draft, spec, batch=batch, context=context, steps=steps, repeats=repeats,
                 implementation=implementation, options=options, controls=controls, grammars=grammars,
-                temperature=temperature)
+                temperature=temperature, known_trips=known_trips)
     try:
         s.call()  # compiles
         compile_s = time.perf_counter() - t0

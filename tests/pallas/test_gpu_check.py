@@ -67,12 +67,14 @@ def test_dry_run_runs_every_item_of_both_calls():
     floors = {r["config"]: r["floor_vs_plain"] for r in rows["spec_b1"]}
     assert floors.pop(methods[-1]) == 1.0 and all(f > 1.0 for f in floors.values()), floors
     assert all(r["bound_ms_measured"] > 0 for r in rows["spec_b1"] + rows["spec_variants"] + rows["hybrid"])
-    # XLA option variants: every option accepted by this jaxlib; the first and last compiled.
+    # XLA option variants: every option accepted by this jaxlib; those without GPU options compiled.
     for name in ("variants_b1", "variants_b16"):
         assert not any("refused" in n for n in items[name]["notes"]), items[name]["notes"]
-        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, small kernels on XLA"]
-        assert rows[name][1]["options"] == "engine table"
+        assert [r["config"] for r in rows[name]] == ["plain, no options", "plain, small kernels on XLA",
+                                                     "plain, step loop of known trip count"]
+        assert rows[name][1]["options"] == rows[name][2]["options"] == "engine table"
         assert rows[name][1]["implementation"] == [["rms_norm", "xla"], ["rope_write", "xla"]]
+        assert rows[name][2]["what"].startswith("decode_steps_known_trips") and rows[name][2]["verified"] == 1.0
     # The speculative variants: the unpadded EAGLE-3 chain compiled and timed; the candidates' options
     # accepted by this jaxlib (compiled only on a GPU).
     assert [r["config"] for r in rows["spec_variants"]] == ["EAGLE-3 chain 5, verify rows not padded"]
@@ -170,6 +172,25 @@ def test_the_kernel_harness_ties_each_call_to_the_last_without_changing_its_inpu
     # ... in a loop of known trip count: no condition evaluated (on a GPU: no host round trip) per call.
     compiled = run.lower(5, (jnp.zeros(()),)).compile().as_text()
     assert '"known_trip_count":{"n":"5"}' in compiled
+
+
+def test_the_step_loop_of_known_trip_count_runs_the_engines_steps():
+    """The GPU check's variant with the step loop of known trip count emits what the engine's decode
+    program emits from the same state, and its loop's trip count is known to XLA."""
+    st = _module("step_timing")
+    target = st.random_target(st.TINY, jnp.float32)
+    kw = dict(batch=2, context=12, steps=3, repeats=1)
+    engine, known = st.Stepper(target, None, None, **kw), st.Stepper(target, None, None, known_trips=True, **kw)
+    try:
+        assert known.fn is not st.decode_program
+        args = (known.plan, target.params, None, known.state, known.tpool, known.dpool, known.table)
+        assert '"known_trip_count":{"n":"3"}' in known.fn.lower(*args).compile().as_text()
+        for s in (engine, known):
+            s.call()
+        np.testing.assert_array_equal(np.asarray(known.state.out_tokens), np.asarray(engine.state.out_tokens))
+        assert np.asarray(known.state.out_lens).tolist() == [4, 4]
+    finally:
+        engine.close(), known.close()
 
 
 def test_the_comparison_table_is_parsed():
