@@ -2,7 +2,9 @@
 
 Both take the static ``Plan`` and donate the state and the KV pools, so the pools are
 updated in place. One executable call runs up to ``plan.steps_per_call`` speculative steps
-in a ``lax.while_loop`` with no host sync, stopping early when every row is done.
+in a ``lax.while_loop``, stopping early when every row is done: no host work between steps, but
+XLA:GPU reads the loop's condition on the host each step (its trip count is not known), a round
+trip the H100 trace shows at every step's start (benchmarks/RESULTS.md).
 
 On a mesh with several data shards, each program runs per shard of the ``data`` axis
 (``jax.shard_map``): a shard's rows, its pool slots and its shard-local page table; the
