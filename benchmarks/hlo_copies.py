@@ -122,11 +122,19 @@ def find_copies(hlo: str, weights: dict[str, tuple[int, ...]], pools: dict[str, 
 
 
 def stacked_weights(params) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every stacked per-layer weight matrix (the leaves under ``params["layers"]``)."""
-    leaves = jax.tree_util.tree_flatten_with_path(params.get("layers", {}))[0]
-    # Matrices only: a norm's [L, D] slice has the shape of an activation row, which would be a
-    # false match at batch 1.
-    return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in leaves if x.ndim >= 3}
+    """name -> shape of every stacked per-layer weight matrix: the leaves under ``params["layers"]``
+    (named by their path there), and a hybrid's period-stacked ``params["p0"]``, ``["p1"]``, ...
+    (named ``p0['in_qkv']``; positions of one shape share the first's name)."""
+    groups = {"": params["layers"]} if "layers" in params else {
+        k: v for k, v in params.items() if re.fullmatch(r"p\d+", k)}
+    out = {}
+    for prefix, tree in groups.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            # Matrices only: a norm's [L, D] slice has the shape of an activation row, which would be
+            # a false match at batch 1.
+            if x.ndim >= 3:
+                out[prefix + jax.tree_util.keystr(path)] = tuple(x.shape)
+    return out
 
 
 def pool_arrays(pool) -> dict[str, tuple[int, ...]]:

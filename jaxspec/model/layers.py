@@ -45,6 +45,13 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, gemma: bool 
     return weight * xf.astype(x.dtype)
 
 
+def centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm, HF's Qwen3-Next / Qwen3.5 arithmetic: ``x_hat * (1 + w)`` in f32, then cast."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
 def stacked_rms_norm(
     x: jax.Array,  # [..., H]
     weights: jax.Array,  # [L, H] a norm's weights, stacked per layer
@@ -53,15 +60,18 @@ def stacked_rms_norm(
     eps: float,
     implementation,
     tensor_parallel: int = 1,
+    centred: bool = False,
 ) -> jax.Array:  # [..., H]
-    """``rms_norm(x, weights[layer], eps)``, one kernel on a GPU (``jaxspec.pallas.rms_norm``: it
-    reads the stacked weights where they lie). The exact mode keeps its fixed-order mean (XLA
-    path). With ``tensor_parallel`` shards every shard normalizes its whole copy of ``x``."""
+    """``rms_norm(x, weights[layer], eps)`` (``centred``: ``centred_rms_norm``), one kernel on a GPU
+    (``jaxspec.pallas.rms_norm``: it reads the stacked weights where they lie). The exact mode keeps
+    its fixed-order mean (XLA path). With ``tensor_parallel`` shards every shard normalizes its whole
+    copy of ``x``."""
     if exact_on() or dispatch.choose("rms_norm", implementation, shape_class="rms_norm") == "xla":
-        return rms_norm(x, weights[layer], eps)
+        return centred_rms_norm(x, weights[layer], eps) if centred else rms_norm(x, weights[layer], eps)
 
     def local(x, weights, layer):
-        rows = rms_norm_pallas(x.reshape(-1, x.shape[-1]), weights, layer, eps, interpret=dispatch.interpret_mode())
+        rows = rms_norm_pallas(x.reshape(-1, x.shape[-1]), weights, layer, eps, interpret=dispatch.interpret_mode(),
+                               centred=centred)
         return rows.reshape(x.shape[:-1] + rows.shape[-1:])
 
     return per_model_shard(local, in_specs=(P(), P(), P()), out_specs=P(), shards=tensor_parallel)(x, weights, layer)

@@ -11,7 +11,8 @@ this problem, since XLA passes their slices to cuBLAS where they lie.
 
 Arithmetic (HF Llama's): ``ms = mean(x^2)`` in f32, ``x * rsqrt(ms + eps)`` rounded to the input
 dtype, then times the weight (the product of two bf16 values is exact in f32, so rounding it once
-equals XLA's bf16 multiply). The mean's summation order is the kernel's own: a row's result is
+equals XLA's bf16 multiply). ``centred`` (Qwen3-Next / Qwen3.5, zero-centred weights): the normalized
+row stays in f32 and is scaled by ``1 + w`` in f32, then rounded once to the input dtype. The mean's summation order is the kernel's own: a row's result is
 independent of the other rows and of how many rows a call holds, so verify and decode normalize a
 token identically.
 
@@ -37,14 +38,17 @@ def rms_norm_reference(
     weights: jax.Array,  # [L, H]
     layer: jax.Array,  # i32[]
     eps: float,
-) -> jax.Array:  # [R, H], result dtype of (weights, x)
-    """Pure-jnp oracle: HF Llama's RMSNorm with ``weights[layer]``."""
+    centred: bool = False,
+) -> jax.Array:  # [R, H], result dtype of (weights, x); centred: x's
+    """Pure-jnp oracle: HF Llama's RMSNorm with ``weights[layer]`` (``centred``: Qwen3-Next's)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if centred:
+        return (xf * (1.0 + weights[layer].astype(jnp.float32))).astype(x.dtype)
     return weights[layer] * xf.astype(x.dtype)
 
 
-def _rms_norm_kernel(layer_ref, x_ref, w_ref, o_ref, *, width: int, eps: float):
+def _rms_norm_kernel(layer_ref, x_ref, w_ref, o_ref, *, width: int, eps: float, centred: bool):
     r = pl.program_id(0)
     c = jnp.arange(next_pow2(width), dtype=jnp.int32)
     ok = None if c.shape[0] == width else c < width
@@ -52,19 +56,22 @@ def _rms_norm_kernel(layer_ref, x_ref, w_ref, o_ref, *, width: int, eps: float):
         lambda ref, idx: plgpu.load(ref.at[idx], mask=ok, other=0))
     x = load(x_ref, r * width + c).astype(jnp.float32)  # [Hp]
     inv = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
-    xn = (x * inv).astype(x_ref.dtype).astype(jnp.float32)
     w = load(w_ref, layer_ref[0] * width + c).astype(jnp.float32)
-    plgpu.store(o_ref.at[r * width + c], (w * xn).astype(o_ref.dtype), mask=ok)
+    if centred:
+        out = (x * inv) * (1.0 + w)
+    else:
+        out = w * (x * inv).astype(x_ref.dtype).astype(jnp.float32)
+    plgpu.store(o_ref.at[r * width + c], out.astype(o_ref.dtype), mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def _rms_norm_call(x, weights, layer, *, eps: float, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("eps", "centred", "interpret"))
+def _rms_norm_call(x, weights, layer, *, eps: float, centred: bool, interpret: bool):
     R, H = x.shape
     L = weights.shape[0]
     ins = (layer, x.reshape(R * H), weights.reshape(L * H))
-    out_shape = jax.ShapeDtypeStruct((R * H,), jnp.result_type(weights.dtype, x.dtype))
+    out_shape = jax.ShapeDtypeStruct((R * H,), x.dtype if centred else jnp.result_type(weights.dtype, x.dtype))
     out = pl.pallas_call(
-        functools.partial(_rms_norm_kernel, width=H, eps=eps),
+        functools.partial(_rms_norm_kernel, width=H, eps=eps, centred=centred),
         grid=(R,),
         in_specs=[whole(a) for a in ins],
         out_specs=whole(out_shape),
@@ -83,8 +90,11 @@ def rms_norm_pallas(
     eps: float,
     *,
     interpret: bool,
+    centred: bool = False,
 ) -> jax.Array:  # [R, H]
-    """Pallas path: RMSNorm of every row of ``x`` with ``weights[layer]`` (module docstring)."""
+    """Pallas path: RMSNorm of every row of ``x`` with ``weights[layer]`` (module docstring;
+    ``centred``: zero-centred weights, Qwen3-Next's arithmetic)."""
     if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
         raise ValueError(f"x {x.shape} and stacked weights {weights.shape} must be [R, H] and [L, H]")
-    return _rms_norm_call(x, weights, jnp.asarray(layer, jnp.int32).reshape(1), eps=float(eps), interpret=interpret)
+    return _rms_norm_call(x, weights, jnp.asarray(layer, jnp.int32).reshape(1), eps=float(eps), centred=centred,
+                          interpret=interpret)

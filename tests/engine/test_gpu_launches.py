@@ -133,7 +133,8 @@ def test_the_h200_decode_program_launches_its_layer_body_32_times():
 
 
 def _h100_launches(tmp_path, method: str, *flags: str) -> dict:
-    """``gpu_launches.py`` run in .venv-aot for one method at batch 1: its JSON row."""
+    """``gpu_launches.py`` run in .venv-aot for one method at batch 1: its JSON row (with
+    ``--hlo-dir`` among the flags, the program's optimized HLO is written there too)."""
     out = tmp_path / "launches.json"
     cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", method, "--batches", "1", "--out", str(out),
            *flags]
@@ -163,3 +164,26 @@ def test_padded_verify_rows_leave_no_product_padding_in_the_h100_program(tmp_pat
     padded = _h100_launches(tmp_path, "EAGLE-3 chain 5")
     unpadded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--product-rows", "1")
     assert unpadded["kernels_per_step"] - padded["kernels_per_step"] >= 5 * 32, (padded, unpadded)
+
+
+@needs_aot
+def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program(tmp_path):
+    """The Qwen3.5-9B-shaped hybrid's decode program compiled for an H100 without one: no layer's
+    slice of a stacked weight is copied before its product (the Gated DeltaNet input product's was,
+    64 MB a layer, while its output was also kept for the commit), and each layer's two zero-centred
+    norms run as the RMSNorm kernel (two a layer, beside the eight attention layers' paged attention)."""
+    import jax
+    import jax.numpy as jnp
+
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import hlo_copies
+    import step_timing as st
+
+    row = _h100_launches(tmp_path, "plain", "--target", "qwen35", "--hlo-dir", str(tmp_path))
+    hlo = (tmp_path / "plain_b1.hlo.txt").read_text()
+    params = jax.eval_shape(lambda: st.random_target(st.qwen35_shape(), jnp.bfloat16).params)
+    weights = hlo_copies.stacked_weights(params)
+    assert "p0['in_qkv']" in weights and len(weights) >= 8
+    assert hlo_copies.find_copies(hlo, weights, {}) == []
+    assert row["by_kind"]["Pallas (Triton)"] == 2 * 32 + 8, row

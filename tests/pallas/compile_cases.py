@@ -190,11 +190,12 @@ def rope_write_case(rows: int, q_heads: int = 32, kv_heads: int = 8, head_dim: i
     return fn, (qkv, pool, pool, _sds((), _I32), _sds((rows,), _I32), _sds((rows,), _I32))
 
 
-def rms_norm_case(rows: int, width: int = 4096, layers: int = 32):
-    """RMSNorm of ``rows`` rows with one layer's weights out of the stacked ``[L, H]``."""
+def rms_norm_case(rows: int, width: int = 4096, layers: int = 32, centred: bool = False):
+    """RMSNorm of ``rows`` rows with one layer's weights out of the stacked ``[L, H]`` (``centred``:
+    zero-centred weights, Qwen3-Next's arithmetic)."""
 
     def fn(x, weights, layer):
-        return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False)
+        return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False, centred=centred)
 
     return fn, (_sds((rows, width), _BF16), _sds((layers, width), _BF16), _sds((), _I32))
 
@@ -347,6 +348,8 @@ CASES: list[CompileCase] = [
     CompileCase("rms_norm llama3-8b decode B=1", "rms_norm", functools.partial(rms_norm_case, 1)),
     CompileCase("rms_norm llama3-8b prefill 2048", "rms_norm", functools.partial(rms_norm_case, 2048)),
     CompileCase("rms_norm qwen2.5-7b decode B=16 (H=3584)", "rms_norm", functools.partial(rms_norm_case, 16, 3584, 28)),
+    CompileCase("rms_norm qwen3.5 centred decode B=1", "rms_norm",
+                functools.partial(rms_norm_case, 1, 4096, 8, centred=True)),
     # The exact mode's kernels (fixed tiles: the same programs for 1 row as for n)
     CompileCase("exact attention llama3-8b decode B=32 p16", "exact_attention",
                 functools.partial(exact_attention_case, _decode(32, **LLAMA))),

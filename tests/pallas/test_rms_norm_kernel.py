@@ -1,6 +1,7 @@
 """RMSNorm kernel (interpret mode on CPU) against its reference and the model's XLA path, on fresh
 random rows: padded widths, the layer's weights picked out of the stacked ones, the dtype of the
-result, and a row normalized alone equal bit for bit to the same row inside a batch."""
+result, Llama's and the zero-centred (Qwen3-Next) arithmetic, and a row normalized alone equal bit
+for bit to the same row inside a batch."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class NormCase:
     weight_dtype: str | None = None  # None: as x
     layers: int = 4
     eps: float = 1e-6
+    centred: bool = False  # zero-centred weights: x_hat * (1 + w) in f32 (Qwen3-Next / Qwen3.5)
 
     def tolerance(self) -> float:
         return 2e-6 if self.dtype == "f32" else 1e-2  # bf16: the mean summed in another order, one rounding
@@ -38,6 +40,9 @@ CASES = [
     NormCase("rows7-h40-f32", 7, 40),  # width padded to 64, masked
     NormCase("rows5-h3584-bf16-eps1e-5", 5, 3584, "bf16", eps=1e-5),
     NormCase("rows3-h48-bf16-f32-weights", 3, 48, "bf16", "f32"),  # the product promotes to f32
+    NormCase("centred-decode-h4096-bf16", 1, 4096, "bf16", centred=True),
+    NormCase("centred-rows7-h40-f32", 7, 40, centred=True),
+    NormCase("centred-rows3-h48-bf16-f32-weights", 3, 48, "bf16", "f32", centred=True),  # x's dtype out
 ]
 
 
@@ -56,22 +61,28 @@ def _close(got, want, tol):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_rms_norm_matches_reference(case, interpret):
     x, w, layer = _inputs(case)
-    got = rms_norm_pallas(x, w, layer, case.eps, interpret=interpret)
-    want = rms_norm_reference(x, w, layer, case.eps)
+    got = rms_norm_pallas(x, w, layer, case.eps, interpret=interpret, centred=case.centred)
+    want = rms_norm_reference(x, w, layer, case.eps, case.centred)
     assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.dtype == (x.dtype if case.centred else jnp.result_type(w.dtype, x.dtype))
     _close(got, want, case.tolerance())
     # Another layer's weights give another result: the kernel reads the right row of the stack.
     assert not np.allclose(np.asarray(got, np.float32),
-                           np.asarray(rms_norm_reference(x, w, layer + 1, case.eps), np.float32), atol=1e-2)
+                           np.asarray(rms_norm_reference(x, w, layer + 1, case.eps, case.centred), np.float32),
+                           atol=1e-2)
+    # And the other arithmetic gives another result: the kernel applies the one asked for.
+    assert not np.allclose(np.asarray(got, np.float32),
+                           np.asarray(rms_norm_reference(x, w, layer, case.eps, not case.centred), np.float32),
+                           atol=1e-2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_a_row_alone_equals_the_row_in_a_batch(case):
     """Verify and decode normalize a token identically: a row's result does not depend on its batch."""
     x, w, layer = _inputs(case)
-    whole = np.asarray(rms_norm_pallas(x, w, layer, case.eps, interpret=True))
+    whole = np.asarray(rms_norm_pallas(x, w, layer, case.eps, interpret=True, centred=case.centred))
     for r in range(case.rows):
-        alone = np.asarray(rms_norm_pallas(x[r:r + 1], w, layer, case.eps, interpret=True))
+        alone = np.asarray(rms_norm_pallas(x[r:r + 1], w, layer, case.eps, interpret=True, centred=case.centred))
         np.testing.assert_array_equal(alone[0], whole[r])
 
 
@@ -79,8 +90,8 @@ def test_a_row_alone_equals_the_row_in_a_batch(case):
 def test_kernel_path_matches_the_xla_path(case):
     x, w, layer = _inputs(case)
     x3 = x[None]  # [B, T, H], as the layer calls it
-    got = stacked_rms_norm(x3, w, layer, eps=case.eps, implementation="pallas")
-    want = stacked_rms_norm(x3, w, layer, eps=case.eps, implementation="xla")
+    got = stacked_rms_norm(x3, w, layer, eps=case.eps, implementation="pallas", centred=case.centred)
+    want = stacked_rms_norm(x3, w, layer, eps=case.eps, implementation="xla", centred=case.centred)
     assert got.shape == want.shape and got.dtype == want.dtype
     _close(got, want, case.tolerance())
 

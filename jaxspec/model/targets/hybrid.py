@@ -39,7 +39,8 @@ from jaxspec.kvcache.recurrent import HybridPool, RecurrentPool
 from jaxspec.model.gated_delta import (conv_chain, conv_state_after, conv_tree, delta_block, delta_chain, delta_rows,
                                        l2norm, state_at)
 from jaxspec.model.fused import split_columns
-from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, routed_experts, write_and_attend
+from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, routed_experts, stacked_rms_norm, write_and_attend
+from jaxspec.model.layers import centred_rms_norm as norm  # zero-centred RMSNorm, HF's Qwen3-Next arithmetic
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, HybridConfig
 
@@ -51,7 +52,7 @@ PREFILL_CHUNK = 64  # tokens per chunk of the chunked gated delta rule in a pref
 class PendingState:
     """What a verify forward leaves for ``commit_accepted``, per linear-attention layer and node:
     k f32[Ll, B, T, Hk, Dk], u f32[Ll, B, T, Hv, Dv], G f32[Ll, B, T, Hv] (``gated_delta``), and
-    conv_in [Ll, B, T, C] the conv inputs."""
+    conv_in f32[Ll, B, T, C] the conv inputs (the model dtype's values)."""
 
     k: jax.Array
     u: jax.Array
@@ -72,13 +73,6 @@ def create_hybrid_pool(cfg: HybridConfig, *, num_pages: int, page_size: int, dty
                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype),
         state=states(rows), snapshots=states(snapshot_rows) if snapshot_rows else None,
     )
-
-
-def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm, HF's Qwen3-Next arithmetic: ``(x_hat * (1 + w))`` in f32, then cast."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def gated_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -181,7 +175,10 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
     elif attn.pending:
         path = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)) if path is None else path
         o, u, G = delta_block(q_rep, k_rep, v, decay, beta, s0, path)
-        pending = (k, u, G, mixed)
+        # The conv inputs kept in f32 (bf16 -> f32 -> bf16 is exact): kept as the in_qkv product's own
+        # output, that product's weight was copied out of the stacked weights every layer on a GPU
+        # (XLA:GPU then does not hand cuBLAS the slice where it lies; 64 MB a layer at Qwen3.5-9B).
+        pending = (k, u, G, mixed.astype(jnp.float32))
     else:
         C = min(PREFILL_CHUNK, T)
         chain = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -261,6 +258,10 @@ def hybrid_forward(
     # The snapshot slots ride through the layers only in a prefill that reads or writes them.
     snapshots = pool.snapshots if attn.snapshots is not None and not attn.pending else None
 
+    def layer_norm(x, j, name, n):  # the stacked weights read where they lie (one kernel on a GPU)
+        return stacked_rms_norm(x, params[f"p{j}"][name], n, eps=cfg.rms_norm_eps, implementation=implementation,
+                                tensor_parallel=cfg.tensor_parallel, centred=True)
+
     def period(carry, lps):
         x, kv, state, snaps, scratch, aux, n = carry
         pend = []
@@ -268,7 +269,7 @@ def hybrid_forward(
         for j, (mixer, mlp) in enumerate(kinds):
             lp = lps[j]
             aux = taps.record(aux, n * p + j, x)
-            h = norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+            h = layer_norm(x, j, "attn_norm", n)
             if mixer == FULL:
                 o, kv = full_attention(lp, cfg, h, positions, kv, n * full_per + fi, attn, implementation)
                 fi += 1
@@ -278,7 +279,7 @@ def hybrid_forward(
                 pend.append(pending)
                 li += 1
             x = x + o
-            h = norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+            h = layer_norm(x, j, "mlp_norm", n)
             x = x + (moe_mlp(lp, cfg, h) if mlp == "moe" else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
         ys = tuple(pend) if attn.pending else None
         return (x, kv, state, snaps, scratch, aux, n + 1), ys

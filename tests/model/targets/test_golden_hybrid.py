@@ -59,6 +59,16 @@ def test_logits_and_hidden_match_hf(name):
         np.testing.assert_allclose(np.asarray(hidden[0]), g[f"hidden_final_{i}"], **TOL, err_msg=f"prompt {i}")
 
 
+def test_the_layer_norms_kernel_matches_the_xla_path():
+    """The layers' zero-centred norms through the RMSNorm kernel (a GPU's default; interpret mode
+    here), each reading its layer's weights out of the stacked ones, against the XLA path."""
+    g = golden("qwen3_5_dense")
+    tokens = g["prompt_1"][None]
+    want, _, _ = forward_sequence(target("qwen3_5_dense"), tokens)
+    got, _, _ = forward_sequence(target("qwen3_5_dense"), tokens, implementation=(("rms_norm", "pallas"),))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,page", [("qwen3_next", 1), ("qwen3_5_dense", 16), ("qwen3_5_moe_condgen", 16)])
 def test_greedy_tokens_match_hf(name, page):
     """A ragged batch of 5, 40 and 150 tokens through the engine (prefill in chunks, then decode steps
