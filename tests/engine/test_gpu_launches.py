@@ -187,3 +187,30 @@ def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program
     assert "p0['in_qkv']" in weights and len(weights) >= 8
     assert hlo_copies.find_copies(hlo, weights, {}) == []
     assert row["by_kind"]["Pallas (Triton)"] == 2 * 32 + 8, row
+
+
+@needs_aot
+def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path):
+    """DSpark chain 8 at the 8B shape compiled for an H100: its Markov head reads ``w2`` [256, 128256]
+    as stored in every slot (its f32 product had XLA:GPU write an f32 copy of it every step)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import hlo_copies
+    import step_timing as st
+    from jaxspec.model.targets import Model
+
+    _h100_launches(tmp_path, "DSpark chain 8", "--hlo-dir", str(tmp_path))
+    hlo = (tmp_path / "DSpark_chain_8_b1.hlo.txt").read_text()
+    target = Model(config=st.LLAMA3_8B, params=jax.eval_shape(lambda: st.random_target(st.LLAMA3_8B).params),
+                   dtype=np.dtype(jnp.bfloat16))
+    method = next(m for m in st.METHODS if m.name == "DSpark chain 8")
+    draft = jax.eval_shape(lambda: method.make(target, False).params)
+    matrices = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(draft)[0]
+                if x.ndim == 2 and x.size >= 1 << 20}
+    assert "['markov']['w2']" in matrices
+    # The draft's matrices as whole arrays (the reading's "pool" kind: any buffer of their shape).
+    assert hlo_copies.find_copies(hlo, hlo_copies.stacked_weights(target.params), matrices) == []

@@ -110,6 +110,11 @@ def markov_bias(params: dict, cfg: DSparkConfig, prev: jax.Array, h: jax.Array, 
         g = jax.nn.sigmoid(g_raw)
         state = g * state + (1.0 - g) * jnp.tanh(c)
         z = jnp.tanh(o)
+    if cfg.markov_head_type == "vanilla" and m["w1"].dtype == m["w2"].dtype:
+        # z = W1[prev]: the head's product in the weights' dtype (a model in bf16 rounds the bias to
+        # bf16 once), reading W2 as stored. In f32 (z @ W2.astype(f32)) XLA:GPU made an f32 copy of W2
+        # every step (131 MB at a 128k vocabulary), which every slot then read at twice the bytes.
+        return (m["w1"][prev] @ m["w2"]).astype(jnp.float32), state, e
     return z @ m["w2"].astype(jnp.float32), state, e
 
 
