@@ -764,19 +764,13 @@ def item_hybrid(check: Check, sizes, models, deadline, args):
                      options="engine default", bound=True, weight_bytes=st.param_bytes(target.params))
     need(deadline, sizes.compile_s(), "hybrid MTP chain 3")
     bb = sizes.batch(1)
-    spec = js_chain(3)
+    spec = st.HYBRID_MTP.spec
     with guarded(check, "hybrid MTP chain 3"):
-        draft = st.mtp_for(target)
+        draft = st.HYBRID_MTP.make(target, sizes.dry_run)
         r = _time(sizes, target, draft, spec, bb)
         step_row(check, sizes, target, r, batch=bb, config="hybrid MTP chain 3", what=ENGINE_PROGRAM,
                  options="engine default", plain_s=plain.get(bb), verified_expected=spec.num_draft_tokens,
                  bound=True, draft=draft, spec=spec)
-
-
-def js_chain(n: int):
-    import jaxspec as js
-
-    return js.SpecConfig.chain(n)
 
 
 def item_v4(check: Check, sizes, models, deadline, args):

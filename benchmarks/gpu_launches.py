@@ -242,7 +242,7 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
                    dtype=np.dtype(dtype))
     draft, spec = None, None
     if method != "plain":
-        m = next(x for x in st.METHODS if x.name == method)
+        m = next(x for x in st.METHODS + [st.HYBRID_MTP] if x.name == method)
         spec, made = m.spec, {}
 
         def build():
@@ -292,7 +292,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--methods", default="plain," + ",".join(m.name for m in st.METHODS),
-                   help="comma-separated: plain and names of step_timing.METHODS")
+                   help="comma-separated: plain and names of step_timing.METHODS (with --target qwen35 also "
+                        f"{st.HYBRID_MTP.name!r})")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "qwen35"),
                    help="the target's shape: Llama-3-8B, or the Qwen3.5-9B-shaped hybrid")

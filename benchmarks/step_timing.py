@@ -301,6 +301,8 @@ class Method:
     make: object = None
 
 
+# The hybrid's own MTP layer drafting a chain of 3 (the GPU check's hybrid item times it).
+HYBRID_MTP = Method("MTP chain 3", js.SpecConfig.chain(3), lambda t, tiny: mtp_for(t))
 METHODS = [
     Method("EAGLE-3 chain 5", js.SpecConfig.chain(5), lambda t, tiny: eagle3_for(t)),
     Method("EAGLE-3 tree S=5 k=4 n=8", js.SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
