@@ -1,5 +1,6 @@
 """Joined projections: several weights that read the same input stored as one, so a layer runs
-one product where it ran several (q/k/v as one ``wqkv``, gate/up as one ``w_gate_up``).
+one product where it ran several (q/k/v as one ``wqkv``, gate/up as one ``w_gate_up``, a Qwen3.5
+Gated DeltaNet layer's z/b/a as one ``in_zba``).
 
 The parts sit side by side on the last axis, grouped per model shard: with n shards, shard k's
 slice of every part comes together,

@@ -84,9 +84,12 @@ def linear_attention_entries(cfg: HybridConfig) -> list:
         out += [SplitParam(parts=(("in_qkv", (H, C)),), hf=a + "in_proj_qkv.weight", hf_shape=(C, H),
                            split=lambda x: (np.transpose(_grouped_from_flat(cfg, x)),),
                            join=lambda w: _flat_from_grouped(cfg, w.T), tp=1, shard_rows=_flat_rows(cfg)),
-                Param("in_z", a + "in_proj_z.weight", (H, g.value_dim), perm=LINEAR, tp=1),
-                Param("in_b", a + "in_proj_b.weight", (H, Hv), perm=LINEAR, tp=1),
-                Param("in_a", a + "in_proj_a.weight", (H, Hv), perm=LINEAR, tp=1)]
+                # z, b and a read the same input: one joined product (b and a alone, [H, Hv], were
+                # three small kernels a layer on a GPU; joined with z they ride its cuBLAS call).
+                fused("in_zba", [Param("in_z", a + "in_proj_z.weight", (H, g.value_dim), perm=LINEAR, tp=1),
+                                 Param("in_b", a + "in_proj_b.weight", (H, Hv), perm=LINEAR, tp=1),
+                                 Param("in_a", a + "in_proj_a.weight", (H, Hv), perm=LINEAR, tp=1)],
+                      cfg.tensor_parallel)]
     out += [
         SplitParam(parts=(("conv_w", (C, K)),), hf=a + "conv1d.weight", hf_shape=(C, 1, K),
                    split=lambda x: (_grouped_from_flat(cfg, x[:, 0]),),

@@ -10,7 +10,8 @@ and the forward scans over periods, so one compiled period body serves any depth
     p{j}/attn_norm [N, H]; mlp_norm [N, H]
       full attention:   wqkv [N, H, Hq*2*D + 2*Hkv*D]: q_proj ([query | gate] per head), k_proj and v_proj
                         joined (``jaxspec.model.fused``); wo [N, Hq*D, H]; q_norm, k_norm [N, D]
-      linear attention: in_qkv [N, H, C] (per key head [q | k | v]); in_z [N, H, Hv*Dv]; in_b, in_a [N, H, Hv];
+      linear attention: in_qkv [N, H, C] (per key head [q | k | v]); in_z [N, H, Hv*Dv]; in_b, in_a [N, H, Hv]
+                        (Qwen3.5: the three joined as in_zba [N, H, Hv*Dv + 2*Hv]);
                         conv_w [N, C, K]; dt_bias, A_log [N, Hv] (f32); gdn_norm [N, Dv]; wo [N, Hv*Dv, H]
       dense MLP:        w_gate_up [N, H, 2I] (joined); w_down [N, I, H]
       MoE:              router [N, H, E]; experts_gate, experts_up [N, E, H, Im]; experts_down [N, E, Im, H];
@@ -133,8 +134,11 @@ def linear_attention(lp: dict, cfg: HybridConfig, h: jax.Array, state: Recurrent
     valid = attn.write_positions >= 0  # [B, T] (padding: no effect on the state)
 
     mixed = h @ lp["in_qkv"]  # [B, T, C]
-    z = (h @ lp["in_z"]).reshape(B, T, -1, Dv)
-    b, a = h @ lp["in_b"], h @ lp["in_a"]  # [B, T, Hv]
+    if "in_zba" in lp:  # Qwen3.5: z, b and a joined at load (``jaxspec.model.fused``)
+        z, b, a = split_columns(h @ lp["in_zba"], (g.value_dim, g.num_v_heads, g.num_v_heads), cfg.tensor_parallel)
+    else:  # Qwen3-Next: z comes out of its in_proj_qkvz tensor, b and a out of in_proj_ba
+        z, b, a = h @ lp["in_z"], h @ lp["in_b"], h @ lp["in_a"]
+    z = z.reshape(B, T, -1, Dv)  # b, a [B, T, Hv]
     drafting = attn.block_mask is not None and not attn.pending  # a draft step over the scratch region
     path = None if drafting else attn.block_mask
     if drafting:
