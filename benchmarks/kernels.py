@@ -6,10 +6,11 @@
     python benchmarks/kernels.py --xla-vs-reference   # the lean XLA path vs the f32 reference (any device)
 
 Device time (``device_seconds``): N calls of a path inside one compiled program, a ``lax.fori_loop``
-of static trip count (XLA:GPU runs it without a host round trip per iteration) whose body feeds an output of each call into the next call's inputs (a zero XLA cannot prove is zero
-is added to the queries and to every index array, a moved KV buffer is carried whole), so that XLA can
-neither hoist a call (or a gather of KV pages) out of the loop nor merge two calls. The program is
-timed at N and at 1 calls (medians of ``repeats`` runs each, ``block_until_ready``) and the
+of static trip count (XLA:GPU runs it without a host round trip per iteration) whose body feeds an
+output of each call into the next call's inputs (a zero XLA cannot prove is zero is added to the
+queries and to every index array, a moved KV buffer is carried whole), so that XLA can neither hoist
+a call (or a gather of KV pages) out of the loop nor merge two calls. The program is timed at N and
+at 1 calls (medians of ``repeats`` runs each, ``block_until_ready``) and the
 difference divided by N - 1: the launch of the program and the host's dispatch cancel, so a small
 shape reports its kernel, not the ~65 us a dispatched call costs. N is chosen so that the N calls take
 about 20 ms.

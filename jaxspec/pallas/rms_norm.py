@@ -11,10 +11,10 @@ this problem, since XLA passes their slices to cuBLAS where they lie.
 
 Arithmetic (HF Llama's): ``ms = mean(x^2)`` in f32, ``x * rsqrt(ms + eps)`` rounded to the input
 dtype, then times the weight (the product of two bf16 values is exact in f32, so rounding it once
-equals XLA's bf16 multiply). ``centred`` (Qwen3-Next / Qwen3.5, zero-centred weights): the normalized
-row stays in f32 and is scaled by ``1 + w`` in f32, then rounded once to the input dtype. The mean's summation order is the kernel's own: a row's result is
-independent of the other rows and of how many rows a call holds, so verify and decode normalize a
-token identically.
+equals XLA's bf16 multiply). ``centred`` (Qwen3-Next / Qwen3.5, zero-centred weights): the
+normalized row stays in f32 and is scaled by ``1 + w`` in f32, then rounded once to the input dtype.
+The mean's summation order is the kernel's own: a row's result is independent of the other rows and
+of how many rows a call holds, so verify and decode normalize a token identically.
 
 Pallas kernel (Triton): grid ``(R,)``; the program of row ``r`` loads the row (padded to a power of
 two, masked), reduces it, and stores the normalized row.
