@@ -12,8 +12,8 @@ queries and to every index array, a moved KV buffer is carried whole), so that X
 a call (or a gather of KV pages) out of the loop nor merge two calls. The program is timed at N and
 at 1 calls (medians of ``repeats`` runs each, ``block_until_ready``) and the
 difference divided by N - 1: the launch of the program and the host's dispatch cancel, so a small
-shape reports its kernel, not the ~65 us a dispatched call costs. N is chosen so that the N calls take
-about 20 ms.
+shape reports its kernel, not the ~65 us a dispatched call costs. N is chosen from the one-call
+program's time (dispatch included) so that the N calls take at most about 20 ms.
 
 The floor of a kernel is the bytes it must move (unique reads + writes) over an HBM bandwidth: the
 datasheet's (H100 SXM 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth`` overrides) and, where a measured
