@@ -9,6 +9,7 @@ padded verify rows fewer than XLA's pads and slices around every product."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import os
 import subprocess
@@ -24,12 +25,15 @@ AOT_PYTHON = Path(ROOT) / ".venv-aot" / "bin" / "python"
 AOT_READY = (Path(ROOT) / ".venv-aot" / ".jaxspec-installed").exists()  # written once its install succeeded
 
 
-def _gpu_launches():
+def _bench(name: str):
+    """A module of ``benchmarks/`` (they import each other by name)."""
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
-    import gpu_launches
+    return importlib.import_module(name)
 
-    return gpu_launches
+
+def _gpu_launches():
+    return _bench("gpu_launches")
 
 
 # A step loop (no known trip count) around: a cuBLAS call, a layer loop of 3 trips (two fusions and a
@@ -175,10 +179,7 @@ def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program
     import jax
     import jax.numpy as jnp
 
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import hlo_copies
-    import step_timing as st
+    hlo_copies, st = _bench("hlo_copies"), _bench("step_timing")
 
     row = _h100_launches(tmp_path, "plain", "--target", "qwen35", "--hlo-dir", str(tmp_path))
     hlo = (tmp_path / "plain_b1.hlo.txt").read_text()
@@ -197,10 +198,7 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
     import jax.numpy as jnp
     import numpy as np
 
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import hlo_copies
-    import step_timing as st
+    hlo_copies, st = _bench("hlo_copies"), _bench("step_timing")
     from jaxspec.model.targets import Model
 
     _h100_launches(tmp_path, "DSpark chain 8", "--hlo-dir", str(tmp_path))
