@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -111,6 +112,15 @@ def pytest_runtest_protocol(item, nextitem):
                                     compile_seconds=round(_compiles["seconds"] - before["seconds"], 3),
                                     backend_seconds=round(_compiles["backend_seconds"] - before["backend_seconds"], 3)))
                     + "\n")
+
+
+def benchmark_module(name: str):
+    """A module of ``benchmarks/`` (not a package: its modules import each other by name, so the
+    folder goes on ``sys.path`` and the module is imported once, like any other)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(name)
 
 
 def xdist_worker() -> bool:

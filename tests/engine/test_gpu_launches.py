@@ -9,31 +9,23 @@ padded verify rows fewer than XLA's pads and slices around every product."""
 from __future__ import annotations
 
 import gzip
-import importlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.background import ROOT
+from tests.conftest import benchmark_module
 
 BENCH = ROOT + "/benchmarks"
 AOT_PYTHON = Path(ROOT) / ".venv-aot" / "bin" / "python"
 AOT_READY = (Path(ROOT) / ".venv-aot" / ".jaxspec-installed").exists()  # written once its install succeeded
 
 
-def _bench(name: str):
-    """A module of ``benchmarks/`` (they import each other by name)."""
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    return importlib.import_module(name)
-
-
 def _gpu_launches():
-    return _bench("gpu_launches")
+    return benchmark_module("gpu_launches")
 
 
 # A step loop (no known trip count) around: a cuBLAS call, a layer loop of 3 trips (two fusions and a
@@ -179,7 +171,7 @@ def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program
     import jax
     import jax.numpy as jnp
 
-    hlo_copies, st = _bench("hlo_copies"), _bench("step_timing")
+    hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
 
     row = _h100_launches(tmp_path, "plain", "--target", "qwen35", "--hlo-dir", str(tmp_path))
     hlo = (tmp_path / "plain_b1.hlo.txt").read_text()
@@ -198,7 +190,7 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
     import jax.numpy as jnp
     import numpy as np
 
-    hlo_copies, st = _bench("hlo_copies"), _bench("step_timing")
+    hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
     from jaxspec.model.targets import Model
 
     _h100_launches(tmp_path, "DSpark chain 8", "--hlo-dir", str(tmp_path))

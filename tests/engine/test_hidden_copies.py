@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,24 +19,14 @@ import pytest
 import jaxspec as js
 from jaxspec.engine.programs import decode_steps
 from tests.background import ROOT
+from tests.conftest import benchmark_module
 
-BENCH = ROOT + "/benchmarks"
 MATRICES = ["['w_down']", "['w_gate_up']", "['wo']", "['wqkv']"]
-
-
-def _module(name: str):
-    if BENCH not in sys.path:  # step_timing imports its neighbours by name
-        sys.path.insert(0, BENCH)
-    spec = importlib.util.spec_from_file_location(name, f"{BENCH}/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
 def _tools():
-    return _module("step_timing"), _module("hlo_copies")
+    return benchmark_module("step_timing"), benchmark_module("hlo_copies")
 
 
 CASES = [  # name, dtype, page size, spec

@@ -6,7 +6,6 @@ quietly (the forced full-length verification, the kernel harness's data dependen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.background import ROOT, Job
+from tests.conftest import benchmark_module
 
 REPO = Path(ROOT)
 
@@ -26,17 +26,9 @@ BACKGROUND_JOB = Job([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"),
                       "--out", "{tmp}"], timeout=1500, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_dry_run_runs_every_item_of_both_calls():
-    gpu_check, st = _module("gpu_check"), _module("step_timing")
+    gpu_check, st = benchmark_module("gpu_check"), benchmark_module("step_timing")
     proc = BACKGROUND_JOB.result()
     rc, tmp_path = proc.returncode, Path(BACKGROUND_JOB.tmp)
     assert (tmp_path / "gpu_check.json").exists(), f"gpu_check.py wrote no summary (exit {rc}):\n{proc.stderr[-4000:]}"
@@ -129,7 +121,7 @@ def test_a_speculative_steps_floor_counts_each_draft_pass_once():
     bytes an element): EAGLE-3 reads its fc once and its layer and head once per draft step; a block
     draft reads its fc, its layers and the target's head once, and a DSpark Markov head its ``w2``
     once per slot; n-gram lookup nothing."""
-    st = _module("step_timing")
+    st = benchmark_module("step_timing")
     import jaxspec as js
 
     target = st.random_target(st.TINY, jnp.float32)
@@ -155,7 +147,7 @@ def test_a_speculative_steps_floor_counts_each_draft_pass_once():
 def test_the_kernel_harness_ties_each_call_to_the_last_without_changing_its_inputs():
     """``tie`` adds a zero computed from the previous output (NaN and inf included) to the first
     floating input and to every index array, and passes a fed-back buffer on whole."""
-    kernels = _module("kernels")
+    kernels = benchmark_module("kernels")
     q, table, pool = jnp.arange(6.0).reshape(2, 3), jnp.arange(4, dtype=jnp.int32), jnp.ones(5)
     for out in (jnp.asarray([jnp.nan]), jnp.asarray([-jnp.inf]), jnp.asarray([3.5]), jnp.asarray([7], jnp.int32)):
         tq, tt, tp = kernels.tie((q, table, pool), out)
@@ -177,7 +169,7 @@ def test_the_kernel_harness_ties_each_call_to_the_last_without_changing_its_inpu
 def test_the_step_loop_of_known_trip_count_runs_the_engines_steps():
     """The GPU check's variant with the step loop of known trip count emits what the engine's decode
     program emits from the same state, and its loop's trip count is known to XLA."""
-    st = _module("step_timing")
+    st = benchmark_module("step_timing")
     target = st.random_target(st.TINY, jnp.float32)
     kw = dict(batch=2, context=12, steps=3, repeats=1)
     engine, known = st.Stepper(target, None, None, **kw), st.Stepper(target, None, None, known_trips=True, **kw)
@@ -194,7 +186,7 @@ def test_the_step_loop_of_known_trip_count_runs_the_engines_steps():
 
 
 def test_the_comparison_table_is_parsed():
-    gpu_check = _module("gpu_check")
+    gpu_check = benchmark_module("gpu_check")
     out = "\n".join([
         "finished: length",
         f"{'method':<10}{'draft':<18}{'shape':<16}{'accept':>8}{'tokens/s':>10}{'speedup':>9}",
@@ -211,7 +203,7 @@ def test_the_comparison_table_is_parsed():
 
 def test_the_kernel_trace_splits_device_time_by_kernel_class():
     """Device events only (not the host's), overlapping intervals counted once, classes by name."""
-    kt = _module("kernel_trace")
+    kt = benchmark_module("kernel_trace")
     meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/host:CPU")),
             dict(ph="M", name="process_name", pid=2, args=dict(name="/device:GPU:0"))]
     kernels = [("nvjet_tst_128x8_64x16_1x1_h_bz_TNT", 0, 40), ("loop_add_fusion", 40, 5),
