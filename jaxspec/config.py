@@ -381,6 +381,9 @@ class EngineConfig:
         supports the shape, XLA elsewhere); or a mapping op name -> one of those (ops in
         ``KERNEL_OPS``; unnamed ops take None), stored as sorted (op, choice) pairs.
       min_prefill_bucket: smallest prefill length bucket (buckets double from here).
+      min_prefill_rows: smallest number of rows a prefill runs (per data shard; the requests
+        admitted together, padded to a power of two, never less than this nor more than the
+        shard's rows). Larger: fewer compiled prefill variants, more padding rows computed.
       min_kv_bucket: smallest KV length (positions) attention reads; the page table handed to
         each compiled call covers the live context rounded up to a power of two of pages,
         never less than this (smaller: less read per step, more compiled variants).
@@ -435,6 +438,7 @@ class EngineConfig:
     steps_per_call: int = 8
     implementation: Implementation = None
     min_prefill_bucket: int = 16
+    min_prefill_rows: int = 1
     min_kv_bucket: int = 1024
     admission: str = "optimistic"
     preempt_every: int = 0
@@ -446,7 +450,8 @@ class EngineConfig:
     exact: bool = False
 
     def __post_init__(self):
-        for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_kv_bucket"):
+        for name in ("page_size", "max_batch", "max_seq_len", "steps_per_call", "min_prefill_bucket", "min_prefill_rows",
+                     "min_kv_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -89,19 +89,29 @@ def pytest_runtest_teardown(item, nextitem):
 # spent tracing, lowering and compiling them (what a cold run's time goes to; docs/testing.md).
 _COMPILE_LOG = os.environ.get("JAXSPEC_TEST_COMPILE_LOG")
 _compiles = {"programs": 0, "seconds": 0.0, "backend_seconds": 0.0}
+_slow_programs: list[tuple[str, float]] = []  # (jitted function, backend seconds) of programs over 0.5 s
 if _COMPILE_LOG:
-    def _count_compile(name, secs, **_):
+    def _count_compile(name, secs, fun_name="?", **_):
         if name.startswith("/jax/core/compile/"):
             _compiles["seconds"] += secs
             if name.endswith("backend_compile_duration"):
                 _compiles["programs"] += 1
                 _compiles["backend_seconds"] += secs
+                if secs > 0.5:
+                    _slow_programs.append((fun_name, round(secs, 2)))
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+    def _count_cache_hit(name, **_):
+        if name == "/jax/compilation_cache/cache_hits":
+            _compiles["cache_hits"] += 1
+    _compiles["cache_hits"] = 0
+    jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     before = dict(_compiles)
+    _slow_programs.clear()
     t0 = time.perf_counter()
     yield
     if _COMPILE_LOG:
@@ -110,7 +120,9 @@ def pytest_runtest_protocol(item, nextitem):
                                     seconds=round(time.perf_counter() - t0, 3),
                                     programs=_compiles["programs"] - before["programs"],
                                     compile_seconds=round(_compiles["seconds"] - before["seconds"], 3),
-                                    backend_seconds=round(_compiles["backend_seconds"] - before["backend_seconds"], 3)))
+                                    backend_seconds=round(_compiles["backend_seconds"] - before["backend_seconds"], 3),
+                                    cache_hits=_compiles.get("cache_hits", 0) - before.get("cache_hits", 0),
+                                    slow_programs=_slow_programs[:]))
                     + "\n")
 
 
@@ -218,6 +230,11 @@ PROMPTS_1 = [[11, 22, 33, 44, 55]]
 
 
 def engine(page_size: int = 16, max_batch: int = 4, **kw) -> js.EngineConfig:
+    """The tests' engine sizes. Every prefill runs all ``max_batch`` rows and at least 64 positions
+    (or ``max_seq_len``): a test compiles one prefill program where requests admitted in groups of
+    1, 2 or 4 and prompts of 5 to 60 tokens would compile one per (rows, length) bucket."""
     kw.setdefault("max_seq_len", 128)
     kw.setdefault("steps_per_call", 4)
+    kw.setdefault("min_prefill_rows", max_batch)
+    kw.setdefault("min_prefill_bucket", min(64, kw["max_seq_len"]))
     return js.EngineConfig(page_size=page_size, max_batch=max_batch, **kw)

@@ -49,6 +49,7 @@ def test_sampling_params_rejects(kwargs, match):
 BAD_ENGINE = [
     (dict(page_size=0), "page_size"),
     (dict(max_batch=0), "max_batch"),
+    (dict(min_prefill_rows=0), "min_prefill_rows must be a positive int"),
     (dict(num_pages=1), "num_pages must be >= 2"),
     (dict(implementation="cuda"), "implementation"),
     (dict(implementation={"flash_attention": "pallas"}), "unknown op 'flash_attention'"),

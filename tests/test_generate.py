@@ -220,6 +220,24 @@ def test_load_model_bfloat16(tmp_path):
     assert len(out.token_ids[0]) == 4
 
 
+def test_a_prefill_floor_of_rows_and_length_compiles_one_prefill_program(tiny_target):
+    """Six prompts of 2 to 40 tokens through 4 rows, the first four prefilled together and the last
+    two when rows free up: with ``min_prefill_rows`` at the batch and ``min_prefill_bucket`` past the
+    longest prompt both prefills run one program, where the defaults compile another for 2 rows
+    of 32 positions; the output is the same."""
+    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate((2, 40, 7, 3, 25, 12))]  # no shared prefix
+    sampling = [js.SamplingParams(max_new_tokens=n) for n in (4, 6, 3, 5, 6, 4)]
+    sizes = dict(page_size=8, max_batch=4, max_seq_len=96, steps_per_call=2)
+    before = compiled_programs()["prefill"]
+    floored = js.generate(tiny_target, prompts, sampling=sampling, progress=False,
+                          engine=js.EngineConfig(**sizes, min_prefill_rows=4, min_prefill_bucket=64))
+    assert compiled_programs()["prefill"] - before == 1
+    before = compiled_programs()["prefill"]
+    default = js.generate(tiny_target, prompts, sampling=sampling, progress=False, engine=js.EngineConfig(**sizes))
+    assert compiled_programs()["prefill"] - before >= 1
+    assert floored.token_ids == default.token_ids
+
+
 def test_live_kv_buckets_equal_full_width_and_stop_compiling(tiny_target):
     """With a small ``min_kv_bucket`` each call attends over a page table cut to a power-of-two
     bucket of the live context: the output equals full-width attention, several buckets are

@@ -396,7 +396,9 @@ def _live_tables(sched: Scheduler, positions: int, engine: EngineConfig, mesh, p
         return WindowTable(pages=place_table(pages, mesh), first=place_rows(first, mesh))
 
     ring = None if w is None else table(w.pages, w.first)
-    compressed = tuple(place_table(e.table[:, : min(e.width, next_pow2(e.pages_for(positions)))], mesh)
+    # Floored like the full table (``min_kv_bucket``), so its buckets change no more often than that one's.
+    reach = max(positions, engine.min_kv_bucket)
+    compressed = tuple(place_table(e.table[:, : min(e.width, next_pow2(e.pages_for(reach)))], mesh)
                        for e in sched.entries)
     extra = {}
     if prefill and w is not None and w.caching:
@@ -416,7 +418,7 @@ def _prefill(plan, target, dparams, state, tpool, dpool, sched, admitted, num_st
     its output so far, but the last token, leads to)."""
     D = sched.data_shards
     by_shard = [[r for r in admitted if sched.shard_of(r.row) == d] for d in range(D)]
-    Rs = next_pow2(max(len(rs) for rs in by_shard))
+    Rs = min(sched.rows_per_shard, max(engine.min_prefill_rows, next_pow2(max(len(rs) for rs in by_shard))))
     R = D * Rs
     longest = max(len(r.context) for r in admitted)
     T = max(engine.min_prefill_bucket, next_pow2(longest + 1))
