@@ -20,6 +20,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.engine.entries import EntryPages, partial_key
+from jaxspec.engine.programs import compiled_programs
 from tests.conftest import engine
 from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
 from tests.model.golden import GOLDEN
@@ -49,6 +50,7 @@ def _run(kind, spec, page, cache, prompt):
 
 @pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k}-page{p}" for k, _, p in CASES])
 def test_compressed_kv_is_cached_and_hit(kind, spec, page):
+    before = compiled_programs()["decode"]
     eng = _engine(kind, spec, page, True)
     pools = eng.pages
     assert eng.uncacheable is None and pools.window.caching and all(e.caching for e in pools.entries)
@@ -64,6 +66,9 @@ def test_compressed_kv_is_cached_and_hit(kind, spec, page):
     assert all(e.hits > 0 for e in pools.entries)
     every = pools.allocators + pools.window.allocators + [a for e in pools.entries for a in e.allocators]
     assert all(a.num_free == a.capacity for a in every)  # parked or free: nothing leaked
+    # One decode program per engine: the entry tables are floored like the full one (min_kv_bucket),
+    # so a context growing from 88 to 120 positions crosses no bucket of theirs either.
+    assert compiled_programs()["decode"] - before <= 2
 
 
 def test_entry_pages_needed_for_a_hit():
