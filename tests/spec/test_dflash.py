@@ -19,6 +19,7 @@ from jaxspec.spec.tree import block_tree
 from jaxspec.spec.verify import verify_tree_greedy
 from jaxspec.model.drafts.dflash import DFlashConfig, dflash_draft
 from jaxspec.model.checkpoints.dflash import init_dflash_params
+from tests.conftest import engine as conftest_engine
 from tests.spec import test_spec_sampling as sampling_test
 from tests.model.drafts.test_golden_dflash import draft, target
 
@@ -97,7 +98,7 @@ def tiny_dflash(target, version: int = 1):
 
 
 def engine(page: int, batch: int) -> js.EngineConfig:
-    return js.EngineConfig(page_size=page, max_batch=batch, max_seq_len=80, steps_per_call=4)
+    return conftest_engine(page, batch, max_seq_len=80)
 
 
 @functools.cache
