@@ -37,7 +37,7 @@ def golden(name: str):
 
 def engine(page, batch, **kw):
     kw.setdefault("max_seq_len", 96)
-    kw.setdefault("min_prefill_rows", batch)  # one prefill program per engine (tests/conftest.engine)
+    kw.setdefault("min_prefill_rows", batch)  # one prefill program per engine (engine() in tests/conftest.py)
     kw.setdefault("min_prefill_bucket", 64)
     return js.EngineConfig(page_size=page, max_batch=batch, steps_per_call=4, **kw)
 

@@ -113,7 +113,7 @@ def test_speculative_greedy_equals_hf_greedy(draft, spec, page, extra):
     out = js.generate(target, prompts, draft=d, spec=spec, sampling=sampling, progress=False,
                       engine=js.EngineConfig(page_size=page, max_batch=4, max_seq_len=96, check_pages=True,
                                              preempt_every=extra.get("preempt_every", 0),
-                                             min_prefill_rows=4, min_prefill_bucket=64))  # tests/conftest.engine
+                                             min_prefill_rows=4, min_prefill_bucket=64))  # as engine() in tests/conftest.py
     for i in range(3):
         assert out.token_ids[i] == ref[f"greedy_{i}"].tolist(), i
     assert out.kv_pages_free == out.kv_pages_total
