@@ -58,17 +58,24 @@ def create_state(make_state, mesh) -> DecodeState:
     return create(make_state, abstract.specs(DATA), mesh)
 
 
+# The host tables handed to a program (page tables, snapshot and entry tables) are numpy arrays the
+# scheduler goes on changing in place. ``jax.device_put`` of a numpy array onto CPU devices may
+# alias its buffer (zero copy): the program, dispatched asynchronously, would then read whatever the
+# host wrote after the call (a mesh case's greedy output changed under load). So the mesh path places
+# a copy of its own (``may_alias=False`` alone is not honoured for every sharding), as ``jnp.asarray``
+# copies without a mesh.
 def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]
-    """The page table (shard-local page ids), rows split over data."""
+    """The page table (shard-local page ids), rows split over data; a copy of the host array."""
     if mesh is None:
         return jnp.asarray(page_table)
-    return jax.device_put(page_table, NamedSharding(mesh, P(DATA, None)))
+    return jax.device_put(np.array(page_table), NamedSharding(mesh, P(DATA, None)))
 
 
 def place_rows(x: np.ndarray, mesh) -> jax.Array:  # [R, ...] rows grouped by data shard
+    """Per-row host values, rows split over data; a copy of the host array."""
     if mesh is None:
         return jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(mesh, P(DATA)))
+    return jax.device_put(np.array(x), NamedSharding(mesh, P(DATA)))
 
 
 def to_host(tree):
