@@ -61,9 +61,9 @@ def create_state(make_state, mesh) -> DecodeState:
 # The host tables handed to a program (page tables, snapshot and entry tables) are numpy arrays the
 # scheduler goes on changing in place. ``jax.device_put`` of a numpy array onto CPU devices may
 # alias its buffer (zero copy): the program, dispatched asynchronously, would then read whatever the
-# host wrote after the call (a mesh case's greedy output changed under load). So the mesh path places
-# a copy of its own (``may_alias=False`` alone is not honoured for every sharding), as ``jnp.asarray``
-# copies without a mesh.
+# host wrote after the call (the likely cause of a mesh case whose greedy output changed under load
+# now and then). So the mesh path places a copy of its own (``may_alias=False`` alone is not
+# honoured for every sharding), as ``jnp.asarray`` copies without a mesh.
 def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]
     """The page table (shard-local page ids), rows split over data; a copy of the host array."""
     if mesh is None:
