@@ -88,7 +88,7 @@ def pytest_runtest_teardown(item, nextitem):
 # JAXSPEC_TEST_COMPILE_LOG=FILE: one JSON line per test with the programs it compiled and the seconds
 # spent tracing, lowering and compiling them (what a cold run's time goes to; docs/testing.md).
 _COMPILE_LOG = os.environ.get("JAXSPEC_TEST_COMPILE_LOG")
-_compiles = {"programs": 0, "seconds": 0.0, "backend_seconds": 0.0}
+_compiles = {"programs": 0, "seconds": 0.0, "backend_seconds": 0.0, "cache_hits": 0}
 _slow_programs: list[tuple[str, float]] = []  # (jitted function, backend seconds) of programs over 0.5 s
 if _COMPILE_LOG:
     def _count_compile(name, secs, fun_name="?", **_):
@@ -104,7 +104,6 @@ if _COMPILE_LOG:
     def _count_cache_hit(name, **_):
         if name == "/jax/compilation_cache/cache_hits":
             _compiles["cache_hits"] += 1
-    _compiles["cache_hits"] = 0
     jax.monitoring.register_event_listener(_count_cache_hit)
 
 
@@ -121,7 +120,7 @@ def pytest_runtest_protocol(item, nextitem):
                                     programs=_compiles["programs"] - before["programs"],
                                     compile_seconds=round(_compiles["seconds"] - before["seconds"], 3),
                                     backend_seconds=round(_compiles["backend_seconds"] - before["backend_seconds"], 3),
-                                    cache_hits=_compiles.get("cache_hits", 0) - before.get("cache_hits", 0),
+                                    cache_hits=_compiles["cache_hits"] - before["cache_hits"],
                                     slow_programs=_slow_programs[:]))
                     + "\n")
 
