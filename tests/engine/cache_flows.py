@@ -1,6 +1,14 @@
 """The chat flows every prefix-cache test of a state kind runs (windows, recurrent state, compressed
-KV), each against an engine without the cache. ``run(cache, prompt)`` generates one prompt on a
-persistent engine with the cache on (True) or off (False) and returns its ``GenerateOutput``."""
+KV), each against a reference run that finds nothing cached. ``run(cache, prompt)`` generates one
+prompt on a persistent engine with the cache (True), or on a fresh engine of the same sizes whose
+cache is still empty (False), and returns its ``GenerateOutput``.
+
+Why a fresh engine and not one with ``prefix_cache=False``: the cache gives an engine more pages
+(parked window pages, snapshot slots), so an engine without it has pools of other shapes and
+compiles every program again, the most expensive part of these tests; a fresh engine of the same
+sizes runs the very programs of the cached one, and its single request cannot hit anything. Its
+output equals an engine's without the cache wherever the two run (the lossless tests, the last
+scenario of ``tests/engine/test_prefix_cache_recurrent.py``)."""
 
 from __future__ import annotations
 

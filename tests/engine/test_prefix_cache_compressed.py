@@ -4,8 +4,9 @@ shared, and a hit's partial entry page per rate copied into a page of its own be
 appends to it. Target: the HF golden V4 (CSA / sliding / HCA layers, window 8, rates 2 and 4), with
 DeepSeek's DSpark stages (a ring pool of their own) and its MTP layer as drafts.
 
-Every output is compared with an engine without the cache (float32): a chat's second turn hits at
-turn 1's prompt end, and three questions behind one system prompt hit from the third on. At page 16
+Every output is compared with a fresh engine of the same sizes, where nothing is cached yet (float32,
+``tests/engine/cache_flows.py``): a chat's second turn hits at turn 1's prompt end, and three
+questions behind one system prompt hit from the third on. At page 16
 the hits (80 positions) fall inside entry pages of both rates (32 and 64 positions each), so each
 hit copies one partial page per rate; at page 1 every entry page is whole.
 """
@@ -45,7 +46,10 @@ def _engine(kind, spec, page, cache: bool) -> js.Engine:
 
 
 def _run(kind, spec, page, cache, prompt):
-    return _engine(kind, spec, page, cache).generate([prompt], sampling=GREEDY, progress=False)
+    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
+    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
+    eng = _engine(kind, spec, page, True) if cache else _engine.__wrapped__(kind, spec, page, True)
+    return eng.generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k}-page{p}" for k, _, p in CASES])

@@ -5,7 +5,8 @@ round. Target: the HF-made tiny Qwen3.5 (Gated DeltaNet and gated attention laye
 slowed (``slow_target``), with its MTP layer as draft; prompts longer than one 64-token prefill
 chunk, so snapshots fall inside chunks.
 
-Every output is compared with an engine without the cache (float32):
+Every output is compared with a fresh engine of the same sizes, where nothing is cached yet (float32,
+``tests/engine/cache_flows.py``), but the last scenario's, compared with an engine without the cache:
 
 * a chat's second turn hits at turn 1's prompt end (the snapshot its prefill saved there);
 * three questions behind one system prompt: the first saves only its own prompt end, the second
@@ -66,7 +67,10 @@ def _engine(kind, spec, page, cache: bool, batch: int = 1, **kw) -> js.Engine:
 
 
 def _run(kind, spec, page, cache, prompt):
-    return _engine(kind, spec, page, cache).generate([prompt], sampling=GREEDY, progress=False)
+    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
+    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
+    eng = _engine(kind, spec, page, True) if cache else _engine.__wrapped__(kind, spec, page, True)
+    return eng.generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k or 'plain'}-page{p}" for k, _, p in CASES])

@@ -4,7 +4,8 @@ newcomer's match ended. Targets: the HF-made tiny Gemma 4 (sliding and full laye
 Mistral with a window of 6 (every layer sliding: its hits come from windows alone), page 4.
 
 Each scenario runs in successive calls of one ``jaxspec.Engine`` (so the cache holds what earlier
-calls wrote) and compares every output with an engine without the cache:
+calls wrote) and compares every output with a fresh engine of the same sizes, where nothing is cached
+yet (``tests/engine/cache_flows.py``):
 
 * a chat's second turn (turn 1's prompt, its answer and a new question) hits at turn 1's prompt
   end, whose window the ring held when turn 1's prefill ended;
@@ -55,7 +56,10 @@ def _engine(name, kind, spec, cache: bool) -> js.Engine:
 
 
 def _run(name, kind, spec, cache, prompt):
-    return _engine(name, kind, spec, cache).generate([prompt], sampling=GREEDY, progress=False)
+    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
+    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
+    eng = _engine(name, kind, spec, True) if cache else _engine.__wrapped__(name, kind, spec, True)
+    return eng.generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("name,kind,spec", CASES, ids=[f"{n}-{k or 'plain'}" for n, k, _ in CASES])
