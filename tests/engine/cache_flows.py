@@ -6,9 +6,10 @@ cache is still empty (False), and returns its ``GenerateOutput``.
 Why a fresh engine and not one with ``prefix_cache=False``: the cache gives an engine more pages
 (parked window pages, snapshot slots), so an engine without it has pools of other shapes and
 compiles every program again, the most expensive part of these tests; a fresh engine of the same
-sizes runs the very programs of the cached one, and its single request cannot hit anything. Its
-output equals an engine's without the cache wherever the two run (the lossless tests, the last
-scenario of ``tests/engine/test_prefix_cache_recurrent.py``)."""
+sizes runs the very programs of the cached one, and its single request cannot hit anything. What
+such an engine gives is checked against HF's greedy tokens by the lossless tests (their engines
+have the cache on), and an engine without the cache is compared with one with it in the last
+scenario of ``tests/engine/test_prefix_cache_recurrent.py`` and in ``scripts/check_prefix_cache.py``."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ DeepSeek's DSpark stages (a ring pool of their own) and its MTP layer as drafts.
 
 Every output is compared with a fresh engine of the same sizes, where nothing is cached yet (float32,
 ``tests/engine/cache_flows.py``): a chat's second turn hits at turn 1's prompt end, and three
-questions behind one system prompt hit from the third on. At page 16
-the hits (80 positions) fall inside entry pages of both rates (32 and 64 positions each), so each
-hit copies one partial page per rate; at page 1 every entry page is whole.
+questions behind one system prompt hit from the third on. At page 16 the hits (80 positions) fall
+inside entry pages of both rates (32 and 64 positions each), so each hit copies one partial page
+per rate; at page 1 every entry page is whole.
 """
 
 from __future__ import annotations
