@@ -64,18 +64,18 @@ def create_state(make_state, mesh) -> DecodeState:
 # host wrote after the call (the likely cause of a mesh case whose greedy output changed under load
 # now and then). So the mesh path places a copy of its own (``may_alias=False`` alone is not
 # honoured for every sharding), as ``jnp.asarray`` copies without a mesh.
+def _placed_copy(x: np.ndarray, mesh, spec: P) -> jax.Array:
+    return jnp.asarray(x) if mesh is None else jax.device_put(np.array(x), NamedSharding(mesh, spec))
+
+
 def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]
     """The page table (shard-local page ids), rows split over data; a copy of the host array."""
-    if mesh is None:
-        return jnp.asarray(page_table)
-    return jax.device_put(np.array(page_table), NamedSharding(mesh, P(DATA, None)))
+    return _placed_copy(page_table, mesh, P(DATA, None))
 
 
 def place_rows(x: np.ndarray, mesh) -> jax.Array:  # [R, ...] rows grouped by data shard
     """Per-row host values, rows split over data; a copy of the host array."""
-    if mesh is None:
-        return jnp.asarray(x)
-    return jax.device_put(np.array(x), NamedSharding(mesh, P(DATA)))
+    return _placed_copy(x, mesh, P(DATA))
 
 
 def to_host(tree):

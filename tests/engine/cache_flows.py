@@ -14,6 +14,12 @@ scenario of ``tests/engine/test_prefix_cache_recurrent.py`` and in ``scripts/che
 from __future__ import annotations
 
 
+def engine_for(cached_engine, *args, cache: bool):
+    """The module's engine with the cache (``cached_engine``, a ``functools.cache`` of its arguments),
+    or, for the reference (``cache=False``), a fresh engine of the same sizes with nothing cached yet."""
+    return cached_engine(*args) if cache else cached_engine.__wrapped__(*args)
+
+
 def shared_tokens(prefix_len: int, page: int) -> int:
     """A hit behind a shared prefix: its full pages whose following token is in the prefix too."""
     return (prefix_len - 1) // page * page

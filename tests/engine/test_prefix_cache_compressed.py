@@ -23,7 +23,7 @@ import jaxspec as js
 from jaxspec.engine.entries import EntryPages, partial_key
 from jaxspec.engine.programs import compiled_programs
 from tests.conftest import engine
-from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
+from tests.engine.cache_flows import chat_turn_2, engine_for, shared_tokens, system_prompt_questions
 from tests.model.golden import GOLDEN
 from tests.spec.test_v4_spec import golden
 
@@ -46,10 +46,7 @@ def _engine(kind, spec, page, cache: bool) -> js.Engine:
 
 
 def _run(kind, spec, page, cache, prompt):
-    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
-    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
-    eng = _engine(kind, spec, page, True) if cache else _engine.__wrapped__(kind, spec, page, True)
-    return eng.generate([prompt], sampling=GREEDY, progress=False)
+    return engine_for(_engine, kind, spec, page, True, cache=cache).generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k}-page{p}" for k, _, p in CASES])

@@ -28,7 +28,7 @@ import jaxspec as js
 from jaxspec.engine.snapshots import StateSnapshots
 from jaxspec.model.targets import Model
 from tests.conftest import engine
-from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
+from tests.engine.cache_flows import chat_turn_2, engine_for, shared_tokens, system_prompt_questions
 from tests.model.targets.test_golden_hybrid import ROOT, target
 
 NAME = "qwen3_5_dense"
@@ -67,10 +67,7 @@ def _engine(kind, spec, page, cache: bool, batch: int = 1, **kw) -> js.Engine:
 
 
 def _run(kind, spec, page, cache, prompt):
-    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
-    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
-    eng = _engine(kind, spec, page, True) if cache else _engine.__wrapped__(kind, spec, page, True)
-    return eng.generate([prompt], sampling=GREEDY, progress=False)
+    return engine_for(_engine, kind, spec, page, True, cache=cache).generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("kind,spec,page", CASES, ids=[f"{k or 'plain'}-page{p}" for k, _, p in CASES])

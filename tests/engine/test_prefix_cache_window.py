@@ -23,7 +23,7 @@ import pytest
 
 import jaxspec as js
 from tests.conftest import engine
-from tests.engine.cache_flows import chat_turn_2, shared_tokens, system_prompt_questions
+from tests.engine.cache_flows import chat_turn_2, engine_for, shared_tokens, system_prompt_questions
 from tests.model.sliding_golden import assistant, target
 from tests.spec.test_sliding_lossless import standalone
 
@@ -56,10 +56,7 @@ def _engine(name, kind, spec, cache: bool) -> js.Engine:
 
 
 def _run(name, kind, spec, cache, prompt):
-    """``prompt`` on the module's engine with the cache (``cache``), or on a fresh one of the same sizes
-    with nothing cached yet (the reference: ``tests/engine/cache_flows.py``)."""
-    eng = _engine(name, kind, spec, True) if cache else _engine.__wrapped__(name, kind, spec, True)
-    return eng.generate([prompt], sampling=GREEDY, progress=False)
+    return engine_for(_engine, name, kind, spec, True, cache=cache).generate([prompt], sampling=GREEDY, progress=False)
 
 
 @pytest.mark.parametrize("name,kind,spec", CASES, ids=[f"{n}-{k or 'plain'}" for n, k, _ in CASES])
