@@ -376,6 +376,12 @@ class EngineConfig:
       max_seq_len: most tokens of one request (prompt + generated).
       num_pages: KV pages in each pool, page 0 included (reserved scratch). None sizes
         the pool for ``max_batch`` requests of ``max_seq_len`` tokens.
+      page_budget: pages of the KV pools the scheduler may hand out, page 0 included (counted as
+        ``num_pages`` counts them, over all data shards); None: every page. The pools keep their
+        size, so an engine under a budget runs the same compiled programs as without one, and
+        admits, preempts and evicts as an engine whose pools have this many pages: memory pressure
+        studied (or tested) on one set of programs, whatever the budget. The sliding-window and
+        compressed-entry pools keep all their pages.
       steps_per_call: decode (or speculative) steps run on device per host round trip.
       implementation: kernels to use: "pallas", "xla", or None (Pallas on GPU where the kernel
         supports the shape, XLA elsewhere); or a mapping op name -> one of those (ops in
@@ -435,6 +441,7 @@ class EngineConfig:
     max_batch: int = 32
     max_seq_len: int = 4096
     num_pages: int | None = None
+    page_budget: int | None = None
     steps_per_call: int = 8
     implementation: Implementation = None
     min_prefill_bucket: int = 16
@@ -473,6 +480,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"
             )
+        if self.page_budget is not None and (not isinstance(self.page_budget, int) or isinstance(self.page_budget, bool)
+                                             or self.page_budget < 2):
+            raise ValueError(
+                f"EngineConfig.page_budget must be None or >= 2 (page 0 is reserved scratch), got {self.page_budget!r}")
         try:
             implementation = normalize_implementation(self.implementation)
         except ValueError as e:

@@ -18,10 +18,14 @@ class KVCacheExhausted(ValueError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    """Pages 1..num_pages-1 of one KV pool (of one data shard). ``limit`` names the setting that
+    sized it, for the errors that say what to raise."""
+
+    def __init__(self, num_pages: int, limit: str = "EngineConfig.num_pages"):
         if num_pages < 2:
             raise ValueError(f"a pool needs at least 2 pages (page 0 is scratch), got {num_pages}")
         self.num_pages = num_pages
+        self.limit = limit
         self._free: deque[int] = deque(range(1, num_pages))
         self._owned: dict[int, list[int]] = {}
         self._holders: dict[int, int] = {}  # page -> how many requests hold it
@@ -61,7 +65,7 @@ class PageAllocator:
         if need > self.num_free:
             raise KVCacheExhausted(
                 f"KV cache exhausted: request {owner} needs {need} more pages, {self.num_free} of "
-                f"{self.capacity} are free (raise EngineConfig.num_pages or lower max_batch / max_seq_len)"
+                f"{self.capacity} are free (raise {self.limit} or lower max_batch / max_seq_len)"
             )
         while len(self._free) < need:  # reclaim parked prefix-cache pages, least recently used first
             page, _ = self.parked.popitem(last=False)

@@ -41,6 +41,8 @@ class Geometry:
     window_cache: pages per data shard the window pool holds beyond its rings for the prefix cache
       (parked window pages and prefill checkpoints; 0 without a window pool or a prefix cache).
     snapshots: recurrent-state snapshot slots per data shard for the prefix cache (0: none).
+    page_budget: KV pages the allocators hand out over all data shards (None: num_pages); the pools
+      keep num_pages, so the compiled programs are the unbudgeted engine's.
     """
 
     batch: int
@@ -56,6 +58,7 @@ class Geometry:
     uncacheable: str | None = None
     window_cache: int = 0
     snapshots: int = 0
+    page_budget: int | None = None
 
     @property
     def window_ring(self) -> int:
@@ -111,14 +114,15 @@ class Geometry:
             caching and self.snapshots) else None
         return PagePools(batch=B, width=self.width, num_pages=self.num_pages, page_size=P, lookahead=self.lookahead,
                          step_growth=self.step_growth, data_shards=D, window=window, entries=entries,
-                         prefix_cache=caching, snapshots=snapshots)
+                         prefix_cache=caching, snapshots=snapshots, budget=self.page_budget)
 
 
 def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: KVLayout | None = None, *,
                     requests: int | None = None, longest: int | None = None) -> Geometry:
     """The sizes of an engine serving ``plan`` under ``engine``: its batch for ``requests`` rows (at
     most ``engine.max_batch``), its page table for ``longest`` positions (at most
-    ``engine.max_seq_len``), its pools for ``engine.num_pages`` pages or for every row at full width.
+    ``engine.max_seq_len``), its pools for ``engine.num_pages`` pages or for every row at full width
+    (of which the allocators hand out ``engine.page_budget``).
 
     Raises:
       ValueError: a draft tree deeper than a sliding window, a standalone draft whose compressed KV
@@ -141,6 +145,7 @@ def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: K
     longest = min(longest or engine.max_seq_len, engine.max_seq_len)
     width = next_pow2(pages_needed(longest + plan.lookahead, P))
     num_pages = D * (-(-engine.num_pages // D) if engine.num_pages else (batch // D) * width + 1)
+    page_budget = None if engine.page_budget is None else min(num_pages, D * -(-engine.page_budget // D))
     # A frozen-KV assistant reads the last W + 1 committed positions, hence the + 1.
     retain = max(windows + [m.retained for m in layouts if m.retained]) + 1 if windows else 0
     uncacheable = next((m.uncacheable for m in layouts if m.uncacheable), None)
@@ -166,4 +171,5 @@ def engine_geometry(plan: Plan, engine: EngineConfig, target: KVLayout, draft: K
     return Geometry(batch=batch, width=width, page_size=P, num_pages=num_pages, data_shards=D,
                     lookahead=plan.lookahead, step_growth=engine.steps_per_call * plan.max_accept,
                     window=max(windows) if windows else None, retain=retain, entry_rates=target.entry_rates,
-                    uncacheable=uncacheable, window_cache=window_cache, snapshots=snapshots)
+                    uncacheable=uncacheable, window_cache=window_cache, snapshots=snapshots,
+                    page_budget=page_budget)

@@ -134,7 +134,7 @@ class Scheduler:
             raise KVCacheExhausted(
                 f"KV cache too small: request {r.index} needs up to {r.worst_pages} pages of "
                 f"{self.page_size} slots but the pool has {capacity}"
-                + (" per data shard" if self.data_shards > 1 else "") + " (raise EngineConfig.num_pages)"
+                + (" per data shard" if self.data_shards > 1 else "") + f" (raise {self.allocators[0].limit})"
             )
 
     def enqueue(self, r: Request) -> None:
@@ -365,7 +365,7 @@ class Scheduler:
             raise RuntimeError(
                 f"request {req.index} was preempted {req.stalls} times in a row without progress: the KV pool "
                 f"({self.capacity} pages of {self.page_size} slots) is too small for the requests running beside "
-                f"it (raise EngineConfig.num_pages or lower max_batch)")
+                f"it (raise {self.allocators[0].limit} or lower max_batch)")
         self._free_row(row)
         req.preemptions += 1
         req.resume = resume
@@ -444,13 +444,17 @@ class PagePools:
     prefix_cache: bool = False
     entries: tuple[EntryPages, ...] = ()
     snapshots: StateSnapshots | None = None
+    budget: int | None = None  # pages handed out over all data shards (None: num_pages), EngineConfig.page_budget
     allocators: list[PageAllocator] = dataclasses.field(init=False)
     caches: list[PrefixCache] | None = dataclasses.field(init=False)
 
     def __post_init__(self):
         if self.num_pages % self.data_shards:
             raise ValueError(f"num_pages {self.num_pages} must split evenly over {self.data_shards} data shards")
-        self.allocators = [PageAllocator(self.num_pages // self.data_shards) for _ in range(self.data_shards)]
+        granted, limit = self.num_pages, "EngineConfig.num_pages"
+        if self.budget is not None and self.budget < self.num_pages:
+            granted, limit = self.budget, "EngineConfig.page_budget"
+        self.allocators = [PageAllocator(granted // self.data_shards, limit) for _ in range(self.data_shards)]
         self.caches = [PrefixCache(a, self.page_size) for a in self.allocators] if self.prefix_cache else None
         # A full page evicted: what the other caches keep at or past it can never hit again.
         keepers = ([self.window] if self.window is not None and self.window.caching else []) + [

@@ -1,9 +1,10 @@
 """The engine under memory pressure: optimistic admission, preemption and resume.
 
 A request's output does not depend on whether, when or how often it was preempted: every case runs
-a pool far smaller than its requests' worst case (natural exhaustion) and, where marked, a hook that
-preempts the most recently admitted request every few calls, then compares with an unpressured run
-(or with HF's greedy tokens, which the unpressured engine reproduces). Every pool kind (paged MHA,
+under a page budget far smaller than its requests' worst case (natural exhaustion; the pools keep
+their full size, so the pressured run compiles nothing the unpressured one has not) and, where
+marked, a hook that preempts the most recently admitted request every few calls, then compares with
+an unpressured run (or with HF's greedy tokens, which the unpressured engine reproduces). Every pool kind (paged MHA,
 MLA latent, sliding-window, recurrent state), chain and tree, every draft loop, pages 1 and 16; the
 page accounting is checked after every call (``EngineConfig(check_pages=True)``).
 """
@@ -32,7 +33,9 @@ def tight(prompts, max_new: int, page: int, *, slack: int = 40, share: float = 1
 
 
 def pressured(page: int, prompts, max_new: int, *, every: int = 0, **kw) -> js.EngineConfig:
-    return engine(page, 4, num_pages=tight(prompts, max_new, page), preempt_every=every, check_pages=True, **kw)
+    """The tests' engine (full-size pools, so its programs are the unpressured runs') under a page
+    budget of ``tight``."""
+    return engine(page, 4, page_budget=tight(prompts, max_new, page), preempt_every=every, check_pages=True, **kw)
 
 
 def check_run(out, ref, min_preemptions: int = 1):
@@ -46,7 +49,7 @@ def check_run(out, ref, min_preemptions: int = 1):
 LLAMA_CASES = [  # (draft, spec, page, forced every)
     (None, None, 1, 0),
     ("eagle3", js.SpecConfig.chain(3), 16, 2),
-    ("perturbed", TREE, 1, 3),
+    ("perturbed", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8), 1, 3),  # test_lossless's size
     ("ngram", js.SpecConfig.chain(4), 16, 2),
     ("hybrid", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, ngram_tokens=3), 16, 1),
     ("dflash", js.SpecConfig.chain(3), 1, 2),
@@ -74,8 +77,22 @@ def test_preempted_output_equals_unpressured(tiny_target, kind, spec, page, ever
     check_run(out, plain_greedy(tiny_target, page, 4))
 
 
+def test_a_page_budget_behaves_as_a_pool_of_its_size(tiny_target):
+    """Natural exhaustion only: a pool of ``tight`` pages and a full-size pool under a budget of
+    ``tight`` admit and preempt the same requests at the same calls."""
+    sampling, pages = js.SamplingParams(max_new_tokens=MAX_NEW), tight(PROMPTS_4, MAX_NEW, 1)
+    small = js.generate(tiny_target, PROMPTS_4, sampling=sampling, engine=engine(1, 4, num_pages=pages), progress=False)
+    budget = js.generate(tiny_target, PROMPTS_4, sampling=sampling, engine=engine(1, 4, page_budget=pages),
+                         progress=False)
+    check_run(small, plain_greedy(tiny_target, 1, 4))
+    assert budget.token_ids == small.token_ids
+    assert budget.kv_pages_total == small.kv_pages_total == pages - 1
+    assert [s.preemptions for s in budget.stats] == [s.preemptions for s in small.stats]
+    assert [s.admission_cached_tokens for s in budget.stats] == [s.admission_cached_tokens for s in small.stats]
+
+
 def test_reserve_admission_never_preempts(tiny_target):
-    eng = engine(1, 4, num_pages=tight(PROMPTS_4, MAX_NEW, 1), admission="reserve", check_pages=True)
+    eng = engine(1, 4, page_budget=tight(PROMPTS_4, MAX_NEW, 1), admission="reserve", check_pages=True)
     out = js.generate(tiny_target, PROMPTS_4, sampling=js.SamplingParams(max_new_tokens=MAX_NEW), engine=eng,
                       progress=False)
     assert out.token_ids == plain_greedy(tiny_target, 1, 4)
@@ -121,7 +138,7 @@ def test_stress_wide_tree_many_requests_small_pool(tiny_target, requests, min_pr
     base = dict(max_seq_len=128, steps_per_call=2)
     ref = js.generate(tiny_target, prompts, sampling=sampling, engine=engine(16, 8, **base), progress=False)
     worst = pages_needed(max(len(p) for p in prompts) + 48 + 66, 16)
-    eng = engine(16, 8, num_pages=2 * worst + 1, preempt_every=3, check_pages=True, **base)
+    eng = engine(16, 8, page_budget=2 * worst + 1, preempt_every=3, check_pages=True, **base)
     out = js.generate(tiny_target, prompts, draft=drafts(tiny_target)["perturbed"], spec=spec, sampling=sampling,
                       engine=eng, progress=False)
     check_run(out, ref.token_ids, min_preemptions=min_preemptions)
@@ -234,16 +251,19 @@ def test_preemption_without_progress_is_an_error_naming_the_pool():
             sched.preempt(1, resume=type("R", (), {"tokens": list(victim.tokens)})())
 
 
-def test_a_request_that_cannot_fit_alone_is_refused_with_its_numbers(tiny_target):
-    with pytest.raises(KVCacheExhausted, match=r"request 2 needs up to \d+ pages of 16 slots but the pool has 2"):
+@pytest.mark.parametrize("field", ["num_pages", "page_budget"])
+def test_a_request_that_cannot_fit_alone_is_refused_with_its_numbers(tiny_target, field):
+    with pytest.raises(KVCacheExhausted, match=r"request 2 needs up to \d+ pages of 16 slots but the pool has 2 "
+                                               rf"\(raise EngineConfig.{field}\)"):
         js.generate(tiny_target, PROMPTS_4, sampling=js.SamplingParams(max_new_tokens=MAX_NEW),
-                    engine=engine(16, 4, num_pages=3), progress=False)
+                    engine=engine(16, 4, **{field: 3}), progress=False)
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("admission", "lazy", "admission must be 'optimistic' or 'reserve'"),
     ("preempt_every", -1, "preempt_every must be an int >= 0"),
     ("check_pages", 1, "check_pages must be a bool"),
+    ("page_budget", 1, "page_budget must be None or >= 2"),
 ])
 def test_engine_config_checks_the_new_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
