@@ -9,7 +9,8 @@ import sys
 import time
 
 from jaxspec.demo import DEMO_METHODS, DEMO_PROMPT, DEMO_TARGET, demo_default
-from jaxspec.spec_options import NGRAM, add_exact_arg, add_spec_args, draft_from, spec_from
+from jaxspec.spec_options import (NGRAM, add_bucket_args, add_exact_arg, add_spec_args, bucket_kwargs, draft_from,
+                                  spec_from)
 
 
 def _json_schema(value: str | None):
@@ -64,7 +65,8 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.ignore_eos else None, stop=args.stop or None,
         regex=args.regex, json_schema=_json_schema(args.json_schema),
     )
-    engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len, exact=args.exact)
+    engine = js.EngineConfig(page_size=args.page_size, max_batch=1, max_seq_len=args.max_seq_len, exact=args.exact,
+                             **bucket_kwargs(args))
     if args.chat is not None:  # rendered with the checkpoint's own template
         chat = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -208,6 +210,7 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
     add_exact_arg(g)
+    add_bucket_args(g)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos tokens")

@@ -480,8 +480,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages!r}"
             )
-        if self.page_budget is not None and (not isinstance(self.page_budget, int) or isinstance(self.page_budget, bool)
-                                             or self.page_budget < 2):
+        budget = self.page_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
             raise ValueError(
                 f"EngineConfig.page_budget must be None or >= 2 (page 0 is reserved scratch), got {self.page_budget!r}")
         try:

@@ -1,6 +1,6 @@
 """The speculative options the commands share (``jaxspec generate``, ``jaxspec serve``):
 ``--draft`` / ``--steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--ngram-*`` turned into a draft
-and a ``SpecConfig``."""
+and a ``SpecConfig``; ``--exact`` and the compile buckets (``--min-*``) for the ``EngineConfig``."""
 
 from __future__ import annotations
 
@@ -64,3 +64,28 @@ def add_exact_arg(parser) -> None:
                         help="the exact mode: every product, sum and attention in a fixed order, so speculative "
                              "output equals plain output bit for bit in bf16 (single device; slower; "
                              "docs/architecture.md, 'The exact mode')")
+
+
+def add_bucket_args(parser, *, rows: bool = False) -> None:
+    """The compile buckets, for ``generate`` and (with ``rows``) ``serve``: a larger bucket compiles
+    fewer programs and computes more padding (``EngineConfig.min_prefill_bucket``,
+    ``min_kv_bucket``, ``min_prefill_rows``)."""
+    from jaxspec.config import EngineConfig
+
+    parser.add_argument("--min-prefill-bucket", type=int, default=None, metavar="N",
+                        help="shortest length a prefill is padded to; the lengths double from it (a program each; "
+                             f"default {EngineConfig.min_prefill_bucket})")
+    parser.add_argument("--min-kv-bucket", type=int, default=None, metavar="N",
+                        help="fewest KV positions a step's attention reads: the context is rounded up to a power "
+                             f"of two of pages, never below N (a program each; default {EngineConfig.min_kv_bucket})")
+    if rows:
+        parser.add_argument("--min-prefill-rows", type=int, default=None, metavar="N",
+                            help="fewest rows a prefill runs: the requests admitted together, padded to a power of "
+                                 f"two and never below N (a program each; default {EngineConfig.min_prefill_rows})")
+
+
+def bucket_kwargs(args) -> dict:
+    """The bucket options given, as ``EngineConfig`` keyword arguments (those not given keep its
+    defaults)."""
+    names = ("min_prefill_bucket", "min_kv_bucket", "min_prefill_rows")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -112,3 +112,14 @@ def test_generate_exact_says_the_speculative_output_is_plain_output_bit_for_bit(
                  "--logprobs", "1", "--repeats", "1", "--max-seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "exact mode: speculative output equals plain output bit for bit (tokens and log-probabilities)" in out, out
+
+
+def test_generate_hands_the_compile_buckets_to_the_engine(capsys):
+    """A bucket the engine refuses is refused by name before anything is compiled (the values are
+    ``EngineConfig``'s; ``tests/serve/test_options.py`` checks them through ``serve``)."""
+    from tests.model.golden import GOLDEN
+
+    for flag, field in (("--min-prefill-bucket", "min_prefill_bucket"), ("--min-kv-bucket", "min_kv_bucket")):
+        assert main(["generate", "--target", os.path.join(GOLDEN, "llama3"), "--prompt", "5 17 33", "--draft", "ngram",
+                     flag, "0"]) == 2
+        assert f"EngineConfig.{field} must be a positive int, got 0" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxspec.spec_options import add_exact_arg, add_spec_args
+from jaxspec.spec_options import add_bucket_args, add_exact_arg, add_spec_args
 
 def add_parsers(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (defaults to the shipped demo pair)",
@@ -28,6 +28,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--admission", default="optimistic", choices=["optimistic", "reserve"])
     s.add_argument("--steps-per-call", type=int, default=8,
                    help="decode steps per device call (requests join between calls)")
+    add_bucket_args(s, rows=True)
     s.add_argument("--served-model-name", default=None,
                    help="the model id /v1/models lists and requests name (default: jaxspec-demo on the demo pair, "
                         "else the target directory's name)")

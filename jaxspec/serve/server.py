@@ -7,7 +7,7 @@ import os
 import sys
 
 from jaxspec.demo import DEMO_METHODS, DEMO_TARGET, demo_default
-from jaxspec.spec_options import NGRAM, draft_from, spec_from
+from jaxspec.spec_options import NGRAM, bucket_kwargs, draft_from, spec_from
 
 API_KEY_ENV = "JAXSPEC_API_KEY"  # the key when --api-key is not given
 # generation_config.json keys read as the server's sampling defaults (vLLM reads the same).
@@ -60,7 +60,7 @@ def build_core(args, *, max_waiting: int | None = None):
     config = js.EngineConfig(page_size=getattr(args, "page_size", 16), max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, num_pages=getattr(args, "num_pages", None),
                              steps_per_call=args.steps_per_call, admission=getattr(args, "admission", "optimistic"),
-                             prefix_cache=prefix, exact=getattr(args, "exact", False))
+                             prefix_cache=prefix, exact=getattr(args, "exact", False), **bucket_kwargs(args))
     engine = js.Engine(target, draft=draft, spec=spec, engine=config)
     return target, target_path, EngineCore(engine, max_waiting=max_waiting)
 
