@@ -62,10 +62,13 @@ def create_state(make_state, mesh) -> DecodeState:
 # scheduler goes on changing in place. ``jax.device_put`` of a numpy array onto CPU devices may
 # alias its buffer (zero copy): the program, dispatched asynchronously, would then read whatever the
 # host wrote after the call (the likely cause of a mesh case whose greedy output changed under load
-# now and then). So the mesh path places a copy of its own (``may_alias=False`` alone is not
-# honoured for every sharding), as ``jnp.asarray`` copies without a mesh.
+# now and then; ``may_alias=False`` alone is not honoured for every sharding). On a GPU, where JAX
+# lets the transfer take the buffer without a copy (PJRT's zero-copy semantics), the host-to-device
+# copy may read it from another thread after the call has returned. So every path hands over a
+# copy of its own, which nothing writes afterwards (a page table is kilobytes).
 def _placed_copy(x: np.ndarray, mesh, spec: P) -> jax.Array:
-    return jnp.asarray(x) if mesh is None else jax.device_put(np.array(x), NamedSharding(mesh, spec))
+    own = np.array(x)
+    return jnp.asarray(own) if mesh is None else jax.device_put(own, NamedSharding(mesh, spec))
 
 
 def place_table(page_table: np.ndarray, mesh) -> jax.Array:  # i32[B, W]
