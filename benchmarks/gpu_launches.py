@@ -210,10 +210,11 @@ def _parse_implementation(text: str | None):
 
 
 def target_shape(name: str):
-    """A target shape of ``step_timing`` by name: the Llama-3-8B shape or the Qwen3.5-9B-shaped hybrid."""
+    """A target shape of ``step_timing`` by name: the Llama-3-8B shape, the Qwen3.5-9B-shaped hybrid or
+    the DeepSeek-V4-Flash-shaped target (10 layers, 32 experts)."""
     import step_timing as st
 
-    return {"llama3-8b": lambda: st.LLAMA3_8B, "qwen35": st.qwen35_shape}[name]()
+    return {"llama3-8b": lambda: st.LLAMA3_8B, "qwen35": st.qwen35_shape, "v4": st.v4_shape}[name]()
 
 
 def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, context: int = 1024,
@@ -226,11 +227,13 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     (``dispatch.product_rows``; 1 turns the padding off). ``options``: XLA options over the engine's
     table (``jaxspec.xla_options``)."""
     import step_timing as st
-    from jaxspec.engine.geometry import next_pow2
+    from jaxspec.config import EngineConfig
+    from jaxspec.engine.geometry import engine_geometry, next_pow2
+    from jaxspec.kvcache.paging import PageTables, WindowTable
     from jaxspec.engine.programs import decode_program
     from jaxspec.kvcache.paging import pages_needed
     from jaxspec.model.drafts.base import DraftModel, zero_pool
-    from jaxspec.model.targets import Model, create_target_pool
+    from jaxspec.model.targets import Model, create_target_pool, kv_layout
     from jaxspec.pallas import dispatch
     from jaxspec.spec.plan import Plan, verify_branches_on
     from jaxspec.xla_options import resolve_options
@@ -258,7 +261,19 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
                 greedy_only=True)
     width = next_pow2(pages_needed(context + st.ACCEPT_ROOM * 2 * steps + plan.lookahead + plan.max_accept, 16))
     num_pages = batch * width + 1
-    tpool = jax.eval_shape(lambda: create_target_pool(cfg, num_pages=num_pages, page_size=16, dtype=dtype, rows=batch))
+    # The engine's own sizes for the pools and tables beyond the full one (a sliding-window ring,
+    # compressed-KV entry tables): its geometry for rows of ``width`` pages.
+    geo = engine_geometry(plan, EngineConfig(page_size=16, max_batch=batch, max_seq_len=width * 16 - plan.lookahead,
+                                             steps_per_call=steps, prefix_cache=False), kv_layout(cfg))
+    assert (geo.width, geo.num_pages) == (width, num_pages), (geo.width, geo.num_pages, width, num_pages)
+    sizes = geo.pool_sizes()
+    tpool = jax.eval_shape(lambda: create_target_pool(cfg, dtype=dtype, **sizes))
+    table = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+    if geo.window is not None or geo.entry_rates:
+        ring = None if geo.window is None else WindowTable(pages=jax.ShapeDtypeStruct((batch, geo.window_ring), jnp.int32),
+                                                           first=jax.ShapeDtypeStruct((batch,), jnp.int32))
+        table = PageTables(full=table, window=ring, compressed=tuple(
+            jax.ShapeDtypeStruct((batch, geo.entry_width(m)), jnp.int32) for m in geo.entry_rates))
     dpool = (zero_pool(16, dtype) if draft is None else
              jax.eval_shape(lambda: draft.config.create_pool(num_pages=num_pages, page_size=16, dtype=dtype)))
     state = jax.eval_shape(lambda: st.ready_state(plan, target, draft, batch=batch, context=context,
@@ -268,8 +283,7 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     def placed(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
-    args = [placed(x) for x in (target.params, None if draft is None else draft.params, state, tpool, dpool,
-                                jax.ShapeDtypeStruct((batch, width), jnp.int32))]
+    args = [placed(x) for x in (target.params, None if draft is None else draft.params, state, tpool, dpool, table)]
     mesh = jax.sharding.Mesh(np.array([device]), ("x",))
     t0 = time.perf_counter()
     # The kernels dispatch as on that GPU (natively, its block-table entries), and Pallas lowers for
@@ -295,8 +309,9 @@ def main(argv=None) -> int:
                    help="comma-separated: plain and names of step_timing.METHODS (with --target qwen35 also "
                         f"{st.HYBRID_MTP.name!r})")
     p.add_argument("--batches", default="1,16")
-    p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "qwen35"),
-                   help="the target's shape: Llama-3-8B, or the Qwen3.5-9B-shaped hybrid")
+    p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "qwen35", "v4"),
+                   help="the target's shape: Llama-3-8B, the Qwen3.5-9B-shaped hybrid or the DeepSeek-V4-Flash-shaped "
+                        "target")
     p.add_argument("--implementation", default=None,
                    help='EngineConfig.implementation: "pallas", "xla" or op=choice pairs, e.g. rope_write=xla')
     p.add_argument("--product-rows", type=int, default=None,

@@ -62,6 +62,7 @@ from jaxspec.kvcache.pool import KVPool  # noqa: E402
 from jaxspec.model.config import RopeConfig  # noqa: E402
 from jaxspec.model.layers import Rope, rotate_and_write, stacked_rms_norm  # noqa: E402
 from jaxspec.pallas.rms_norm import rms_norm_reference  # noqa: E402
+from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
 from jaxspec.pallas.paged_attention import (  # noqa: E402
     paged_attention, paged_attention_reference, paged_attention_xla,
@@ -415,6 +416,23 @@ def norm_fn(implementation: str):
     return functools.partial(stacked_rms_norm, eps=1e-5, implementation=implementation)
 
 
+def sinkhorn_problem(matrices: int, seed: int = 0):
+    """DeepSeek-V4-Flash's hyper-connection logits (4 streams): ``(logits,)``; floor: read and write."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(3.0 * rng.standard_normal((matrices, 4, 4)), jnp.float32)
+    return (logits,), 2 * logits.size * 4
+
+
+def sinkhorn_fn(implementation: str):
+    return functools.partial(sinkhorn, iters=20, eps=1e-6, implementation=implementation)
+
+
+def sinkhorn_shapes(smoke: bool) -> list[tuple[str, int]]:
+    if smoke:
+        return [("sinkhorn-smoke", 3)]
+    return [("v4-flash decode B=1", 1), ("v4-flash verify n=8 B=32", 256)]
+
+
 def norm_shapes(smoke: bool) -> list[tuple[str, int, int, str]]:
     if smoke:
         return [("norm-smoke", 3, 40, "float32")]
@@ -539,6 +557,8 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
         cases.append(KernelCase("rope_write", s.name, functools.partial(rope_problem, s), rope_fn, feed_back=True))
     for name, rows, width, dtype in norm_shapes(smoke):
         cases.append(KernelCase("rms_norm", name, functools.partial(norm_problem, rows, width, dtype=dtype), norm_fn))
+    for name, matrices in sinkhorn_shapes(smoke):
+        cases.append(KernelCase("sinkhorn", name, functools.partial(sinkhorn_problem, matrices), sinkhorn_fn))
     # The exact mode: the fixed-tile product against XLA's (cuBLAS on a GPU), the row-by-row attention
     # against the default paged kernel (in the XLA column).
     for name, rows, k, n in matmul_shapes(smoke):
@@ -703,6 +723,11 @@ def check(args) -> list[dict]:
             a, _ = norm_problem(rows_, width, seed=5, dtype=dtype)
             close(norm_fn("pallas")(*a), rms_norm_reference(*a, 1e-5), dtype)
         report("rms_norm", name, norm)
+    for name, matrices in sinkhorn_shapes(args.smoke) + ([] if args.smoke else [("check sinkhorn 130 matrices", 130)]):
+        def mixing(matrices=matrices):
+            a, _ = sinkhorn_problem(matrices, seed=6)
+            close(sinkhorn_fn("pallas")(*a), sinkhorn_reference(*a, iters=20, eps=1e-6), "float32")
+        report("sinkhorn", name, mixing)
     return rows
 
 

@@ -204,3 +204,14 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
     assert "['markov']['w2']" in matrices
     # The draft's matrices as whole arrays (the reading's "pool" kind: any buffer of their shape).
     assert hlo_copies.find_copies(hlo, hlo_copies.stacked_weights(target.params), matrices) == []
+
+
+@needs_aot
+def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program(tmp_path):
+    """The DeepSeek-V4-Flash-shaped target (10 layers) compiled for an H100 without one: each layer's
+    two Sinkhorn normalizations of its hyper-connection matrices run as one kernel each (beside one
+    attention kernel a layer). With the normalizations on XLA the step launched 2705 kernels at batch
+    1, 1,560 of them the normalizations' reductions, divisions and loop copies (``sinkhorn=xla``)."""
+    row = _h100_launches(tmp_path, "plain", "--target", "v4")
+    assert row["by_kind"]["Pallas (Triton)"] == 10 + 2 * 10, row
+    assert row["kernels_per_step"] < 1300, row

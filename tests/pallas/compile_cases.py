@@ -52,6 +52,7 @@ from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention_pallas
 from jaxspec.pallas.paged_attention import paged_attention_pallas
 from jaxspec.pallas.rms_norm import rms_norm_pallas
 from jaxspec.pallas.rope_write import rope_write_pallas
+from jaxspec.pallas.sinkhorn import sinkhorn_pallas
 
 _BF16 = jnp.bfloat16
 _I32 = jnp.int32
@@ -198,6 +199,15 @@ def rms_norm_case(rows: int, width: int = 4096, layers: int = 32, centred: bool 
         return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False, centred=centred)
 
     return fn, (_sds((rows, width), _BF16), _sds((layers, width), _BF16), _sds((), _I32))
+
+
+def sinkhorn_case(matrices: int, streams: int = 4, iters: int = 20):
+    """DeepSeek-V4's hyper-connection mixing matrices (``streams`` x ``streams`` per token)."""
+
+    def fn(logits):
+        return sinkhorn_pallas(logits, iters=iters, eps=1e-6, interpret=False)
+
+    return fn, (_sds((matrices, streams, streams), jnp.float32),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +360,11 @@ CASES: list[CompileCase] = [
     CompileCase("rms_norm qwen2.5-7b decode B=16 (H=3584)", "rms_norm", functools.partial(rms_norm_case, 16, 3584, 28)),
     CompileCase("rms_norm qwen3.5 centred decode B=1", "rms_norm",
                 functools.partial(rms_norm_case, 1, 4096, 8, centred=True)),
+    # Sinkhorn: V4-Flash's 4 streams, 20 iterations, at decode B=1 and a verify n=8 B=32
+    CompileCase("sinkhorn deepseek-v4-flash decode B=1", "sinkhorn", functools.partial(sinkhorn_case, 1),
+                reads_kv=False),
+    CompileCase("sinkhorn deepseek-v4-flash verify n=8 B=32", "sinkhorn", functools.partial(sinkhorn_case, 256),
+                reads_kv=False),
     # The exact mode's kernels (fixed tiles: the same programs for 1 row as for n)
     CompileCase("exact attention llama3-8b decode B=32 p16", "exact_attention",
                 functools.partial(exact_attention_case, _decode(32, **LLAMA))),

@@ -216,7 +216,6 @@ class V4DSparkDraft(DSparkDraft):
         """The S stages over ``tokens`` i32[B, Q] at ``positions`` i32[B, Q] (start = ``attn.prefix_lens``);
         nothing is written. Returns (h [B, Q, H]: ``hc_head`` of the last stage's streams, before the
         final norm, which the confidence head reads; pool)."""
-        del implementation
         cfg, t = self.model, self.model.target
         B, Q = tokens.shape
         W, ring = cfg.window, pool.window
@@ -231,7 +230,7 @@ class V4DSparkDraft(DSparkDraft):
             def attend(h, lp=lp, ctx_kv=ctx_kv):
                 return dspark_attention(lp, cfg, h, positions, ctx_kv, ctx_pos >= 0), None
 
-            x, _ = v4_block(lp, t, x, tokens, attend, None, bias, jnp.asarray(False))
+            x, _ = v4_block(lp, t, x, tokens, attend, None, bias, jnp.asarray(False), implementation=implementation)
         return hc_head(params, t, x), pool
 
     # --------------------------------------------------------------------------- logits

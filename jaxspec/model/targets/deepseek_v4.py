@@ -46,6 +46,7 @@ from jaxspec.model.layers import embed_lookup, routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_v4_attention import Closing, norm, v4_attention
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, DeepseekV4Config
+from jaxspec.pallas.sinkhorn import sinkhorn
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -84,24 +85,20 @@ def create_v4_pool(cfg: DeepseekV4Config, *, num_pages: int, page_size: int, dty
 # ------------------------------------------------------------------------------------ blocks
 
 
-def hyper_weights(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: DeepseekV4Config):
+def hyper_weights(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: DeepseekV4Config, *,
+                  implementation=None):
     """HF ``DeepseekV4HyperConnection``: (pre f32[B, T, N], post f32[B, T, N], comb f32[B, T, N, N]) of
-    the streams ``x [B, T, N, H]``; comb is Sinkhorn-normalized (columns, then rows and columns)."""
+    the streams ``x [B, T, N, H]``; comb is Sinkhorn-normalized (columns, then rows and columns; one
+    kernel on a GPU, ``jaxspec.pallas.sinkhorn``)."""
     B, T, N, H = x.shape
     flat = norm(x.reshape(B, T, N * H).astype(jnp.float32), None, cfg.rms_norm_eps)
     mix = jnp.dot(flat, fn.astype(jnp.float32), precision=_HI)  # [B, T, (2+N)N]
     eps = cfg.hc_eps
     pre = jax.nn.sigmoid(mix[..., :N] * scale[0] + base[:N]) + eps
     post = 2 * jax.nn.sigmoid(mix[..., N:2 * N] * scale[1] + base[N:2 * N])
-    comb = mix[..., 2 * N:].reshape(B, T, N, N) * scale[2] + base[2 * N:].reshape(N, N)
-    comb = jax.nn.softmax(comb, axis=-1) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def sinkhorn(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, comb)
+    logits = mix[..., 2 * N:].reshape(B, T, N, N) * scale[2] + base[2 * N:].reshape(N, N)
+    comb = sinkhorn(logits, iters=cfg.hc_sinkhorn_iters, eps=eps, implementation=implementation,
+                    tensor_parallel=cfg.tensor_parallel)
     return pre, post, comb
 
 
@@ -156,14 +153,16 @@ def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid
 
 
 def v4_block(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, attend, tid2eid: jax.Array | None,
-             bias: jax.Array | None, hashed: jax.Array):
+             bias: jax.Array | None, hashed: jax.Array, *, implementation=None):
     """One V4 layer over the streams ``x [B, T, N, H]`` (module docstring): its attention is
     ``attend(h [B, T, H]) -> (o [B, T, H], extra)``, then the MoE (``v4_moe``'s routing arguments).
     Returns (streams [B, T, N, H], extra). The target's layers and DSpark's draft stages share it."""
-    pre, post, comb = hyper_weights(x, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"], cfg)
+    pre, post, comb = hyper_weights(x, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"], cfg,
+                                    implementation=implementation)
     o, extra = attend(norm(collapse(x, pre), lp["attn_norm"], cfg.rms_norm_eps))
     x = expand(x, o.astype(x.dtype), post, comb)
-    pre, post, comb = hyper_weights(x, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], cfg)
+    pre, post, comb = hyper_weights(x, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], cfg,
+                                    implementation=implementation)
     y = v4_moe(lp, cfg, norm(collapse(x, pre), lp["mlp_norm"], cfg.rms_norm_eps), tokens, tid2eid, bias, hashed)
     return expand(x, y.astype(x.dtype), post, comb), extra
 
@@ -230,7 +229,8 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
         tid2eid = _row(params.get(HASH), s["mlp_row"])
         bias = _row(params.get(TOPK), s["mlp_row"])
         x, (pool, closing) = v4_block(lp, cfg, x, tokens, attend, None if tid2eid is None else tid2eid["tid2eid"],
-                                      None if bias is None else bias["router_bias"], s["hashed"])
+                                      None if bias is None else bias["router_bias"], s["hashed"],
+                                      implementation=implementation)
         return (x, pool, aux), closing
 
     (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (params["layers"], sched))
