@@ -210,8 +210,20 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
 def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program(tmp_path):
     """The DeepSeek-V4-Flash-shaped target (10 layers) compiled for an H100 without one: each layer's
     two Sinkhorn normalizations of its hyper-connection matrices run as one kernel each (beside one
-    attention kernel a layer). With the normalizations on XLA the step launched 2705 kernels at batch
-    1, 1,560 of them the normalizations' reductions, divisions and loop copies (``sinkhorn=xla``)."""
-    row = _h100_launches(tmp_path, "plain", "--target", "v4")
+    attention kernel a layer; with them on XLA the step launched 2705 kernels at batch 1, 1,560 of
+    them their reductions, divisions and loop copies), and the attention products every layer kind
+    shares read their weights in place (computed inside the switch over the kinds, wq_b, wo_a and
+    wo_b were copied out of the stacked arrays every layer, 192 MB)."""
+    import jax
+    import jax.numpy as jnp
+
+    hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
+
+    row = _h100_launches(tmp_path, "plain", "--target", "v4", "--hlo-dir", str(tmp_path))
     assert row["by_kind"]["Pallas (Triton)"] == 10 + 2 * 10, row
     assert row["kernels_per_step"] < 1300, row
+    params = jax.eval_shape(lambda: st.random_target(st.v4_shape(), jnp.bfloat16).params)
+    weights = hlo_copies.stacked_weights(params)
+    assert {"['wq_b']", "['wo_a']", "['wo_b']"} <= set(weights)
+    copied = {c["array"] for c in hlo_copies.find_copies((tmp_path / "plain_b1.hlo.txt").read_text(), weights, {})}
+    assert not copied & {"['wq_b']", "['wo_a']", "['wo_b']"}, copied

@@ -44,7 +44,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.fused import split_columns
 from jaxspec.model.layers import embed_lookup, routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
-from jaxspec.model.targets.deepseek_v4_attention import Closing, norm, v4_attention
+from jaxspec.model.targets.deepseek_v4_attention import (Closing, norm, v4_attention_core, v4_output_projection,
+                                                         v4_projections)
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, DeepseekV4Config
 from jaxspec.pallas.sinkhorn import sinkhorn
 
@@ -207,9 +208,10 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
     sched = layer_schedule(kinds, mlp)
 
     def attention(kind):
-        def run(lp, row, layer, h, pool):
+        def run(sinks, row, layer, h, projected, pool):
             cp = None if kind == SLIDING else _row(params[kind], row)
-            return v4_attention(lp, cp, cfg, kind, h, positions, pool, layer, row, attn, implementation=implementation)
+            return v4_attention_core(sinks, cp, cfg, kind, h, projected, positions, pool, layer, row, attn,
+                                     implementation=implementation)
         return run
 
     branches = [attention(k) for k in present]
@@ -220,11 +222,16 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
         aux = taps.record(aux, s["layer"], x.reshape(B, T, N * H))
 
         def attend(h):
+            # The products every kind shares run here, outside the switch, where each reads its layer's
+            # slice of the stacked weights in place: a weight handed to a branch is a buffer of its own,
+            # copied every layer (wq_a, wq_b, wkv, wo_a, wo_b: 204 MB a layer at V4-Flash's widths, in
+            # the program compiled for an H100).
+            args = (lp["sinks"], s["row"], s["layer"], h, v4_projections(lp, cfg, h), pool)
             if len(branches) == 1:
-                o, p, closing = branches[0](lp, s["row"], s["layer"], h, pool)
+                o, p, closing = branches[0](*args)
             else:
-                o, p, closing = jax.lax.switch(s["branch"], branches, lp, s["row"], s["layer"], h, pool)
-            return o, (p, closing)
+                o, p, closing = jax.lax.switch(s["branch"], branches, *args)
+            return v4_output_projection(lp, cfg, o), (p, closing)
 
         tid2eid = _row(params.get(HASH), s["mlp_row"])
         bias = _row(params.get(TOPK), s["mlp_row"])

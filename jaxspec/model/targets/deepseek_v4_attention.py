@@ -210,12 +210,13 @@ def _entries_of(inputs, valid, starts, cp, cfg, kind):
     return e, ik
 
 
-def v4_attention(
-    lp: dict,  # the layer's common params
+def v4_attention_core(
+    sinks: jax.Array,  # [Hq] the layer's attention sinks
     cp: dict | None,  # its compressor (and indexer) params, None in a sliding layer
     cfg: DeepseekV4Config,
     kind: str,
     h: jax.Array,  # [B, T, H] (after the attention norm)
+    projected: Projected,  # ``v4_projections`` of h
     positions: jax.Array,  # i32[B, T] logical (RoPE) positions
     pool: CompressedPool,
     layer: jax.Array,  # i32[] the layer's row in the ring kv buffer
@@ -223,10 +224,12 @@ def v4_attention(
     attn: AttentionInputs,
     *,
     implementation=None,
-) -> tuple[jax.Array, CompressedPool, Closing | None]:  # [B, T, H], pool, what a verify leaves
-    """One layer (module docstring): its rows' K = V rows and compressor inputs go into the ring (at the
-    write targets ``compressed_write_targets`` gives), the entries a committing forward closes into
-    the entry pool; then one softmax over the window, the compressed entries it sees and the sink."""
+) -> tuple[jax.Array, CompressedPool, Closing | None]:  # o [B, T, Hq, D] (RoPE undone), pool, closing
+    """One layer's attention between its products (``v4_projections`` before, ``v4_output_projection``
+    after; module docstring): RoPE of the layer's kind on ``projected``; its rows' K = V rows and
+    compressor inputs go into the ring (at the write targets ``compressed_write_targets`` gives), the
+    entries a committing forward closes into the entry pool; then one softmax over the window, the
+    compressed entries it sees and the sink."""
     B, T, _ = h.shape
     D, W = cfg.head_dim, cfg.sliding_window
     rope = cfg.rope_of(kind)
@@ -234,8 +237,8 @@ def v4_attention(
     ring = pool.window
     P = ring.page_size
 
-    q, q_res = v4_query(lp, cfg, h, positions, rope)
-    kv = v4_kv(lp, cfg, h, positions, rope)
+    q, q_res = rope_tail(projected.q, positions, rope, cfg.rope_dim), projected.q_res
+    kv = rope_kv(projected.kv, positions, rope, cfg)
 
     m = cfg.rate(kind) if kind != SLIDING else 1
     wslots, (closes,) = compressed_write_targets(ring_table, attn.write_positions, positions, (m,), P)
@@ -281,8 +284,8 @@ def v4_attention(
         keys += keys_c
     pool = dataclasses.replace(pool, window=ring, entries=entries)
 
-    o = sink_attention(q, keys, lp["sinks"], cfg.sm_scale)
-    return v4_attention_output(lp, cfg, o.astype(h.dtype), positions, rope), pool, closing
+    o = sink_attention(q, keys, sinks, cfg.sm_scale)
+    return rope_tail(o.astype(h.dtype), positions, rope, cfg.rope_dim, inverse=True), pool, closing
 
 
 def sink_attention(q: jax.Array, keys, sinks: jax.Array, sm_scale: float) -> jax.Array:
@@ -310,6 +313,27 @@ def sink_attention(q: jax.Array, keys, sinks: jax.Array, sm_scale: float) -> jax
     return o
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Projected:
+    """A layer's attention inputs before RoPE (which depends on the layer's kind): q [B, T, Hq, D]
+    per-head normed, its low-rank residual q_res [B, T, Rq] (which the indexer reads), and the one
+    K = V row of each position kv [B, T, D], normed."""
+
+    q: jax.Array
+    q_res: jax.Array
+    kv: jax.Array
+
+
+def v4_projections(lp: dict, cfg: DeepseekV4Config, h: jax.Array) -> Projected:
+    """The products of ``h [B, T, H]`` every attention kind shares (``run_layers`` computes them
+    outside its switch over the kinds, where each reads its layer's weights in place)."""
+    B, T, _ = h.shape
+    q_res = norm(h @ lp["wq_a"], lp["q_norm"], cfg.rms_norm_eps)  # [B, T, Rq]
+    q = norm((q_res @ lp["wq_b"]).reshape(B, T, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps)
+    return Projected(q=q, q_res=q_res, kv=norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps))
+
+
 def v4_query(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig):
     """Queries of ``h [B, T, H]``: (q [B, T, Hq, D] per-head normed, RoPE on the tail; the low-rank
     residual q_res [B, T, Rq], which the indexer reads)."""
@@ -322,20 +346,28 @@ def v4_query(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array
 def v4_kv(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
     """The one K = V row of each position of ``h [B, T, H]`` -> [B, T, D] (RoPE on the tail)."""
     kv = norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps)
-    return rope_tail(kv[:, :, None], positions, rope, cfg.rope_dim)[:, :, 0]
+    return rope_kv(kv, positions, rope, cfg)
+
+
+def rope_kv(kv: jax.Array, positions: jax.Array, rope: RopeConfig, cfg: DeepseekV4Config) -> jax.Array:
+    return rope_tail(kv[:, :, None], positions, rope, cfg.rope_dim)[:, :, 0]  # [B, T, D] -> [B, T, D]
+
+
+def v4_output_projection(lp: dict, cfg: DeepseekV4Config, o: jax.Array) -> jax.Array:
+    """``o [B, T, Hq, D]`` (its RoPE undone) through the grouped low-rank output projection -> [B, T, H]."""
+    B, T, Hq, D = o.shape
+    G = cfg.o_groups
+    o = o.reshape(B, T, G, Hq * D // G)
+    wo_a = lp["wo_a"].reshape(Hq * D // G, G, cfg.o_lora_rank)
+    o = jnp.einsum("btgi,igr->btgr", o, wo_a).reshape(B, T, G * cfg.o_lora_rank)
+    return o @ lp["wo_b"]
 
 
 def v4_attention_output(lp: dict, cfg: DeepseekV4Config, o: jax.Array, positions: jax.Array, rope: RopeConfig
                         ) -> jax.Array:
     """``o [B, T, Hq, D]`` (the values are the keys, so their RoPE is undone at the query's position)
     through the grouped low-rank output projection -> [B, T, H]."""
-    B, T, Hq, D = o.shape
-    o = rope_tail(o, positions, rope, cfg.rope_dim, inverse=True)
-    G = cfg.o_groups
-    o = o.reshape(B, T, G, Hq * D // G)
-    wo_a = lp["wo_a"].reshape(Hq * D // G, G, cfg.o_lora_rank)
-    o = jnp.einsum("btgi,igr->btgr", o, wo_a).reshape(B, T, G * cfg.o_lora_rank)
-    return o @ lp["wo_b"]
+    return v4_output_projection(lp, cfg, rope_tail(o, positions, rope, cfg.rope_dim, inverse=True))
 
 
 def _compressed_keys(cp, cfg: DeepseekV4Config, kind: str, h, q_res, positions, inputs, ring: RingPart,
