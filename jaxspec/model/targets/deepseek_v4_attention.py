@@ -336,17 +336,14 @@ def v4_projections(lp: dict, cfg: DeepseekV4Config, h: jax.Array) -> Projected:
 
 def v4_query(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig):
     """Queries of ``h [B, T, H]``: (q [B, T, Hq, D] per-head normed, RoPE on the tail; the low-rank
-    residual q_res [B, T, Rq], which the indexer reads)."""
-    B, T, _ = h.shape
-    q_res = norm(h @ lp["wq_a"], lp["q_norm"], cfg.rms_norm_eps)  # [B, T, Rq]
-    q = norm((q_res @ lp["wq_b"]).reshape(B, T, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps)
-    return rope_tail(q, positions, rope, cfg.rope_dim), q_res
+    residual q_res [B, T, Rq], which the indexer reads). The unused kv product is traced and dropped."""
+    projected = v4_projections(lp, cfg, h)
+    return rope_tail(projected.q, positions, rope, cfg.rope_dim), projected.q_res
 
 
 def v4_kv(lp: dict, cfg: DeepseekV4Config, h: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
     """The one K = V row of each position of ``h [B, T, H]`` -> [B, T, D] (RoPE on the tail)."""
-    kv = norm(h @ lp["wkv"], lp["kv_norm"], cfg.rms_norm_eps)
-    return rope_kv(kv, positions, rope, cfg)
+    return rope_kv(v4_projections(lp, cfg, h).kv, positions, rope, cfg)
 
 
 def rope_kv(kv: jax.Array, positions: jax.Array, rope: RopeConfig, cfg: DeepseekV4Config) -> jax.Array:
