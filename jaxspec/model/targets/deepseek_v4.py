@@ -108,10 +108,15 @@ def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:  # [B, T, N, H], f32[B,
 
 
 def expand(x: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:  # -> [B, T, N, H]
-    """``x_k = post_k * y + sum_j comb[j, k] x_j`` (in the streams' dtype, as HF)."""
+    """``x_k = post_k * y + sum_j comb[j, k] x_j`` (comb rounded to the streams' dtype, the sum in f32
+    and rounded once, as HF's product). The N-term sum is written out: one elementwise kernel, where a
+    product over an axis of N was a library call with two pads around it."""
     dt = x.dtype
-    mixed = jnp.einsum("btjk,btjh->btkh", comb.astype(dt), x)
-    return post.astype(dt)[..., None] * y[:, :, None, :] + mixed
+    c, xf = comb.astype(dt).astype(jnp.float32), x.astype(jnp.float32)
+    mixed = c[:, :, 0, :, None] * xf[:, :, 0, None, :]
+    for j in range(1, x.shape[2]):
+        mixed = mixed + c[:, :, j, :, None] * xf[:, :, j, None, :]
+    return post.astype(dt)[..., None] * y[:, :, None, :] + mixed.astype(dt)
 
 
 def hc_head(params: dict, cfg: DeepseekV4Config, x: jax.Array, prefix: str = "hc_head_") -> jax.Array:
