@@ -56,26 +56,23 @@ def sinkhorn_reference(
     return jax.lax.fori_loop(0, iters - 1, step, c)
 
 
-def _normalize_columns(c: list[list[jax.Array]], eps: float) -> list[list[jax.Array]]:
-    n = len(c)
-    out = [[None] * n for _ in range(n)]
-    for j in range(n):
-        total = c[0][j]
-        for i in range(1, n):
-            total = total + c[i][j]
-        for i in range(n):
-            out[i][j] = c[i][j] / (total + eps)
-    return out
+def _left_sum(xs: list[jax.Array]) -> jax.Array:
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
 
 
 def _normalize_rows(c: list[list[jax.Array]], eps: float) -> list[list[jax.Array]]:
     out = []
     for row in c:
-        total = row[0]
-        for x in row[1:]:
-            total = total + x
-        out.append([x / (total + eps) for x in row])
+        total = _left_sum(row) + eps
+        out.append([x / total for x in row])
     return out
+
+
+def _normalize_columns(c: list[list[jax.Array]], eps: float) -> list[list[jax.Array]]:
+    return [list(col) for col in zip(*_normalize_rows([list(col) for col in zip(*c)], eps))]
 
 
 def _sinkhorn_kernel(x_ref, o_ref, *, matrices: int, n: int, block: int, iters: int, eps: float):
@@ -90,9 +87,7 @@ def _sinkhorn_kernel(x_ref, o_ref, *, matrices: int, n: int, block: int, iters: 
         for x in c[i][1:]:
             top = jnp.maximum(top, x)
         e = [jnp.exp(x - top) for x in c[i]]
-        total = e[0]
-        for x in e[1:]:
-            total = total + x
+        total = _left_sum(e)
         c[i] = [x / total + eps for x in e]
     c = _normalize_columns(c, eps)
 
