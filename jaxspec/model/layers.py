@@ -8,6 +8,7 @@ Glossary: B rows, T positions per row, H model width, Hq / Hkv query / KV heads,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -149,22 +150,24 @@ def rope_write_and_attend(
     implementation,
     sm_scale: float | None = None,
     tensor_parallel: int = 1,
-    tokens: int | None = None,  # T: the real tokens a request, when qkv holds more (padding)
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """``write_and_attend`` for q/k/v as the joined product leaves them: RoPE on q and k and the K/V
     write in one step (``rotate_and_write``: one kernel on a GPU), then attention.
 
-    ``qkv`` may hold more rows per request than the forward's ``tokens`` (``padded_tokens``): those
-    rows are padding, neither written (``attn.write_slots`` and ``rope.positions`` padded alike, with
-    scratch slot 0) nor attended, and their output rows are zeros."""
+    ``qkv`` may hold padding rows after a request's real ones (``padded_tokens``), with
+    ``attn.write_slots`` and ``rope.positions`` padded alike (scratch slot 0, position 0) or shorter
+    (padded here): those rows write nothing and see the prefix alone (``pad_attention_rows``); their
+    output rows are finite and meaningless, and nothing may read them."""
     def local(qkv, pool, layer, attn, positions):
         B, Tp = qkv.shape[:2]
-        T = Tp if tokens is None else tokens
-        # (A forward pads its slots and positions once, outside the layer loop; these are no-ops then.)
-        slots = pad_tokens(attn.write_slots, Tp).reshape(B * Tp)
-        q, pool = rotate_and_write(qkv, pool, layer, slots, rope._replace(positions=pad_tokens(positions, Tp)),
+        # (A forward pads its attention inputs and positions once, outside the layer loop: no-ops then.)
+        attn = pad_attention_rows(attn, Tp)
+        q, pool = rotate_and_write(qkv, pool, layer, attn.write_slots.reshape(B * Tp),
+                                   rope._replace(positions=pad_tokens(positions, Tp)),
                                    q_heads=q_heads // tensor_parallel, implementation=implementation)
-        return pad_tokens(_attend(q[:, :T], pool, layer, attn, implementation, sm_scale), Tp), pool
+        # The padding rows are attended too (cheap: rows are few where there is padding), so no
+        # slice of q and pad of the output sit around the kernel: two small kernels a layer on a GPU.
+        return _attend(q, pool, layer, attn, implementation, sm_scale), pool
 
     if qkv.shape[2] != q_heads + 2 * pool.k.shape[2]:  # (global shapes: every shard's heads)
         raise ValueError(f"joined heads {qkv.shape} do not hold {q_heads} query heads and the pool's "
@@ -189,6 +192,17 @@ def pad_tokens(x: jax.Array, Tp: int) -> jax.Array:  # [B, T, ...] -> [B, Tp, ..
     if x.shape[1] == Tp:
         return x
     return jnp.pad(x, ((0, 0), (0, Tp - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def pad_attention_rows(attn: AttentionInputs, Tp: int) -> AttentionInputs:
+    """``attn`` for Tp >= T rows a request: each padding row writes to scratch slot 0 and sees the
+    prefix alone, none of the block (its ``block_mask`` row False; a causal block has no mask, and a
+    padding row's extra block positions were never written, so it reads finite values it may not
+    need). No real row's output changes: every row's softmax is its own."""
+    mask = attn.block_mask
+    if mask is not None and mask.shape[1] != Tp:
+        mask = jnp.pad(mask, ((0, 0), (0, Tp - mask.shape[1]), (0, 0)))
+    return dataclasses.replace(attn, write_slots=pad_tokens(attn.write_slots, Tp), block_mask=mask)
 
 
 def _attend(q, pool: KVPool, layer, attn: AttentionInputs, implementation, sm_scale) -> jax.Array:  # [B, T, Hq, D]
@@ -478,8 +492,7 @@ def project_and_attend(
     tp = shards_of(cfg)
     if joins_heads(lp, cfg):
         return rope_write_and_attend(joined_qkv(lp, cfg, a), pool, layer, attn, layer_rope(cfg, positions, inv_freq),
-                                     q_heads=cfg.num_heads, implementation=implementation, tensor_parallel=tp,
-                                     tokens=tokens)
+                                     q_heads=cfg.num_heads, implementation=implementation, tensor_parallel=tp)
     if tokens is not None and tokens != a.shape[1]:
         raise ValueError("padding rows need the joined q/k/v path (joins_heads)")
     q, k, v = project_qkv(lp, cfg, a, positions, inv_freq)

@@ -65,8 +65,10 @@ def draft_topk(plan: Plan, dparams: dict, logit_in: jax.Array, k: int, controls:
             logits = steer(logits, controls, columns)
     probs = jax.nn.softmax(logits, axis=-1)
     if k == 1:
-        index = jnp.argmax(probs, axis=-1)[..., None]
-        p = jnp.max(probs, axis=-1, keepdims=True)
+        # The argmax of the logits, not of the softmax: a chain never reads p (its tree is the path),
+        # so XLA drops the softmax's two reductions a step (four kernels on a GPU) with p.
+        index = jnp.argmax(logits, axis=-1)[..., None]
+        p = jnp.take_along_axis(probs, index, axis=-1)
     else:
         p, index = jax.lax.top_k(probs, k)
     return p, plan.draft.to_target_ids(dparams, index)

@@ -156,10 +156,14 @@ def test_the_small_kernels_leave_fewer_launches_in_the_h100_program(tmp_path):
 @needs_aot
 def test_padded_verify_rows_leave_no_product_padding_in_the_h100_program(tmp_path):
     """An EAGLE-3 chain of 5 at batch 1 verifies 6 rows: padded to 8 once per forward, the layer loop
-    runs none of the pads and slices XLA puts around each of its products (at least five a layer)."""
-    padded = _h100_launches(tmp_path, "EAGLE-3 chain 5")
+    runs none of the pads and slices XLA puts around each of its products (at least five a layer),
+    and none around paged attention either (the padding rows are attended too)."""
+    padded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--hlo-dir", str(tmp_path))
     unpadded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--product-rows", "1")
     assert unpadded["kernels_per_step"] - padded["kernels_per_step"] >= 5 * 32, (padded, unpadded)
+    n = _gpu_launches().step_launches((tmp_path / "EAGLE_3_chain_5_b1.hlo.txt").read_text())
+    in_layers = {kind: count for kind, count in n.per_step.items() if count >= 32}
+    assert not any(kind.split(": ")[-1].startswith(("pad", "slice")) for kind in in_layers), in_layers
 
 
 @needs_aot

@@ -182,3 +182,26 @@ def test_lowers_to_one_triton_kernel(kind, splits, dtype):
     args = (jnp.asarray(p.q, dt), jnp.asarray(p.k_pool, dt), jnp.asarray(p.v_pool, dt), jnp.int32(0),
             jnp.asarray(p.page_table), jnp.asarray(p.prefix_lens), mask)
     assert triton_calls(fn, *args) == 1
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("kind,T", [("tree", 6), ("draft", 4), ("prefill", 5)])
+def test_padding_rows_change_no_real_row(kind, T, implementation):
+    # A forward padded to Tp rows a request (``model.layers.padded_tokens``) attends its padding
+    # rows too, their block-mask rows False (``pad_attention_rows``; a causal block has none): the
+    # real rows' outputs keep their bits and the padding rows' are finite.
+    p = make_problem(kind, B=2, T=T, page_size=4, W=6, seed=13, prefix=(3, 9))
+    Tp = 8
+    rng = np.random.default_rng(14)
+    q = np.concatenate([p.q, rng.standard_normal((2, Tp - T) + p.q.shape[2:]).astype(p.q.dtype)], axis=1)
+    mask = None if p.block_mask is None else np.pad(p.block_mask, ((0, 0), (0, Tp - T), (0, 0)))
+
+    def attend(q, mask):
+        return np.asarray(jax.jit(lambda q, mask: paged_attention(
+            q, jnp.asarray(p.k_pool), jnp.asarray(p.v_pool), jnp.int32(p.layer), jnp.asarray(p.page_table),
+            jnp.asarray(p.prefix_lens), mask, page_size=p.page_size, sm_scale=p.sm_scale,
+            implementation=implementation))(jnp.asarray(q), None if mask is None else jnp.asarray(mask)))
+
+    want, got = attend(p.q, p.block_mask), attend(q, mask)
+    np.testing.assert_array_equal(got[:, :T], want)
+    assert np.isfinite(got[:, T:]).all()

@@ -32,8 +32,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import (embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_and_attend,
-                                  rms_norm, rope_inv_freq)
+from jaxspec.model.layers import (embed_lookup, head_logits, joins_heads, layer_tail, mask_padded_vocab,
+                                  pad_attention_rows, pad_tokens, padded_tokens, project_and_attend, rms_norm, rope_inv_freq)
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -118,11 +118,18 @@ def eagle_forward(
 ) -> tuple[jax.Array, KVPool]:  # hidden [B, T, H] (pre-norm), new pool
     """One head step over T rows per request (extend: ``from_target``; drafting: not)."""
     lp = params["layer"]
+    # As the target's forward: Tp >= T rows a request (zeros after T, not written, not attended)
+    # so that no product's rows need padding on a GPU (``padded_tokens``; Tp = T on a CPU).
+    B, T = tokens.shape
+    Tp = padded_tokens(B, T) if joins_heads(lp, cfg) else T
+    if Tp != T:
+        tokens, feature, positions = (pad_tokens(x, Tp) for x in (tokens, feature, positions))
+        attn = pad_attention_rows(attn, Tp)
     a, residual = eagle_attention_input(params, cfg, tokens, feature, from_target=from_target)
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     o, pool = project_and_attend(lp, cfg, a, pool, jnp.int32(0), attn, positions, inv_freq,
-                                 implementation=implementation)
-    return layer_tail(lp, cfg, residual, o), pool
+                                 implementation=implementation, tokens=T)
+    return layer_tail(lp, cfg, residual, o)[:, :T], pool
 
 
 def eagle_logits(params: dict, cfg: EagleConfig, hidden: jax.Array) -> jax.Array:  # f32[..., Vd]

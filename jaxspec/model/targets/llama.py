@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool, SplitPool
-from jaxspec.model.layers import (embed_lookup, joins_heads, layer_tail, pad_tokens, padded_tokens, project_and_attend,
-                                  project_qkv, rms_norm, rope_inv_freq, stacked_rms_norm, window_write_and_attend)
+from jaxspec.model.layers import (embed_lookup, joins_heads, layer_tail, pad_attention_rows, pad_tokens, padded_tokens,
+                                  project_and_attend, project_qkv, rms_norm, rope_inv_freq, stacked_rms_norm,
+                                  window_write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.llama_config import LlamaConfig
 
@@ -69,13 +70,13 @@ def llama_forward(
     layers_pool = pool if window is None else pool.window
     B, T = tokens.shape
     aux0 = taps.empty(x)
-    # The layers run over Tp >= T tokens a request, the extra rows zeros that are neither written
-    # nor attended, so that no product's rows need padding (``padded_tokens``); the joined q/k/v
-    # path carries them (``rope_write_and_attend``).
+    # The layers run over Tp >= T tokens a request, the extra rows padding that writes no K/V and
+    # sees the prefix alone (nothing reads what they compute), so that no product's rows need
+    # padding (``padded_tokens``); the joined q/k/v path carries them (``rope_write_and_attend``).
     Tp = padded_tokens(B, T) if window is None and joins_heads(params["layers"], cfg) else T
     x = pad_tokens(x, Tp)  # [B, Tp, H]
     layer_positions = pad_tokens(positions, Tp)  # padding rows: position 0, scratch slot 0 (not written)
-    layer_attn = dataclasses.replace(attn, write_slots=pad_tokens(attn.write_slots, Tp))
+    layer_attn = pad_attention_rows(attn, Tp)
 
     # The norms' stacked weights are read whole, indexed by the layer inside the norm (one kernel a
     # norm on a GPU, no copy of a layer's slice).

@@ -9,6 +9,8 @@ import pytest
 
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
+from jaxspec.model.layers import padded_tokens
+from jaxspec.pallas import dispatch
 from tests.model.golden import arrays, case_dir, cases
 
 HEADS = cases("eagle3") + cases("eagle1")
@@ -20,8 +22,17 @@ def target(name):
     return js.load_model(case_dir(case), dtype="float32")
 
 
+# rows 8: the head's forward pads its 9 rows to 16, as on a GPU (``padded_tokens``); the padding rows
+# must write nothing (the recurrent step reads the pool) and change no real row.
+@pytest.mark.parametrize("rows", [1, 8], ids=["unpadded", "rows-padded-to-8"])
 @pytest.mark.parametrize("case", HEADS, ids=[c["name"] for c in HEADS])
-def test_head_matches_reference(case):
+def test_head_matches_reference(case, rows):
+    with dispatch.rows_padded_to(rows):
+        assert (padded_tokens(1, case["T"]) > case["T"]) == (rows == 8)
+        check_head(case)
+
+
+def check_head(case):
     tgt = target(case["target"])
     draft = js.load_draft(case_dir(case), tgt)
     assert draft.kind == case["kind"]
