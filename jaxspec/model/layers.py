@@ -28,7 +28,7 @@ from jaxspec.pallas import dispatch
 from jaxspec.pallas.exact import exact_on, matmul, row_mean
 from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.paged_attention import paged_attention
-from jaxspec.pallas.rms_norm import rms_norm_pallas
+from jaxspec.pallas.rms_norm import record_reference, rms_norm_pallas
 from jaxspec.pallas.rope_write import rope_cos_sin, rope_write_pallas, rope_write_unsupported
 
 
@@ -62,20 +62,29 @@ def stacked_rms_norm(
     implementation,
     tensor_parallel: int = 1,
     centred: bool = False,
-) -> jax.Array:  # [..., H]
+    record: tuple[jax.Array, jax.Array] | None = None,  # (buffer [S, ..., H], slots i32[L])
+):  # [..., H]; with ``record``: ([..., H], the buffer with x at its layer's slot)
     """``rms_norm(x, weights[layer], eps)`` (``centred``: ``centred_rms_norm``), one kernel on a GPU
     (``jaxspec.pallas.rms_norm``: it reads the stacked weights where they lie). The exact mode keeps
     its fixed-order mean (XLA path). With ``tensor_parallel`` shards every shard normalizes its whole
-    copy of ``x``."""
+    copy of ``x``. ``record``: x is also written at ``buffer[slots[layer]]`` (an aux tap), by the same
+    kernel on a GPU (a ``dynamic_update_slice`` on XLA)."""
     if exact_on() or dispatch.choose("rms_norm", implementation, shape_class="rms_norm") == "xla":
-        return centred_rms_norm(x, weights[layer], eps) if centred else rms_norm(x, weights[layer], eps)
+        out = centred_rms_norm(x, weights[layer], eps) if centred else rms_norm(x, weights[layer], eps)
+        return out if record is None else (out, record_reference(record[0], record[1], layer, x))
 
-    def local(x, weights, layer):
-        rows = rms_norm_pallas(x.reshape(-1, x.shape[-1]), weights, layer, eps, interpret=dispatch.interpret_mode(),
-                               centred=centred)
-        return rows.reshape(x.shape[:-1] + rows.shape[-1:])
+    def local(x, weights, layer, *record):
+        H = x.shape[-1]
+        flat = None if not record else (record[0].reshape(record[0].shape[0], -1, H), record[1])
+        out = rms_norm_pallas(x.reshape(-1, H), weights, layer, eps, interpret=dispatch.interpret_mode(),
+                              centred=centred, record=flat)
+        rows, buffer = out if record else (out, None)
+        rows = rows.reshape(x.shape[:-1] + rows.shape[-1:])
+        return rows if not record else (rows, buffer.reshape(record[0].shape))
 
-    return per_model_shard(local, in_specs=(P(), P(), P()), out_specs=P(), shards=tensor_parallel)(x, weights, layer)
+    specs = (P(), P(), P()) + ((P(), P()) if record else ())
+    return per_model_shard(local, in_specs=specs, out_specs=P() if record is None else (P(), P()),
+                           shards=tensor_parallel)(x, weights, layer, *(record or ()))
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:  # f32[dim // 2]

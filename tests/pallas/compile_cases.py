@@ -191,9 +191,16 @@ def rope_write_case(rows: int, q_heads: int = 32, kv_heads: int = 8, head_dim: i
     return fn, (qkv, pool, pool, _sds((), _I32), _sds((rows,), _I32), _sds((rows,), _I32))
 
 
-def rms_norm_case(rows: int, width: int = 4096, layers: int = 32, centred: bool = False):
+def rms_norm_case(rows: int, width: int = 4096, layers: int = 32, centred: bool = False, taps: int = 0):
     """RMSNorm of ``rows`` rows with one layer's weights out of the stacked ``[L, H]`` (``centred``:
-    zero-centred weights, Qwen3-Next's arithmetic)."""
+    zero-centred weights, Qwen3-Next's arithmetic; ``taps``: the rows also recorded into a buffer of
+    ``taps + 1`` slots, EAGLE-3's aux taps)."""
+    if taps:
+        def fn(x, weights, layer, buffer, slots):
+            return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False, record=(buffer, slots))
+
+        return fn, (_sds((rows, width), _BF16), _sds((layers, width), _BF16), _sds((), _I32),
+                    _sds((taps + 1, rows, width), _BF16), _sds((layers + 1,), _I32))
 
     def fn(x, weights, layer):
         return rms_norm_pallas(x, weights, layer, 1e-5, interpret=False, centred=centred)
@@ -358,6 +365,8 @@ CASES: list[CompileCase] = [
     CompileCase("rms_norm llama3-8b decode B=1", "rms_norm", functools.partial(rms_norm_case, 1)),
     CompileCase("rms_norm llama3-8b prefill 2048", "rms_norm", functools.partial(rms_norm_case, 2048)),
     CompileCase("rms_norm qwen2.5-7b decode B=16 (H=3584)", "rms_norm", functools.partial(rms_norm_case, 16, 3584, 28)),
+    CompileCase("rms_norm llama3-8b verify 8 rows, recording EAGLE-3's taps", "rms_norm",
+                functools.partial(rms_norm_case, 8, taps=3)),
     CompileCase("rms_norm qwen3.5 centred decode B=1", "rms_norm",
                 functools.partial(rms_norm_case, 1, 4096, 8, centred=True)),
     # Sinkhorn: V4-Flash's 4 streams, 20 iterations, at decode B=1 and a verify n=8 B=32

@@ -1,7 +1,8 @@
 """RMSNorm kernel (interpret mode on CPU) against its reference and the model's XLA path, on fresh
 random rows: padded widths, the layer's weights picked out of the stacked ones, the dtype of the
-result, Llama's and the zero-centred (Qwen3-Next) arithmetic, and a row normalized alone equal bit
-for bit to the same row inside a batch."""
+result, Llama's and the zero-centred (Qwen3-Next) arithmetic, a row normalized alone equal bit
+for bit to the same row inside a batch, and the rows recorded into their layer's slot of an aux-tap
+buffer by the same launch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxspec.model.layers import stacked_rms_norm
-from jaxspec.pallas.rms_norm import rms_norm_pallas, rms_norm_reference
+from jaxspec.pallas.rms_norm import record_reference, rms_norm_pallas, rms_norm_reference
 from tests.pallas.triton_lowering import triton_calls
 
 MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="native", marks=pytest.mark.gpu)]
@@ -96,9 +97,34 @@ def test_kernel_path_matches_the_xla_path(case):
     _close(got, want, case.tolerance())
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.id)
+def test_recording_writes_the_rows_into_their_layers_slot(case, interpret):
+    """``record``: the normalized rows as without it, and the input rows stored unchanged in the
+    layer's slot of the buffer (``slots[layer]``), every other slot kept; on both paths."""
+    x, w, layer = _inputs(case)
+    rng = np.random.default_rng(5)
+    buffer = jnp.asarray(rng.standard_normal((3, case.rows, case.width)), x.dtype)  # two taps + the dummy slot
+    slots = jnp.asarray([2, 2, 1, 0, 2], jnp.int32)  # layer 2 (``_inputs``) -> slot 1
+    got, recorded = rms_norm_pallas(x, w, layer, case.eps, interpret=interpret, record=(buffer, slots))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rms_norm_pallas(x, w, layer, case.eps,
+                                                                              interpret=interpret)))
+    want = record_reference(buffer, slots, layer, x)
+    np.testing.assert_array_equal(np.asarray(recorded), np.asarray(want))
+    assert not np.array_equal(np.asarray(want), np.asarray(buffer))  # the record changed the buffer
+    x3, buffer4 = x[None], buffer[:, None]  # [B, T, H], [S, B, T, H]: as the layer calls it
+    _, via_xla = stacked_rms_norm(x3, w, layer, eps=case.eps, implementation="xla", record=(buffer4, slots))
+    np.testing.assert_array_equal(np.asarray(via_xla[:, 0]), np.asarray(want))
+    with pytest.raises(ValueError, match="record buffer"):
+        rms_norm_pallas(x, w, layer, case.eps, interpret=interpret, record=(buffer[:, :1], slots))
+
+
 def test_rms_norm_is_one_kernel_per_call():
     x, w, layer = _inputs(CASES[0])
     assert triton_calls(lambda x, w, l: rms_norm_pallas(x, w, l, 1e-6, interpret=False), x, w, layer) == 1
+    buffer, slots = jnp.zeros((4,) + x.shape, x.dtype), jnp.arange(5, dtype=jnp.int32) % 4
+    assert triton_calls(lambda x, w, l, b, s: rms_norm_pallas(x, w, l, 1e-6, interpret=False, record=(b, s)),
+                        x, w, layer, buffer, slots) == 1
 
 
 def test_shapes_are_checked():

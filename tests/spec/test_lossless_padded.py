@@ -37,14 +37,17 @@ def test_padded_tokens_leaves_the_cpu_alone():
     assert padded_tokens(1, 6) == 6
 
 
+# norm "pallas": the layers' norms as the RMSNorm kernel (interpreted), which also records the taps
+@pytest.mark.parametrize("norm", ["xla", "pallas"])
 @pytest.mark.parametrize("T", [3, 6])
-def test_a_padded_forward_gives_the_unpadded_outputs(tiny_target, T):
+def test_a_padded_forward_gives_the_unpadded_outputs(tiny_target, T, norm):
     tokens = np.random.default_rng(T).integers(0, tiny_target.config.vocab_size, (1, T))
-    taps = (1, tiny_target.config.num_layers)
+    taps = (1, 2, tiny_target.config.num_layers)
     logits, hidden, aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
     with dispatch.rows_padded_to(8):
         assert padded_tokens(1, T) == 8
-        p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+        p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps,
+                                                     implementation={"rms_norm": norm})
     assert p_logits.shape == logits.shape and p_aux.shape == aux.shape
     for got, want in ((p_logits, logits), (p_hidden, hidden), (p_aux, aux)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)

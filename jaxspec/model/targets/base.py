@@ -92,11 +92,12 @@ class AuxTaps:
 
     def features(self, aux: jax.Array | None, final: jax.Array) -> jax.Array | None:  # -> [B, T, len(aux_layers) * H]
         """The taps, concatenated in the requested order; ``final`` [B, T, H] is the final normed
-        state (tap ``L``)."""
+        state (tap ``L``). Taps recorded over padding rows after the T real ones drop them here."""
         if aux is None:
             return None
         last = int(self.tap[self.num_layers])
-        return jnp.concatenate([final if i == last else aux[i] for i in self.order], axis=-1)
+        T = final.shape[1]
+        return jnp.concatenate([final if i == last else aux[i][:, :T] for i in self.order], axis=-1)
 
 
 @dataclasses.dataclass(eq=False)

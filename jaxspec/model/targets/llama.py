@@ -69,12 +69,12 @@ def llama_forward(
     window = cfg.sliding_window
     layers_pool = pool if window is None else pool.window
     B, T = tokens.shape
-    aux0 = taps.empty(x)
     # The layers run over Tp >= T tokens a request, the extra rows padding that writes no K/V and
     # sees the prefix alone (nothing reads what they compute), so that no product's rows need
     # padding (``padded_tokens``); the joined q/k/v path carries them (``rope_write_and_attend``).
     Tp = padded_tokens(B, T) if window is None and joins_heads(params["layers"], cfg) else T
     x = pad_tokens(x, Tp)  # [B, Tp, H]
+    aux0 = taps.empty(x)  # [nA + 1, B, Tp, H] (the padding rows dropped by ``taps.features``)
     layer_positions = pad_tokens(positions, Tp)  # padding rows: position 0, scratch slot 0 (not written)
     layer_attn = pad_attention_rows(attn, Tp)
 
@@ -86,8 +86,10 @@ def llama_forward(
 
     def layer(carry, lp):
         x, part, aux, l = carry
-        aux = taps.record(aux, l, x[:, :T])
-        a = norm(x, attn_norms, l)
+        if aux is None:
+            a = norm(x, attn_norms, l)
+        else:  # the layer's input recorded by its first norm (the same kernel on a GPU)
+            a, aux = norm(x, attn_norms, l, record=(aux, taps.tap))
         if window is None:
             o, part = project_and_attend(lp, cfg, a, part, l, layer_attn, layer_positions, inv_freq,
                                          implementation=implementation, tokens=T)
