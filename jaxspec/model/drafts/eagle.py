@@ -33,7 +33,8 @@ from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
 from jaxspec.model.layers import (embed_lookup, head_logits, joins_heads, layer_tail, mask_padded_vocab,
-                                  pad_attention_rows, pad_tokens, padded_tokens, project_and_attend, rms_norm, rope_inv_freq)
+                                  pad_attention_rows, pad_tokens, padded_tokens, project_and_attend, rms_norm,
+                                  rope_inv_freq)
 from jaxspec.model.targets.llama_config import LlamaConfig
 
 
@@ -118,8 +119,9 @@ def eagle_forward(
 ) -> tuple[jax.Array, KVPool]:  # hidden [B, T, H] (pre-norm), new pool
     """One head step over T rows per request (extend: ``from_target``; drafting: not)."""
     lp = params["layer"]
-    # As the target's forward: Tp >= T rows a request (zeros after T, not written, not attended)
-    # so that no product's rows need padding on a GPU (``padded_tokens``; Tp = T on a CPU).
+    # As the target's forward: Tp >= T rows a request (padding after T: writes no K/V, sees the
+    # prefix alone, dropped at the end) so that no product's rows need padding on a GPU
+    # (``padded_tokens``; Tp = T on a CPU).
     B, T = tokens.shape
     Tp = padded_tokens(B, T) if joins_heads(lp, cfg) else T
     if Tp != T:

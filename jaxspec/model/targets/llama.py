@@ -20,7 +20,6 @@ last positions of each request; see ``jaxspec.kvcache.paging``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
