@@ -61,7 +61,7 @@ from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.kvcache.pool import KVPool  # noqa: E402
 from jaxspec.model.config import RopeConfig  # noqa: E402
 from jaxspec.model.layers import Rope, rotate_and_write, stacked_rms_norm  # noqa: E402
-from jaxspec.pallas.rms_norm import rms_norm_reference  # noqa: E402
+from jaxspec.pallas.rms_norm import record_reference, rms_norm_reference  # noqa: E402
 from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
 from jaxspec.pallas.paged_attention import (  # noqa: E402
@@ -722,6 +722,13 @@ def check(args) -> list[dict]:
         def norm(rows_=rows_, width=width, dtype=dtype):
             a, _ = norm_problem(rows_, width, seed=5, dtype=dtype)
             close(norm_fn("pallas")(*a), rms_norm_reference(*a, 1e-5), dtype)
+            # And recording the rows into their layer's slot of an aux-tap buffer (a target layer's
+            # first norm when a draft reads its hidden states): the rows stored unchanged.
+            x, _, layer = a
+            buffer, slots = jnp.zeros((3,) + x.shape, x.dtype), jnp.arange(32, dtype=jnp.int32) % 3
+            normed, recorded = norm_fn("pallas")(*a, record=(buffer, slots))
+            close(normed, rms_norm_reference(*a, 1e-5), dtype)
+            np.testing.assert_array_equal(np.asarray(recorded), np.asarray(record_reference(buffer, slots, layer, x)))
         report("rms_norm", name, norm)
     for name, matrices in sinkhorn_shapes(args.smoke) + ([] if args.smoke else [("check sinkhorn 130 matrices", 130)]):
         def mixing(matrices=matrices):
