@@ -58,13 +58,14 @@ def select_top_k_tokens(
         return topk_index, rows, topk_p, jnp.full((B, topk), -1, jnp.int32), level
     expand = scores[:, :, None] * topk_p  # [B, K, K]
     flat_tokens = topk_index.reshape(B, topk * topk)
-    if topk == 1:  # a chain: the one child of the one row (what the top-k and gathers below give, without them)
-        level = DraftLevel(scores=expand, tokens=flat_tokens, parents=jnp.full((B, 1), step, jnp.int32))
-        return flat_tokens, hidden, expand.reshape(B, 1), jnp.zeros((B, 1), jnp.int32), level
-    cs_p, cs_index = jax.lax.top_k(expand.reshape(B, topk * topk), topk)  # [B, K]
-    parent_row = cs_index // topk
-    input_ids = jnp.take_along_axis(flat_tokens, cs_index, axis=1)
-    rows = jnp.take_along_axis(hidden, parent_row[:, :, None], axis=1)
+    if topk == 1:  # a chain: the one child of the one row, chosen without a top-k or gathers
+        cs_p, cs_index = expand.reshape(B, 1), jnp.zeros((B, 1), jnp.int32)
+        parent_row, input_ids, rows = cs_index, flat_tokens, hidden
+    else:
+        cs_p, cs_index = jax.lax.top_k(expand.reshape(B, topk * topk), topk)  # [B, K]
+        parent_row = cs_index // topk
+        input_ids = jnp.take_along_axis(flat_tokens, cs_index, axis=1)
+        rows = jnp.take_along_axis(hidden, parent_row[:, :, None], axis=1)
     level = DraftLevel(
         scores=expand,
         tokens=flat_tokens,
