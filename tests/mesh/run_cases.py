@@ -271,6 +271,29 @@ def assistant_golden_on_mesh(name, tp):
     return dict(steps=len(steps), draft_specs=sorted(specs), embed_spec=str(draft.params["embed"].sharding.spec))
 
 
+def forward_sequence_on_mesh(name, tp, dp):
+    """``forward_sequence`` of a model placed on a TP x DP mesh against HF's logits, final hidden
+    state and EAGLE-3 taps: each prompt alone, and the three cut to the shortest as one batch
+    (causal, so a prefix's rows are the full prompt's first rows)."""
+    from jaxspec.model.targets import forward_sequence
+    from tests.model.golden import arrays
+
+    case = next(c for c in cases() if c["name"] == name)
+    ref, taps = arrays(case), tuple(case["eagle3_aux_layers"] or ())
+    model = js.load_model(case_dir(case), dtype="float32", progress=False,
+                          mesh=js.make_mesh(tensor_parallel=tp, data_parallel=dp))
+    n = min(len(p) for p in case["prompts"])
+    batches = [([i], len(p)) for i, p in enumerate(case["prompts"])] + [(list(range(len(case["prompts"]))), n)]
+    for rows, T in batches:
+        logits, hidden, aux = forward_sequence(model, np.asarray([case["prompts"][i][:T] for i in rows]),
+                                               aux_layers=taps)
+        for b, i in enumerate(rows):
+            for got, key in ((logits, "logits"), (hidden, "hidden_final"), (aux, "aux")):
+                np.testing.assert_allclose(np.asarray(got[b]), ref[f"{key}_{i}"][:T], atol=case["atol"],
+                                           rtol=case["rtol"], err_msg=f"{key}, prompt {i}, rows {rows}")
+    return dict(batches=len(batches), logits_spec=str(logits.sharding.spec))
+
+
 def _spec(params) -> str:
     """The partition spec of the first layer group's output projection (row-parallel: split on its input)."""
     group = next(params[k] for k in ("layers", "moe", "dense", "sliding") if k in params)
@@ -434,6 +457,7 @@ CASES = {
     "collectives_deepseek": lambda: collective_counts("deepseek_v3_moe", 2),
     "odd_vocab_tp2_dp2": lambda: odd_vocab(2, 2),
     "odd_vocab_tp4": lambda: odd_vocab(4, 1),
+    "llama_tp2_dp2_forward_sequence": lambda: forward_sequence_on_mesh("llama3", 2, 2),
     "errors": errors,
 }
 

@@ -120,6 +120,14 @@ def test_gemma4_assistant_on_a_mesh_matches_hf(results):
     assert r["embed_spec"] == "P('model', None)"  # the target's vocab-parallel embedding, read per shard
 
 
+def test_forward_sequence_on_a_mesh_matches_hf(results):
+    """``forward_sequence`` of a Llama placed on TP=2 x DP=2 (its per-shard embedding lookup and
+    attention need a compiled program under the mesh): logits, final hidden state and EAGLE-3 taps
+    against HF, each prompt alone and the three as one batch."""
+    r = case(results, "llama_tp2_dp2_forward_sequence")
+    assert r["batches"] == 4
+
+
 def test_window_pages_are_cached_per_data_shard_on_a_mesh(results):
     """Gemma 4 on TP=2 x DP=2 with the prefix cache (tests/engine/test_prefix_cache_window.py's system
     prompt and questions): the third question hits the second's window checkpoint, outputs equal to

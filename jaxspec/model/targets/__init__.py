@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.layers import lm_head, mask_padded_vocab
@@ -157,9 +158,16 @@ def has_recurrent_state(cfg) -> bool:
 def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), implementation=None):
     """Scores whole sequences with a fresh KV pool (no engine): returns
     (logits f32[B, T, V], hidden [B, T, H], aux [B, T, nA*H] | None) for ``tokens: [B, T]``.
-    Handy for evaluation and as a test oracle."""
-    return forward_fresh(model.config, model.params, tokens, dtype=model.dtype, aux_layers=aux_layers,
-                         implementation=implementation)
+    Handy for evaluation and as a test oracle. A model placed on a mesh runs as one compiled
+    program under it (its per-shard layers are shard_maps over the model axis, which run only
+    inside a jit); on one device, op by op."""
+    if model.mesh is None:
+        return forward_fresh(model.config, model.params, tokens, dtype=model.dtype, aux_layers=aux_layers,
+                             implementation=implementation)
+    with jax.set_mesh(model.mesh):
+        return _forward_fresh_jit(model.config, model.params, jnp.asarray(tokens, jnp.int32),
+                                  dtype=np.dtype(model.dtype), aux_layers=tuple(aux_layers),
+                                  implementation=implementation)
 
 
 def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ...] = (), implementation=None):
@@ -176,3 +184,6 @@ def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ..
     out = target_forward(cfg, params, tokens, positions, pool, attn, aux_layers=aux_layers,
                          implementation=implementation)
     return target_logits(cfg, params, out.hidden), out.hidden, out.aux
+
+
+_forward_fresh_jit = jax.jit(forward_fresh, static_argnames=("cfg", "dtype", "aux_layers", "implementation"))
