@@ -89,8 +89,10 @@ class CoreEvent(StreamEvent):
 
 class RequestHandle:
     """One request of a core: its events in order, from a blocking iterator (``for event in
-    handle``) or, when added with an asyncio ``loop``, an async one (``async for``). ``t_added``:
-    when ``add`` took it; ``first_token_time``: when its first token was handed out."""
+    handle``) or, when added with an asyncio ``loop``, an async one (``async for``). The events are
+    read once: iterating again after the last yields nothing, and ``result()`` returns what they
+    added up to, however they were read. ``t_added``: when ``add`` took it; ``first_token_time``:
+    when its first token was handed out."""
 
     def __init__(self, core: "EngineCore", id: int, prompt: list[int], sampling: SamplingParams, loop=None,
                  shared=None):
@@ -100,6 +102,8 @@ class RequestHandle:
         self.t_added = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished = False
+        self._read = RequestResult(token_ids=[], text=None, finish_reason=None)  # the events read so far
+        self._read_to_end = False  # the consumer's side: a second read would wait for ever
 
     def _push(self, event: CoreEvent) -> None:  # the core thread
         if event.token_ids and self.first_token_time is None:
@@ -112,26 +116,28 @@ class RequestHandle:
             except RuntimeError:  # the loop is closed: nobody listens
                 pass
 
+    def _took(self, event: CoreEvent) -> CoreEvent:
+        accumulate(self._read, event)
+        self._read_to_end = event.finished
+        return event
+
     def __iter__(self):
-        while True:
-            event = self._queue.get()
-            yield event
-            if event.finished:
-                return
+        while not self._read_to_end:
+            yield self._took(self._queue.get())
 
     async def __aiter__(self):
-        while True:
-            event = await self._queue.get()
-            yield event
-            if event.finished:
-                return
+        while not self._read_to_end:
+            yield self._took(await self._queue.get())
 
     def cancel(self) -> None:
         self.core.cancel(self)
 
     def result(self) -> "RequestResult":
-        """Waits for the request's end (a blocking handle) and returns what it produced."""
-        return collect(self)
+        """Waits for the request's end (a blocking handle) and returns what it produced (the same
+        object on every call, with what earlier reads of the events took)."""
+        for _ in self:
+            pass
+        return self._read
 
 
 class RequestGroup:
@@ -142,34 +148,34 @@ class RequestGroup:
     def __init__(self, handles: list[RequestHandle], shared):
         self.handles, self._queue = handles, shared
         self._position = {h.id: i for i, h in enumerate(handles)}
+        self._left = len(handles)  # requests whose last event was not read yet
 
     def position(self, event: CoreEvent) -> int:
         return self._position[event.index]
 
+    def _took(self, event: CoreEvent) -> CoreEvent:
+        self.handles[self.position(event)]._took(event)
+        self._left -= event.finished
+        return event
+
     def __iter__(self):
-        left = len(self.handles)
-        while left:
-            event = self._queue.get()
-            left -= event.finished
-            yield event
+        while self._left:
+            yield self._took(self._queue.get())
 
     async def __aiter__(self):
-        left = len(self.handles)
-        while left:
-            event = await self._queue.get()
-            left -= event.finished
-            yield event
+        while self._left:
+            yield self._took(await self._queue.get())
 
     def cancel(self) -> None:
         for h in self.handles:
             h.cancel()
 
     def results(self) -> list["RequestResult"]:
-        """Waits for every request (a blocking group); their results in item order."""
-        out = [RequestResult(token_ids=[], text=None, finish_reason=None) for _ in self.handles]
-        for e in self:
-            accumulate(out[self.position(e)], e)
-        return out
+        """Waits for every request (a blocking group); their results in item order (on every call,
+        with what earlier reads of the events took)."""
+        for _ in self:
+            pass
+        return [h._read for h in self.handles]
 
 
 @dataclasses.dataclass

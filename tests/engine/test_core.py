@@ -53,9 +53,8 @@ def test_requests_from_many_threads_equal_each_alone(core, tiny_target):
         t.join()
     first = next(iter(handles[0]))  # the batch is running: one more joins it
     late = core.add(PROMPTS_4[3], GREEDY)
-    results = [h.result() for h in handles]
-    results[0].token_ids = first.token_ids + results[0].token_ids
-    assert [r.token_ids for r in results] == ref
+    results = [h.result() for h in handles]  # the first event, read above, included
+    assert [r.token_ids for r in results] == ref and results[0].token_ids[:len(first.token_ids)] == first.token_ids
     assert late.result().token_ids == ref[3]
     assert all(r.finish_reason == "length" and r.stats.num_tokens == MAX_NEW for r in results)
 
@@ -98,6 +97,34 @@ def test_cancel_frees_pages_after_the_running_call(core):
     assert rest[-1].finish_reason == "cancelled"
     assert sum(len(e.token_ids) for e in rest) < 100
     assert core.snapshot()["free_pages"] == idle and core.snapshot()["running"] == 0
+
+
+def _within(seconds: float, fn):
+    """``fn()``, failing the test where it has not returned after ``seconds`` (a read that would
+    wait for ever)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"still waiting after {seconds} s"
+    return out[0]
+
+
+def test_events_are_read_once_and_their_result_kept(core):
+    """A request's events are read once: after its last, iterating again yields nothing and
+    ``result()`` returns what they added up to, the same object every call; a group alike."""
+    h = core.add(PROMPTS_4[0], GREEDY)
+    events = list(h)
+    assert _within(30, lambda: list(h)) == []
+    r = _within(30, h.result)
+    assert r is h.result() and r.token_ids == [t for e in events for t in e.token_ids] and r.finish_reason == "length"
+    group = core.add_group([(PROMPTS_4[1], GREEDY), (PROMPTS_4[2], GREEDY)])
+    first = next(iter(group))
+    results = group.results()
+    assert _within(30, group.results) == results and _within(30, lambda: list(group)) == []
+    assert results[group.position(first)].token_ids[:len(first.token_ids)] == first.token_ids
+    assert [x.token_ids for x in results] == [y.result().token_ids for y in group.handles]
+    assert all(x.finish_reason == "length" for x in results)
 
 
 def test_bad_requests_and_a_full_queue_are_refused_before_the_device(core, tiny_target):
