@@ -5,6 +5,7 @@ checked, and each request's PRNG key."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,13 @@ def tokenize(target: Model, prompts) -> list[list[int]]:
         raise ValueError("prompts must be a list of strings, token-id lists or chats (lists of message dicts)")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
+    if is_chat(prompts):
+        raise ValueError("prompts is one chat (a list of message dicts); pass a list of chats: [messages]")
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, (Integral, np.integer)):
+            raise ValueError(f"prompt {i} is a token id ({int(p)}), not a prompt: prompts is a list of prompts, so one "
+                             f"prompt of token ids is [[{int(p)}, ...]]")
         if isinstance(p, str) or is_chat(p):
             if target.tokenizer is None:
                 raise ValueError(
