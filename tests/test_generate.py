@@ -126,7 +126,7 @@ BAD_INPUTS = [
     (lambda m: dict(prompts=[[1], [2]], sampling=[GREEDY]), "list of 2 SamplingParams"),
     (lambda m: dict(prompts=[[1] * 40], engine=engine(4, num_pages=5)), "KV cache too small"),
     (lambda m: dict(prompts="abc"), "list of strings"),
-    (lambda m: dict(prompts=[1, 2, 3]), r"prompt 0 is a token id \(1\), not a prompt.*\[\[1, \.\.\.\]\]"),
+    (lambda m: dict(prompts=[1, 2, 3]), "prompt 0 is a token id"),
     (lambda m: dict(prompts=[{"role": "user", "content": "hi"}]), "is one chat"),
 ]
 
