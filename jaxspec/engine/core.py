@@ -91,8 +91,10 @@ class RequestHandle:
     """One request of a core: its events in order, from a blocking iterator (``for event in
     handle``) or, when added with an asyncio ``loop``, an async one (``async for``). The events are
     read once: iterating again after the last yields nothing, and ``result()`` returns what they
-    added up to, however they were read. ``t_added``: when ``add`` took it; ``first_token_time``:
-    when its first token was handed out."""
+    added up to, however they were read. A request of a group (``add_group``) shares the group's
+    queue: its events are read through the group, and its ``result()`` reads the group's events
+    until its own last. ``t_added``: when ``add`` took it; ``first_token_time``: when its first
+    token was handed out."""
 
     def __init__(self, core: "EngineCore", id: int, prompt: list[int], sampling: SamplingParams, loop=None,
                  shared=None):
@@ -104,6 +106,7 @@ class RequestHandle:
         self.finished = False
         self._read = RequestResult(token_ids=[], text=None, finish_reason=None)  # the events read so far
         self._read_to_end = False  # the consumer's side: a second read would wait for ever
+        self._group: RequestGroup | None = None  # set by the group this request was added in
 
     def _push(self, event: CoreEvent) -> None:  # the core thread
         if event.token_ids and self.first_token_time is None:
@@ -121,11 +124,18 @@ class RequestHandle:
         self._read_to_end = event.finished
         return event
 
+    def _own_queue(self) -> None:
+        if self._group is not None and not self._read_to_end:
+            raise RuntimeError(f"request {self.id} was added in a group: its events come from the group's "
+                               "iterator (for event in group), which reads every request's; result() works on either")
+
     def __iter__(self):
+        self._own_queue()
         while not self._read_to_end:
             yield self._took(self._queue.get())
 
     async def __aiter__(self):
+        self._own_queue()
         while not self._read_to_end:
             yield self._took(await self._queue.get())
 
@@ -135,8 +145,13 @@ class RequestHandle:
     def result(self) -> "RequestResult":
         """Waits for the request's end (a blocking handle) and returns what it produced (the same
         object on every call, with what earlier reads of the events took)."""
-        for _ in self:
-            pass
+        if self._group is None:
+            for _ in self:
+                pass
+        elif not self._read_to_end:
+            for _ in self._group:  # the others' events go to their own results
+                if self._read_to_end:
+                    break
         return self._read
 
 
@@ -149,6 +164,8 @@ class RequestGroup:
         self.handles, self._queue = handles, shared
         self._position = {h.id: i for i, h in enumerate(handles)}
         self._left = len(handles)  # requests whose last event was not read yet
+        for h in handles:
+            h._group = self
 
     def position(self, event: CoreEvent) -> int:
         return self._position[event.index]

@@ -125,6 +125,13 @@ def test_events_are_read_once_and_their_result_kept(core):
     assert results[group.position(first)].token_ids[:len(first.token_ids)] == first.token_ids
     assert [x.token_ids for x in results] == [y.result().token_ids for y in group.handles]
     assert all(x.finish_reason == "length" for x in results)
+    # A request of a group: its result read through the group, the others' events kept for theirs.
+    group = core.add_group([(PROMPTS_4[1], js.SamplingParams(max_new_tokens=4)), (PROMPTS_4[2], GREEDY)])
+    with pytest.raises(RuntimeError, match="added in a group"):
+        next(iter(group.handles[1]))
+    short = _within(30, group.handles[0].result)
+    assert short.token_ids == results[0].token_ids[:4] and short.finish_reason == "length"
+    assert _within(30, group.results)[1].token_ids == results[1].token_ids
 
 
 def test_bad_requests_and_a_full_queue_are_refused_before_the_device(core, tiny_target):
