@@ -157,9 +157,8 @@ def test_requests_joining_a_running_core_equal_plain_bit_for_bit():
         first = [core.add(p, GREEDY) for p in PROMPTS_4[:3]]
         head = next(iter(first[0]))  # the batch is running: the fourth joins it
         late = core.add(PROMPTS_4[3], GREEDY).result()
-        results = [h.result() for h in first]
-    results[0].token_ids = head.token_ids + results[0].token_ids
-    results[0].logprobs = head.logprobs + results[0].logprobs
+        results = [h.result() for h in first]  # the head event, read above, included
+    assert results[0].token_ids[:len(head.token_ids)] == head.token_ids
     for i, r in enumerate(results + [late]):
         assert r.token_ids == ref.token_ids[i], i
         np.testing.assert_array_equal(np.asarray(r.logprobs, np.float32), np.asarray(ref.logprobs[i], np.float32))
