@@ -103,7 +103,6 @@ class RequestHandle:
         self._queue = shared if shared is not None else asyncio.Queue() if loop is not None else queue.SimpleQueue()
         self.t_added = time.perf_counter()
         self.first_token_time: float | None = None
-        self.finished = False
         self._read = RequestResult(token_ids=[], text=None, finish_reason=None)  # the events read so far
         self._read_to_end = False  # the consumer's side: a second read would wait for ever
         self._group: RequestGroup | None = None  # set by the group this request was added in
