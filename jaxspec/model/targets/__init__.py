@@ -8,6 +8,7 @@ architecture.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from jaxspec.kvcache.paging import AttentionInputs, PageTables, WindowTable
 from jaxspec.model.layers import lm_head, mask_padded_vocab
 from jaxspec.pallas.exact import exact_mode
+from jaxspec.xla_options import compiler_options, program_backend
 from jaxspec.model.targets.base import ForwardOutput, KVLayout, Model
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
 from jaxspec.model.targets.deepseek_config import DeepseekConfig
@@ -165,9 +167,9 @@ def forward_sequence(model: Model, tokens, *, aux_layers: tuple[int, ...] = (), 
         return forward_fresh(model.config, model.params, tokens, dtype=model.dtype, aux_layers=aux_layers,
                              implementation=implementation)
     with jax.set_mesh(model.mesh):
-        return _forward_fresh_jit(model.config, model.params, jnp.asarray(tokens, jnp.int32),
-                                  dtype=np.dtype(model.dtype), aux_layers=tuple(aux_layers),
-                                  implementation=implementation)
+        return _forward_fresh_jit(program_backend(model.mesh))(
+            model.config, model.params, jnp.asarray(tokens, jnp.int32), dtype=np.dtype(model.dtype),
+            aux_layers=tuple(aux_layers), implementation=implementation)
 
 
 def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ...] = (), implementation=None):
@@ -186,4 +188,8 @@ def forward_fresh(cfg, params: dict, tokens, *, dtype, aux_layers: tuple[int, ..
     return target_logits(cfg, params, out.hidden), out.hidden, out.aux
 
 
-_forward_fresh_jit = jax.jit(forward_fresh, static_argnames=("cfg", "dtype", "aux_layers", "implementation"))
+@functools.cache
+def _forward_fresh_jit(backend: str):
+    """``forward_fresh`` jitted with the XLA options of jaxspec's table for ``backend``."""
+    return jax.jit(forward_fresh, static_argnames=("cfg", "dtype", "aux_layers", "implementation"),
+                   compiler_options=compiler_options(backend))
