@@ -74,7 +74,7 @@ def lossless(target_name, tp, dp, spec, page, draft_kind, max_new=12, check_plai
     elif draft_kind == "ngram":  # no parameters: its per-row history is split over data like the rows
         draft = js.NgramDraft(max_ngram=3)
     elif draft_kind == "perturbed":  # the target with noise: partial acceptance, scattered tree paths
-        keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
+        keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(2), 256)))  # numpy: iterating a jax.Array compiles
         noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), target.params)
         draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
     else:  # the draft its checkpoint stores: an MTP layer, DSpark stages
@@ -124,7 +124,7 @@ def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
     mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
     target = js.load_model(case_dir(target_name), dtype="float32", progress=False, mesh=mesh)
     if draft_kind == "perturbed":  # the target with noise: partial acceptance, compaction in the window pool
-        keys = iter(jax.random.split(jax.random.PRNGKey(5), 256))
+        keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(5), 256)))  # numpy: iterating a jax.Array compiles
         noisy = jax.tree.map(lambda x: x * (1 + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)),
                              target.params)
         draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
@@ -230,7 +230,7 @@ def hybrid_lossless(name, tp, dp, spec, page, draft_kind):
     mesh = js.make_mesh(tensor_parallel=tp, data_parallel=dp)
     target = js.load_model(root, dtype="float32", progress=False, mesh=mesh)
     if draft_kind == "perturbed":
-        keys = iter(jax.random.split(jax.random.PRNGKey(2), 500))
+        keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(2), 500)))  # numpy: iterating a jax.Array compiles
         noisy = jax.tree.map(lambda x: x * (1 + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)), target.params)
         draft = js.standalone_draft(js.Model(config=target.config, params=noisy, dtype=target.dtype, mesh=mesh))
     else:  # the checkpoint's MTP layer

@@ -154,7 +154,7 @@ def _perturb_ones(params: dict, seed: int) -> dict:
     """Norm weights and layer scalars 1 + 0.2 N (random init makes them exactly 1)."""
     import jax
 
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 99), 256))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(seed + 99), 256)))  # numpy: iterating a jax.Array compiles
 
     def visit(path, x):
         name = str(path[-1])

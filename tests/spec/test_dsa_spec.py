@@ -44,7 +44,7 @@ def dsa_target_and_mtp():
 @functools.cache
 def perturbed_draft():
     target, _ = dsa_target_and_mtp()
-    keys = iter(jax.random.split(jax.random.PRNGKey(11), 256))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(11), 256)))  # numpy: iterating a jax.Array compiles
     noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)
                          if jnp.issubdtype(x.dtype, jnp.floating) else x, target.params)
     return standalone_draft(Model(config=target.config, params=noisy, dtype=np.dtype(np.float32)))

@@ -57,7 +57,7 @@ def plain(name: str, page: int):
 def perturbed(name: str):
     """The target with every weight scaled by 1 + 0.01 N(0, 1): it accepts about 3 of 4 tokens."""
     m = target(name)
-    keys = iter(jax.random.split(jax.random.PRNGKey(2), 500))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(2), 500)))  # numpy: iterating a jax.Array compiles
     params = jax.tree.map(lambda x: x * (1 + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)), m.params)
     return standalone_draft(Model(config=m.config, params=params, dtype=m.dtype))
 

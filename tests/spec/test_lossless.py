@@ -52,7 +52,7 @@ def cases():
 def drafts(target: Model) -> dict:
     ecfg = eagle3_config_for(target.config, draft_vocab_size=64)
     eagle = eagle_draft(ecfg, init_eagle_params(ecfg, jax.random.PRNGKey(1), target.params, scale=0.2))
-    noise_keys = iter(jax.random.split(jax.random.PRNGKey(2), 64))
+    noise_keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(2), 64)))  # numpy: iterating a jax.Array compiles
     perturbed = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(noise_keys), x.shape, x.dtype), target.params)
     return {
         "eagle3": eagle,

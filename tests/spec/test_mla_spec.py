@@ -76,7 +76,7 @@ def test_mtp_step_jit_equals_eager(spec):
 def dsa_pair():
     cfg, params = v32_model()
     target = Model(config=cfg, params=params, dtype=np.dtype(np.float32))
-    keys = iter(jax.random.split(jax.random.PRNGKey(11), 256))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(11), 256)))  # numpy: iterating a jax.Array compiles
     noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)
                          if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     return target, standalone_draft(Model(config=cfg, params=noisy, dtype=np.dtype(np.float32)))

@@ -44,7 +44,7 @@ def sampling_draft():
     """A PARD draft for the 5-token target of the sampling test: a perturbed copy of it whose mask
     token is token 4 (its mask rows were never trained: q is whatever they say)."""
     t = sampling_test.target()
-    keys = iter(jax.random.split(jax.random.PRNGKey(9), 64))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(9), 64)))  # numpy: iterating a jax.Array compiles
     noisy = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), t.params)
     return js.pard_draft(Model(config=t.config, params=noisy, dtype=t.dtype), mask_token_id=4)
 

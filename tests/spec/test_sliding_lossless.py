@@ -39,7 +39,7 @@ def standalone(name: str, kind: str):
     model = target(name)
     if kind == "same":
         return js.standalone_draft(model)
-    keys = iter(jax.random.split(jax.random.PRNGKey(5), 256))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(5), 256)))  # numpy: iterating a jax.Array compiles
     noisy = jax.tree.map(lambda x: x * (1 + 0.02 * jax.random.normal(next(keys), x.shape, x.dtype)), model.params)
     return js.standalone_draft(Model(config=model.config, params=noisy, dtype=model.dtype))
 

@@ -48,7 +48,7 @@ def target() -> Model:
 @functools.cache
 def drafts():
     t = target()
-    keys = iter(jax.random.split(jax.random.PRNGKey(4), 64))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(4), 64)))  # numpy: iterating a jax.Array compiles
     noisy = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), t.params)
     ecfg = eagle3_config_for(CFG, draft_vocab_size=4)
     eagle = eagle_draft(ecfg, init_eagle_params(ecfg, jax.random.PRNGKey(5), t.params, scale=0.3))
@@ -283,7 +283,7 @@ def hybrid_target() -> Model:
 @functools.cache
 def hybrid_perturbed():
     t = hybrid_target()
-    keys = iter(jax.random.split(jax.random.PRNGKey(6), 200))
+    keys = iter(np.asarray(jax.random.split(jax.random.PRNGKey(6), 200)))  # numpy: iterating a jax.Array compiles
     params = jax.tree.map(lambda x: x * (1 + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype)), t.params)
     return standalone_draft(Model(config=t.config, params=params, dtype=t.dtype))
 
