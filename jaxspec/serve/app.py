@@ -66,6 +66,11 @@ def build_app(core: EngineCore, config: ServerConfig) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return await api_error(request, APIError(e.status_code, str(e.detail), code=code))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, e: Exception):  # a bug: still the OpenAI body (uvicorn logs it)
+        return await api_error(request, APIError(500, f"internal server error ({type(e).__name__})",
+                                                 type="server_error"))
+
     @app.get("/health")
     async def health():
         ok = core._thread.is_alive()
@@ -118,6 +123,13 @@ class _Server:
         if name != self.config.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    def check_queue_room(self, prepared: Prepared) -> None:
+        """A request whose choices outnumber the queue could never be queued: 400, not 503."""
+        choices, most = len(prepared.sampling), self.core.max_waiting  # n times the prompts, all queued at once
+        if most is not None and choices > most:
+            raise bad(f"the request asks for {choices} choices (n times the prompts), more than the server's queue "
+                      f"holds ({most}, --max-queue)", param="n")
+
     def model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": self.config.created,
                 "owned_by": "jaxspec", "max_model_len": self.config.limits.max_seq_len}
@@ -144,6 +156,7 @@ class _Server:
         req = parse_body(raw, kind)
         self.check_model(req.model)
         prepared = await loop.run_in_executor(self.workers, prepare, req, self.config.limits)
+        self.check_queue_room(prepared)
         await self._compile_constraints(prepared, loop)
         group = await loop.run_in_executor(self.workers, self._submit, prepared, loop)
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -224,6 +237,7 @@ class _Choice:
     stats: object = None
     last_time: float | None = None
     started: bool = False  # a stream sent its first chunk
+    offset: int = 0  # completions logprobs: the next token's text_offset (token texts' lengths so far)
 
 
 class _Response:
@@ -277,9 +291,9 @@ class _Response:
         return {"mean_accept_length": stats.mean_accept_len, "verify_steps": len(stats.accept_lens),
                 "accepted_per_position": stats.accepted_per_position, "preemptions": stats.preemptions}
 
-    def _completion_logprobs(self, c: _Choice, tokens, logprobs, top, offset: int, echo: bool) -> dict:
+    def _completion_logprobs(self, c: _Choice, tokens, logprobs, top, echo: bool) -> dict:
         """The legacy completions ``logprobs`` object for ``tokens`` (and, with ``echo``, the
-        prompt's before them)."""
+        prompt's before them); their text offsets continue ``c``'s, so a stream's equal the whole's."""
         s = self.server
         ids, lps, tops = list(tokens), list(logprobs), list(top)
         if echo:
@@ -297,8 +311,8 @@ class _Response:
                 shown = {s.token_text(k): v for k, v in d.items()}
                 shown.setdefault(text, lp)  # the chosen token, always (the legacy API's "as well the chosen")
                 out["top_logprobs"].append(shown)
-            out["text_offset"].append(offset)
-            offset += len(text)
+            out["text_offset"].append(c.offset)
+            c.offset += len(text)
         return out
 
     def _chat_logprobs(self, tokens, logprobs, top) -> dict:
@@ -341,7 +355,7 @@ class _Response:
                 echo = self._echo_text(c) if self.p.echo else ""
                 lp = None
                 if self.p.logprobs is not None:
-                    lp = self._completion_logprobs(c, c.tokens, c.logprobs, c.top, 0, self.p.echo)
+                    lp = self._completion_logprobs(c, c.tokens, c.logprobs, c.top, self.p.echo)
                 choice = {"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             choice["spec_stats"] = self._spec_stats(c.stats)
             choices.append(choice)
@@ -359,22 +373,21 @@ class _Response:
 
     # --- stream ---
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.config.model_name, "system_fingerprint": None,
                 "choices": choices}
-        if with_usage:
-            body["usage"] = usage
+        if self.p.include_usage:  # null but on the last chunk, unless continuous: the usage so far
+            body["usage"] = usage or (self._usage() if self.p.continuous_usage else None)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def stream(self):
-        usage_on = self.p.include_usage
         done = False
         try:
             if self.chat:  # the first chunk of every choice carries the role
                 for c in self.choices:
                     yield self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], with_usage=usage_on)
+                                        "logprobs": None, "finish_reason": None}])
             async for e in self.group:
                 c = self.choices[self.group.position(e)]
                 before = (len(c.tokens), len(c.text))
@@ -398,18 +411,17 @@ class _Response:
                     prefix = self._echo_text(c) if self.p.echo and not c.started else ""
                     lp = None
                     if self.p.logprobs is not None:
-                        offset = len(self._echo_text(c)) if self.p.echo else 0
                         lp = self._completion_logprobs(c, new_tokens, c.logprobs[before[0]:], c.top[before[0]:],
-                                                       offset + before[1], self.p.echo and not c.started)
+                                                       self.p.echo and not c.started)
                     choice = {"index": c.index, "text": prefix + new_text, "logprobs": lp, "finish_reason": finish}
                 c.started = True
                 if e.finished:
                     choice["spec_stats"] = self._spec_stats(c.stats)
-                yield self._chunk([choice], with_usage=usage_on)
+                yield self._chunk([choice])
             else:
                 done = True
-                if usage_on:
-                    yield self._chunk([], usage=self._usage(), with_usage=True)
+                if self.p.include_usage:
+                    yield self._chunk([], usage=self._usage())
             yield "data: [DONE]\n\n"
         finally:  # a client gone mid-stream (the stream is closed) or a failure: nothing of it runs on
             if not done:

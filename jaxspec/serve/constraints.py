@@ -69,18 +69,30 @@ class ConstraintCompiler:
             self._idle.put(None)  # a slot: its process starts on first use (or ``start``)
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
+        self._closed = False
 
     def start(self) -> None:
-        """Starts every slot's process now (so the first requests' limits count compiling only)."""
+        """Starts every slot's process now (so the first requests' limits count compiling only).
+        Every slot goes back, a failed start's empty (``compile`` starts it on use); after ``close``,
+        nothing starts."""
         slots = [self._idle.get() for _ in range(self._idle.qsize())]
-        for w in slots:
-            self._idle.put(w if w is not None and w.alive else self._spawn())
+        try:
+            while slots and not self._closed:
+                if slots[-1] is None or not slots[-1].alive:
+                    slots[-1] = self._spawn()
+                self._idle.put(slots.pop())
+        finally:
+            for w in slots:
+                self._idle.put(w)
 
     def _spawn(self) -> _Worker:
         w = _Worker(self._context, self._args)
         with self._lock:
-            self._workers.add(w)
-        return w
+            if not self._closed:
+                self._workers.add(w)
+                return w
+        w.stop()  # closed while it started: it would outlive the server
+        raise RuntimeError("the constraint compiler is closed")
 
     def _retire(self, w: _Worker) -> None:
         w.stop()
@@ -121,6 +133,7 @@ class ConstraintCompiler:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a start under way stops its process and starts no more
             workers, self._workers = list(self._workers), set()
         for w in workers:
             try:

@@ -16,6 +16,9 @@ from jaxspec.config import MAX_LOGPROBS, SamplingParams
 
 # Fields clients send that change nothing here (accepted and dropped).
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# Fields OpenAI lets be null (meaning the default) whose default here is not null; the ignore_eos
+# extension too. The other optional fields default to null already.
+NULL_IS_DEFAULT = ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "logprobs", "ignore_eos")
 # Caps on what one request may ask.
 MAX_CHOICES = 64  # n times the number of prompts
 MAX_LOGIT_BIAS = 300  # logit_bias entries
@@ -48,7 +51,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
 class JSONSchema(_Strict):
@@ -117,6 +120,7 @@ class Prepared:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk has the usage so far (stream_options.continuous_usage_stats)
     echo: bool = False
     logprobs: int | None = None  # completions: top tokens per position; chat: top_logprobs (logprobs on)
 
@@ -136,6 +140,9 @@ def parse_body(raw: bytes, kind: str):
         raise bad("the body must be a JSON object")
     for name in IGNORED_FIELDS:
         data.pop(name, None)
+    for name in NULL_IS_DEFAULT:
+        if name in data and data[name] is None:
+            del data[name]
     model = CompletionRequest if kind == "completion" else ChatRequest
     try:
         return model.model_validate(data)
@@ -207,11 +214,12 @@ def prepare(req, limits: Limits) -> Prepared:
             except ValueError as e:
                 raise bad(str(e).removeprefix("SamplingParams."), param=_param_of(str(e))) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous_usage = include_usage and req.stream_options.continuous_usage_stats  # vLLM's: only with usage on
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options is only allowed when stream is true", param="stream_options")
     return Prepared(kind="completion" if isinstance(req, CompletionRequest) else "chat", prompts=prompts,
                     prompt_texts=texts, sampling=sampling, n=req.n, stream=req.stream, include_usage=include_usage,
-                    echo=getattr(req, "echo", False), logprobs=logprobs)
+                    continuous_usage=continuous_usage, echo=getattr(req, "echo", False), logprobs=logprobs)
 
 
 def _param_of(message: str) -> str | None:
@@ -232,11 +240,13 @@ def _sampling_fields(req, limits: Limits) -> dict:
             raise bad(f"logit_bias has {len(req.logit_bias)} entries (at most {MAX_LOGIT_BIAS})", param="logit_bias")
         bias = {}
         for key, value in req.logit_bias.items():
-            if not key.strip().isdigit() or int(key) >= limits.vocab_size:
+            token = key.strip()
+            # ASCII digits only: str.isdigit also takes "²" and other digits int() refuses
+            if not (token.isascii() and token.isdigit()) or int(token) >= limits.vocab_size:
                 raise bad(f"logit_bias key {key!r} is not a token id in [0, {limits.vocab_size})", param="logit_bias")
             if not -100.0 <= value <= 100.0:
                 raise bad(f"logit_bias[{key}] = {value} is outside [-100, 100]", param="logit_bias")
-            bias[int(key)] = value
+            bias[int(token)] = value
         out["logit_bias"] = bias
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP:

@@ -1,16 +1,18 @@
 """The server's constraint processes: compiles that come back equal to the in-process ones, errors as
 ValueErrors, and a compile past its time limit stopped with its process (the next one gets a fresh
-process)."""
+process); a start that fails gives its slots back, and nothing starts after ``close``."""
 
 from __future__ import annotations
 
 import time
+import types
 
 import numpy as np
 import pytest
 
 import jaxspec as js
 from jaxspec.demo import DEMO_TARGET
+from jaxspec.serve import constraints
 from jaxspec.serve.constraints import ConstraintCompiler
 from jaxspec.structured import build_automaton
 
@@ -47,3 +49,47 @@ def test_a_compile_past_its_limit_ends_its_process(compiler):
     assert before[0] not in c.pids()  # that process is gone, not compiling on in the background
     assert c.compile("regex", r"[ab]{2,9}", timeout=60).num_states > 0  # a fresh process serves the next
     assert len(c.pids()) == 1 and c.pids() != before
+
+
+class FakeWorker:
+    """A worker process's stand-in (nothing spawned): fails to start while ``fail`` is set, runs
+    ``during_start`` (a close arriving while it starts) before it is up."""
+
+    fail, during_start, made = True, None, []
+
+    def __init__(self, context, args):
+        if FakeWorker.during_start is not None:
+            FakeWorker.during_start()
+        if FakeWorker.fail:
+            raise RuntimeError("a constraint compiler process did not start")
+        self.alive, self.conn = True, types.SimpleNamespace(send=lambda job: None)
+        FakeWorker.made.append(self)
+
+    def stop(self):
+        self.alive = False
+
+
+def test_a_failed_start_gives_its_slots_back_and_nothing_starts_after_close(monkeypatch):
+    monkeypatch.setattr(constraints, "_Worker", FakeWorker)
+    monkeypatch.setattr(FakeWorker, "made", [])
+    c = ConstraintCompiler(types.SimpleNamespace(token_bytes=(), first_token_bytes=()), 4096, processes=2)
+    with pytest.raises(RuntimeError, match="did not start"):
+        c.start()
+    assert c._idle.qsize() == 2  # every slot back, empty
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="did not start"):  # a slot at once, not a wait for one that never comes
+        c.compile("regex", "[ab]", timeout=3)
+    assert time.perf_counter() - t < 1
+    monkeypatch.setattr(FakeWorker, "fail", False)
+    c.start()
+    assert len(FakeWorker.made) == 2 and sorted(map(id, c._workers)) == sorted(map(id, FakeWorker.made))
+    c.close()
+    assert not any(w.alive for w in FakeWorker.made)
+    c.start()  # the slots' workers are stopped: a start after close replaces none
+    assert len(FakeWorker.made) == 2 and c._idle.qsize() == 2
+    late = ConstraintCompiler(types.SimpleNamespace(token_bytes=(), first_token_bytes=()), 4096, processes=2)
+    monkeypatch.setattr(FakeWorker, "during_start", late.close)  # closed while its first worker starts
+    with pytest.raises(RuntimeError, match="closed"):
+        late.start()
+    assert len(FakeWorker.made) == 3 and not FakeWorker.made[-1].alive and not late._workers
+    assert late._idle.qsize() == 2

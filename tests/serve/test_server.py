@@ -1,11 +1,13 @@
 """``jaxspec serve`` on the demo pair (EAGLE-3 chain, float32), through the official ``openai``
 client and raw HTTP: completions and chats, streamed and not, with controls, logprobs, echo, stop
 strings, ``n`` and a JSON schema; concurrent clients whose greedy output equals ``jaxspec.generate``
-of each request alone; bad input answered with its status while a good request completes; a client
-that disconnects; no new compiles under a steady load.
+of each request alone; bad input answered with its status while a good request completes; null
+optional fields taken as their defaults; a client that disconnects; no new compiles under a steady
+load.
 
 One server for the module (a subprocess on 127.0.0.1 at a free port, with an API key and a small
-queue), sharing the suite's compilation cache through the environment.
+queue), sharing the suite's compilation cache through the environment; what only a failure inside
+the server shows runs in process, over a stand-in core.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import jsonschema
@@ -28,6 +31,8 @@ import pytest
 
 import jaxspec as js
 from jaxspec.demo import DEMO_DRAFT, DEMO_TARGET
+from jaxspec.serve.app import ServerConfig, build_app
+from jaxspec.serve.protocol import Limits
 from tests.background import ROOT
 
 KEY = "test-key"
@@ -217,6 +222,35 @@ def test_controls_logprobs_and_echo(client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-4) for c in content)
 
 
+def test_streamed_logprobs_equal_the_whole_ones(client):
+    """Streamed completion logprobs, joined over the chunks, equal the non-streamed ones, text
+    offsets included (one running offset per choice, the echoed prompt's tokens first)."""
+    for echo in (False, True):
+        kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=3, temperature=0, echo=echo, logprobs=1)
+        whole = client.completions.create(**kw).choices[0].logprobs
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+                 if c.choices and c.choices[0].logprobs]
+        assert [t for lp in parts for t in lp.tokens] == whole.tokens, echo
+        assert [o for lp in parts for o in lp.text_offset] == whole.text_offset, echo
+        assert len(whole.tokens) == 3 + (len(encode("def add(a, b):")) if echo else 0)
+
+
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(client):
+    """``stream_options.continuous_usage_stats`` (vLLM's): with ``include_usage``, every chunk
+    carries the request's usage so far, the last one with empty choices the final usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.completions.create, dict(prompt=PROMPTS[0])),
+                       (client.chat.completions.create, dict(messages=[{"role": "user", "content": "hi"}]))):
+        chunks = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options, **kw))
+        usage = [c.usage for c in chunks]
+        assert all(u is not None for u in usage)
+        counts = [u.completion_tokens for u in usage]
+        assert counts == sorted(counts) and counts[-1] == counts[-2] > 0
+        assert len({u.prompt_tokens for u in usage}) == 1
+        assert usage[-1].total_tokens == counts[-1] + usage[-1].prompt_tokens
+    assert counts[0] == 0  # the chat's role chunk: nothing generated yet
+
+
 def test_n_choices_have_documented_seeds(client):
     """Choice i of a request with seed s samples with seed s + i: the same as a one-choice request
     with that seed, whatever runs beside it."""
@@ -356,6 +390,9 @@ BAD_BODIES = [  # (path, body or raw bytes, param named, code)
     ("/v1/completions", {**GOOD, "n": 40, "prompt": ["a", "b"]}, "n", None),
     ("/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
     ("/v1/completions", {**GOOD, "logit_bias": {"99999": 1}}, "logit_bias", None),
+    ("/v1/completions", {**GOOD, "logit_bias": {"²": 1}}, "logit_bias", None),  # a digit int() refuses
+    ("/v1/completions", {**GOOD, "n": MAX_QUEUE + 1}, "n", None),  # more than the queue holds: never a 503
+    ("/v1/completions", {**GOOD, "n": 2, "prompt": ["a", "b", "c"]}, "n", None),
     ("/v1/completions", {**GOOD, "stop": [str(i) for i in range(17)]}, "stop", None),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options", None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
@@ -396,6 +433,47 @@ def test_bad_input_gets_its_status_while_a_good_request_completes(client, server
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server + "/health").status_code == 200  # no key needed
     assert "jaxspec_time_to_first_token_seconds_bucket" in httpx.get(server + "/metrics").text
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+# (path, body): an optional field null (as OpenAI's schema allows; the extensions too) means its default.
+# The fields both kinds share are checked by one model: on completions only.
+NULLS = [
+    *(("/v1/completions", {**GOOD, "max_tokens": 1, f: None}) for f in (
+        "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty",
+        "logit_bias", "seed", "logprobs", "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "echo",
+        "suffix", "best_of", "max_tokens")),
+    *(("/v1/chat/completions", {**CHAT, f: None}) for f in ("logprobs", "top_logprobs", "max_completion_tokens")),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": None, "max_completion_tokens": 1}),
+]
+
+
+def test_null_optional_fields_mean_their_defaults(server):
+    for path, body in NULLS:
+        r = raw(server, path, body=body)
+        assert r.status_code == 200, (body, r.text)
+        choices = r.json()["choices"]
+        assert len(choices) == 1 and choices[0]["logprobs"] is None, body
+
+
+def test_an_unexpected_failure_answers_500_with_the_error_body():
+    """A bug (here the core failing as nothing expects) still gets the OpenAI error body, counted
+    with the other errors. In process, over a stand-in core: no engine, no server."""
+    from fastapi.testclient import TestClient
+
+    def add_group(*args, **kwargs):
+        raise KeyError("a bug")
+
+    core = types.SimpleNamespace(eng=types.SimpleNamespace(spec=None), max_waiting=None, add_group=add_group)
+    app = build_app(core, ServerConfig(MODEL, None, Limits(vocab_size=100, max_seq_len=64, tokenizer=None,
+                                                           defaults={})))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert r.json() == {"error": {"message": "internal server error (KeyError)", "type": "server_error",
+                                  "param": None, "code": None}}
+    counted = app.state.server.metrics.errors.collect()[0].samples  # jaxspec_http_errors_total{status}
+    assert [(x.labels, x.value) for x in counted if x.name.endswith("_total")] == [({"status": "500"}, 1.0)]
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
