@@ -160,6 +160,8 @@ def parse_yarn(merged: dict[str, Any], raw: dict[str, Any], where: str, theta: f
     orig = merged.get("original_max_position_embeddings")
     if factor is None and orig and raw.get("max_position_embeddings"):
         factor = raw["max_position_embeddings"] / orig
+    if orig is None:  # HF's default: the context the model was configured with
+        orig = raw.get("max_position_embeddings")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
         raise ConfigError(f"{w}: 'factor' must be a positive number, got {factor!r}")
     if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
@@ -182,7 +184,7 @@ def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
     theta = cfg.get("rope_theta")
     if isinstance(params, dict):
         theta = params.get("rope_theta", theta)
-        if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        if not scaling and params.get("rope_type", params.get("type", "default")) != "default":  # {} is absent
             scaling = params
     theta = 10000.0 if theta is None else theta
     if not isinstance(theta, (int, float)) or theta <= 0:
@@ -195,6 +197,8 @@ def parse_rope(cfg: dict[str, Any], where: str = "config.json") -> RopeConfig:
     if kind == "default":
         return RopeConfig(theta=float(theta))
     if kind == "linear":
+        if not isinstance(scaling.get("factor"), (int, float)) or isinstance(scaling["factor"], bool):
+            raise ConfigError(f"{where}: linear rope_scaling needs a numeric 'factor', got {scaling.get('factor')!r}")
         return RopeConfig(theta=float(theta), kind="linear", factor=float(scaling["factor"]))
     if kind == "proportional":
         return RopeConfig(theta=float(theta), kind="proportional", factor=float(scaling.get("factor", 1.0)),

@@ -205,9 +205,12 @@ class SafetensorsCheckpoint:
                 os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")
             )
             if not files:
+                pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+                hint = (f"; it holds PyTorch pickles ({', '.join(pickles)}), which jaxspec does not unpickle: "
+                        "convert them with safetensors.torch.save_file(torch.load(f)) first") if pickles else ""
                 raise FileNotFoundError(
                     f"no safetensors weights in {path} (expected model.safetensors or "
-                    f"model.safetensors.index.json with shards)"
+                    f"model.safetensors.index.json with shards){hint}"
                 )
         self._entries: dict[str, TensorEntry] = {}
         self._lock = threading.Lock()  # bytes_read is counted from the loader's threads
@@ -299,9 +302,10 @@ def check_same_checkpoint(path: str, raw: dict, ckpt: SafetensorsCheckpoint, dty
 
 
 def read_eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:
-    """eos ids from config.json and generation_config.json (int or list in either)."""
+    """eos ids from config.json (its ``text_config`` too: a multimodal wrapper's) and
+    generation_config.json (int or list in any)."""
     ids: list[int] = []
-    sources = [cfg]
+    sources = [cfg, cfg.get("text_config") or {}]
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         sources.append(read_json(gen))

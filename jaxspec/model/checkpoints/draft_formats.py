@@ -218,7 +218,7 @@ DRAFT_FORMATS = (
                 (Gemma4Config,), _load_gemma4_assistant),
     DraftFormat("frozen-KV assistant", (assistant_io.ARCHITECTURE,),
                 lambda names: "pre_projection.weight" in names, (LlamaConfig,), _load_assistant),
-    DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
+    DraftFormat("DeepSeek MTP (NextN) layer", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLMNextN"),
                 lambda names: bool(find_mtp_layers(names)), (DeepseekConfig,), _load_mtp),
     DraftFormat("DeepSeek-V4 DSpark draft (mtp.* stages)", V4_ARCHITECTURES, is_v4_dspark, (DeepseekV4Config,),
                 _load_v4_dspark),

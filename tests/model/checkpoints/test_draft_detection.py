@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -103,3 +104,36 @@ def test_a_target_is_not_its_own_draft(tmp_path, name, hint):
     if hint:  # with its MTP layer, the same directory is the MTP draft
         original = case_dir(next(c for c in cases() if c["name"] == name))
         assert js.load_draft(original, js.load_model(original, dtype="float32", progress=False)).kind == "mtp"
+
+
+def test_sglang_nextn_export_loads_as_the_targets_mtp_layer(tmp_path):
+    """SGLang's NextN export (the published '-NextN' repos): the target's config with one layer and
+    ``DeepseekV3ForCausalLMNextN``, the MTP layer's tensors renamed to ``model.layers.0.*``, the
+    embedding and head left out. It loads as the same MTP draft as the target's own checkpoint."""
+    src = _copy(tmp_path, "deepseek_v3_moe")
+    target = js.load_model(src, dtype="float32", progress=False)
+    layer = f"model.layers.{target.config.num_layers}."
+    out = tmp_path / "nextn"
+    out.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1,
+                                                 "architectures": ["DeepseekV3ForCausalLMNextN"]}))
+    tensors = {"model.layers.0." + k.removeprefix(layer): v for k, v in load_file(str(src / "model.safetensors")).items()
+               if k.startswith(layer) and "embed_tokens" not in k and "shared_head.head" not in k}
+    save_file(tensors, str(out / "nextn_layer_parameters.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "nextn_layer_parameters.safetensors" for k in tensors}}))
+    exported, own = js.load_draft(out, target), js.load_draft(src, target)
+    assert exported.kind == own.kind == "mtp"
+    a, b = jax.tree.leaves_with_path(exported.params), jax.tree.leaves_with_path(own.params)
+    assert [p for p, _ in a] == [p for p, _ in b]
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+def test_a_pytorch_pickle_checkpoint_is_refused_naming_its_files(tmp_path):
+    """SafeAILab publishes its heads as ``pytorch_model.bin``: the error names the file and the
+    conversion, not only the safetensors it expected."""
+    d = _copy(tmp_path, "eagle1")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"PyTorch pickles \(pytorch_model\.bin\).*safetensors\.torch"):
+        js.load_draft(d, _target())

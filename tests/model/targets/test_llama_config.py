@@ -87,3 +87,33 @@ def test_rope_round_trips_through_the_hf_fields_an_export_writes(rope):
     assert parse_rope(rope_fields(rope)) == rope
     with pytest.raises(ValueError, match="cannot write 'proportional' RoPE"):
         rope_fields(RopeConfig(kind="proportional", partial_rotary_factor=0.25))
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+# (config fields, the RoPE read or the error): what HF reads from fields published configs carry.
+@pytest.mark.parametrize("fields,want", [
+    (dict(rope_scaling={}, rope_parameters={"rope_theta": 1e6, **YARN}),  # an empty rope_scaling is no scaling
+     RopeConfig(theta=1e6, kind="yarn", factor=4.0, original_max_position_embeddings=1024)),
+    (dict(rope_theta=1e6, max_position_embeddings=8192, rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+     RopeConfig(theta=1e6, kind="yarn", factor=2.0, original_max_position_embeddings=8192)),  # HF's default
+    (dict(rope_scaling={"type": "linear"}), "linear rope_scaling needs a numeric 'factor'"),
+], ids=["empty-scaling-beside-parameters", "yarn-without-original-context", "linear-without-factor"])
+def test_rope_reads_what_hf_reads(fields, want):
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            parse_rope(fields)
+    else:
+        assert parse_rope(fields) == want
+
+
+def test_eos_ids_of_a_multimodal_wrapper_come_from_its_text_config(tmp_path):
+    """A ``...ForConditionalGeneration`` config keeps ``eos_token_id`` in ``text_config``: without a
+    generation_config.json, generation must still stop there."""
+    from jaxspec.model.checkpoints.checkpoint import read_eos_ids
+
+    cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": {"eos_token_id": [1, 106]}}
+    assert read_eos_ids(str(tmp_path), cfg) == (1, 106)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 50]}))
+    assert read_eos_ids(str(tmp_path), {**cfg, "eos_token_id": 2}) == (2, 1, 106, 50)
