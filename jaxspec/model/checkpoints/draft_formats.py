@@ -148,7 +148,7 @@ def _load_lm(ckpt, raw, target: Model, dtype, where, path, kind: str = "standalo
     except ConfigError:
         split = False
     table = family.table(cfg, ckpt)
-    warn_unread(family, cfg, table, ckpt, path)
+    warn_unread(family.name, table, ckpt, path, lambda name: family.leaves_unread(name, cfg))
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=split),
                          fp8_block=fp8_block_size(raw, where))
     return cfg, params

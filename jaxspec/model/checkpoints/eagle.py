@@ -3,8 +3,10 @@
 
 Layouts read: SafeAILab (``midlayer.*`` for EAGLE-3, ``layers.0.*`` for EAGLE-1), SpecForge /
 SGLang ``LlamaForCausalLMEagle3`` and vLLM-style ``layers.0.*`` EAGLE-3, with or without a
-``model.`` prefix on the non-layer names, an optional ``embed_tokens`` and ``d2t``. Exported:
-the SpecForge EAGLE-3 layout (``midlayer.*``, ``d2t`` + ``t2d``).
+``model.`` prefix on the non-layer names, an optional ``embed_tokens`` and ``d2t``; q/k/v biases
+when the config says ``qkv_bias`` or ``attention_bias`` (o_proj and MLP biases are refused;
+tensors nothing reads are named in a warning). Exported: the SpecForge EAGLE-3 layout
+(``midlayer.*``, ``d2t`` + ``t2d``, q/k/v biases with ``qkv_bias``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jaxspec.model.config import ConfigError, pad_vocab, parse_rope
 from jaxspec.model.drafts.eagle import EagleConfig
 from jaxspec.model.checkpoints.checkpoint import CheckpointError, decoder_fields, resolve_dtype, rope_fields, write_json
 from jaxspec.model.checkpoints.llama import attention_entries, mlp_entries
+from jaxspec.model.checkpoints.loader import warn_unread
 from jaxspec.model.checkpoints.name_tables import (
     LINEAR, Param, Table, export_params, host_rng, init_params, load_params, replicated, shardings_for, under,
     whole_on,
@@ -45,6 +48,9 @@ class _Stripped:
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
+
+    def keys(self):
+        return self.names.keys()
 
     def _real(self, name: str) -> str:
         if name not in self.names:
@@ -74,6 +80,14 @@ def detect_eagle_version(names) -> int | None:
     return None
 
 
+def qkv_bias(raw: dict) -> bool:
+    """Whether the head's q/k/v projections carry biases: SafeAILab EAGLE-1's ``qkv_bias``
+    (cnets1, Qwen2-target heads) where the config has it, else ``attention_bias`` (vLLM's
+    llama_eagle3: q/k/v *and* o_proj; ``load_eagle`` refuses an o_proj bias). ``bias`` is not
+    read: SafeAILab EAGLE-1 configs use it for ``fc.bias`` (found by its tensor)."""
+    return bool(raw["qkv_bias"] if "qkv_bias" in raw else raw.get("attention_bias", False))
+
+
 def eagle_config_from_hf(raw: dict, version: int, target: LlamaConfig, where: str) -> EagleConfig:
     H = raw.get("hidden_size")
     heads = raw.get("num_attention_heads")
@@ -81,6 +95,8 @@ def eagle_config_from_hf(raw: dict, version: int, target: LlamaConfig, where: st
         raise ConfigError(f"{where}: hidden_size and num_attention_heads are required")
     if raw.get("norm_before_residual"):
         raise ConfigError(f"{where}: norm_before_residual=true EAGLE-3 heads are not supported")
+    if raw.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias=true EAGLE heads (biases on gate/up/down_proj) are not supported")
     target_hidden = raw.get("target_hidden_size") or target.hidden_size
     if target_hidden != target.hidden_size:
         raise ConfigError(
@@ -91,9 +107,15 @@ def eagle_config_from_hf(raw: dict, version: int, target: LlamaConfig, where: st
         raise ConfigError(f"{where}: draft vocab_size {vocab} does not match the target's {target.vocab_size}")
     aux: tuple[int, ...] = ()
     if version == 3:
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        # Configs list the layers whose *output* is tapped; we index by the layer it enters.
-        aux = tuple(int(i) + 1 for i in ids) if ids else target.eagle3_aux_layers()
+        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        flat = raw.get("eagle_aux_hidden_state_layer_ids")
+        # SGLang's nested list names the layers whose *output* is tapped; vLLM's top-level one, like
+        # jaxspec, the layer the tap enters.
+        aux = (tuple(int(i) + 1 for i in nested) if nested else tuple(int(i) for i in flat) if flat
+               else target.eagle3_aux_layers())
+        if nested and flat and tuple(int(i) for i in flat) != aux:
+            raise ConfigError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} (layer outputs) "
+                              f"and eagle_aux_hidden_state_layer_ids {list(flat)} (layer inputs) disagree")
         if any(not 0 <= a < target.num_layers for a in aux):
             raise ConfigError(f"{where}: EAGLE-3 aux layers {aux} are outside the target's {target.num_layers} layers")
     return EagleConfig(
@@ -110,6 +132,7 @@ def eagle_config_from_hf(raw: dict, version: int, target: LlamaConfig, where: st
         target_hidden_size=target.hidden_size,
         aux_layers=aux,
         fc_bias=False,
+        attention_bias=qkv_bias(raw),
         vocab_parallel=getattr(target, "tensor_parallel", 1),
     )
 
@@ -163,7 +186,12 @@ def load_eagle(ckpt, raw: dict, version: int, target_cfg: LlamaConfig, target_pa
     if "fc.bias" in view:
         cfg = dataclasses.replace(cfg, fc_bias=True)
     layer = "midlayer." if any(n.startswith("midlayer.") for n in view.names) else "layers.0."
+    if raw.get("attention_bias") and layer + "self_attn.o_proj.bias" in view:
+        raise ConfigError(f"{where}: attention_bias=true with a {layer}self_attn.o_proj.bias tensor: EAGLE heads "
+                          f"with an o_proj bias are not supported (only q/k/v biases are)")
     table = eagle_table(cfg, layer, embed="embed_tokens.weight" in view)
+    # t2d (the target -> draft vocabulary mask) is never needed; EAGLE-3 reads d2t below.
+    warn_unread("EAGLE head", table, view, ckpt.path, lambda name: name == "t2d" or (name == "d2t" and cfg.version == 3))
     params = load_params(table, view, dtype, sharding_of=shardings_for(table, mesh, split=False))
     if cfg.version == 3:
         if "d2t" in view:
@@ -196,7 +224,8 @@ def init_eagle_params(cfg: EagleConfig, seed, target_params: dict, dtype=np.floa
 
 
 def eagle3_hf_config(cfg: EagleConfig, *, dtype: str, target_num_layers: int) -> dict:
-    """The SpecForge-style EAGLE-3 config (aux layers recorded as the layers whose output is tapped)."""
+    """The SpecForge-style EAGLE-3 config (aux layers recorded as the layers whose output is tapped;
+    ``qkv_bias`` when the head has q/k/v biases)."""
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -208,6 +237,8 @@ def eagle3_hf_config(cfg: EagleConfig, *, dtype: str, target_num_layers: int) ->
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
+    if cfg.attention_bias:  # q/k/v only: vLLM reads qkv_bias for them, attention_bias for o_proj
+        out.update(attention_bias=False, qkv_bias=True)
     default = (2, target_num_layers // 2, target_num_layers - 3)
     if tuple(cfg.aux_layers) != default:
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [a - 1 for a in cfg.aux_layers]}

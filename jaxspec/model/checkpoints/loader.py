@@ -70,15 +70,15 @@ TARGET_FAMILIES = (
 )
 
 
-def warn_unread(family: TargetFamily, cfg, table, ckpt, path: str) -> None:
-    """Warns about checkpoint tensors that nothing reads: weights the model would run without
-    (a bias or a norm of a variant jaxspec does not know), so its output would differ from the
-    checkpoint's own model."""
+def warn_unread(model: str, table, ckpt, path: str, leaves_unread=lambda name: False) -> None:
+    """Warns about checkpoint tensors that nothing reads: weights the model (named ``model`` in the
+    warning) would run without (a bias or a norm of a variant jaxspec does not know), so its output
+    would differ from the checkpoint's own model. ``leaves_unread(name)``: a tensor known to be unneeded."""
     unread = [n for n in unread_tensors(table, ckpt.keys())
-              if not n.endswith("rotary_emb.inv_freq") and not family.leaves_unread(n, cfg)]
+              if not n.endswith("rotary_emb.inv_freq") and not leaves_unread(n)]
     if unread:
         shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
-        warnings.warn(f"{path}: {len(unread)} checkpoint tensor(s) are not read by jaxspec's {family.name} "
+        warnings.warn(f"{path}: {len(unread)} checkpoint tensor(s) are not read by jaxspec's {model} "
                       f"model, which runs without them, so its output may differ from the checkpoint's: {shown}",
                       stacklevel=3)
 
@@ -128,7 +128,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
     ckpt = SafetensorsCheckpoint(path)
     check_same_checkpoint(path, raw, ckpt, np_dtype, mesh)
     table = family.table(cfg, ckpt)
-    warn_unread(family, cfg, table, ckpt, path)
+    warn_unread(family.name, table, ckpt, path, lambda name: family.leaves_unread(name, cfg))
     params = load_params(table, ckpt, np_dtype, sharding_of=shardings_for(table, mesh, split=True),
                          fp8_block=fp8_block, progress=progress, desc="loading")
     tokenizer = load_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None

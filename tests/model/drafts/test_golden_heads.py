@@ -103,12 +103,26 @@ def _edit(d, **fields):
     ("eagle3_layers0", dict(hidden_size=32), "has shape"),
     ("eagle1", dict(vocab_size=255), "vocab_size 255 does not match"),
     ("eagle3_midlayer", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}), "outside the target's 7"),
-], ids=["eagle3-vocab", "eagle3-target-hidden", "eagle3-misshaped", "eagle1-vocab", "eagle3-aux-layers"])
+    ("eagle3_midlayer", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 5]},
+                             eagle_aux_hidden_state_layer_ids=[0, 2, 5]), "disagree"),
+], ids=["eagle3-vocab", "eagle3-target-hidden", "eagle3-misshaped", "eagle1-vocab", "eagle3-aux-layers",
+        "eagle3-aux-layers-disagree"])
 def test_draft_that_does_not_fit_the_target_is_refused(tmp_path, name, fields, match):
     d = _copy(tmp_path, name)
     _edit(d, **fields)
     with pytest.raises(ValueError, match=match):
         js.load_draft(d, target("llama3"))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}),  # SGLang's: the layers' outputs
+    dict(eagle_config=None, eagle_aux_hidden_state_layer_ids=[1, 3, 6]),  # vLLM's, top level: their inputs
+    dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}, eagle_aux_hidden_state_layer_ids=[1, 3, 6]),
+], ids=["nested-sglang", "top-level-vllm", "both"])
+def test_eagle3_taps_are_read_from_either_layout(tmp_path, fields):
+    d = _copy(tmp_path, "eagle3_midlayer")
+    _edit(d, **fields)
+    assert js.load_draft(d, target("llama3")).config.aux_layers == (1, 3, 6)
 
 
 def test_standalone_draft_with_another_vocabulary_is_refused(tmp_path):
