@@ -247,19 +247,27 @@ SPECULATORS_FORMAT = DraftFormat("speculators block draft (DFlash / DSpark)", sp
                                  _load_speculators)
 
 
-# A P-EAGLE head: the speculators EAGLE-3 layout plus mask_hidden, told apart by its config.
+# A P-EAGLE head: the speculators EAGLE-3 layout plus mask_hidden, told apart by its config; the
+# plain EAGLE-3 head in that layout is read by the same code (a token-by-token "eagle3" draft).
 PEAGLE_FORMAT = DraftFormat("speculators P-EAGLE head", peagle_io.ARCHITECTURES, peagle_io.matches,
                             (LlamaConfig, HybridConfig), _load_peagle)
+SPECULATORS_EAGLE3_FORMAT = DraftFormat("speculators EAGLE-3 head", peagle_io.EAGLE3_ARCHITECTURES,
+                                        peagle_io.matches_eagle3, (LlamaConfig, HybridConfig), _load_peagle)
 
 
 def detect_draft_format(raw: dict, names: set[str], where: str) -> DraftFormat:
     """The format of a draft checkpoint (``architectures`` first, tensor names second; a
-    ``speculators`` block draft or P-EAGLE head by its config)."""
+    ``speculators`` block draft, P-EAGLE or EAGLE-3 head by its config)."""
     if peagle_io.is_peagle(raw):
         if not PEAGLE_FORMAT.matches(names):
             raise CheckpointError(f"{where}: a speculators peagle config, but the tensors are not a P-EAGLE head's "
                                   f"(mask_hidden, fc, layers.0.hidden_norm)")
         return PEAGLE_FORMAT
+    if peagle_io.is_eagle3(raw):
+        if not SPECULATORS_EAGLE3_FORMAT.matches(names):
+            raise CheckpointError(f"{where}: a speculators eagle3 config, but the tensors are not an EAGLE-3 head's "
+                                  f"(fc, layers.0.hidden_norm)")
+        return SPECULATORS_EAGLE3_FORMAT
     if speculators_io.is_speculators(raw) and raw.get("speculators_model_type") in speculators_io.MODEL_TYPES:
         if not SPECULATORS_FORMAT.matches(names):
             raise CheckpointError(f"{where}: a speculators {raw['speculators_model_type']} config, but the tensors "
@@ -296,7 +304,7 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
 
     EAGLE-1/2 (SafeAILab layout), EAGLE-3 (SafeAILab ``midlayer.*`` or SpecForge / vLLM
     ``layers.0.*`` names, optional ``embed_tokens`` / ``d2t``), DFlash and DFlash 2 block drafts
-    (z-lab layout; ``block_size`` on the result), DFlash, DSpark and P-EAGLE drafts in the
+    (z-lab layout; ``block_size`` on the result), DFlash, DSpark, P-EAGLE and EAGLE-3 drafts in the
     ``speculators`` layout (``speculators_model_type``), a PARD parallel draft (a Llama-family LM
     whose config carries its mask token ``pard_token``), a standalone LM of a supported family
     sharing the target's vocabulary, a frozen-KV assistant (the project's format for

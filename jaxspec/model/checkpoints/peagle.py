@@ -1,8 +1,9 @@
-"""P-EAGLE heads in the ``speculators`` layout (vLLM's training library): config parsing, the
-name table (load, random init) and the ``d2t`` draft vocabulary.
+"""P-EAGLE and EAGLE-3 heads in the ``speculators`` layout (vLLM's training library): config
+parsing, the name table (load, random init) and the ``d2t`` draft vocabulary.
 
-The config is the library's EAGLE-3 config with ``speculators_model_type`` "peagle" and
-``mask_token_id``; the head's layers' Llama or Qwen3 config is nested in
+The config is the library's EAGLE-3 config: ``speculators_model_type`` "eagle3" (architectures
+["Eagle3Speculator"]: an EAGLE-3 head, drafted token by token) or "peagle" with ``mask_token_id``
+and the ``mask_hidden`` tensor (a P-EAGLE head, drafted in parallel); the head's layers' Llama or Qwen3 config is nested in
 ``transformer_layer_config`` (stored as a diff against transformers' defaults: absent fields hold
 them), and:
 
@@ -12,7 +13,7 @@ them), and:
     speculators_config.proposal_methods[0].speculative_tokens (the parallel depths it drafts)
 
 Tensors: ``embed_tokens`` (its own, trained; the target's when absent), ``mask_hidden``
-``[1, 1, F]``, ``fc``, ``input_norm`` (norm_before_fc) or ``fc_norm.{j}`` (fc_norm),
+``[1, 1, F]`` (P-EAGLE only), ``fc``, ``input_norm`` (norm_before_fc) or ``fc_norm.{j}`` (fc_norm),
 ``layers.0.*`` (EAGLE-3's first layer: ``hidden_norm``, 2H-wide q/k/v), ``layers.{i}.*`` (plain
 layers), ``norm``, ``lm_head`` and, for a reduced vocabulary, ``d2t`` (target id = draft id +
 d2t[draft id]) with ``t2d``.
@@ -32,6 +33,8 @@ from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, host_rng
 
 MODEL_TYPE = "peagle"
 ARCHITECTURES = ("PEagleDraftModel", "PEagleSpeculator")
+EAGLE3_MODEL_TYPE = "eagle3"
+EAGLE3_ARCHITECTURES = ("Eagle3Speculator",)
 # transformers' LlamaConfig defaults, for the fields a diff leaves out (None: from other fields)
 LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6}
@@ -42,37 +45,49 @@ def is_peagle(raw: dict) -> bool:
     return raw.get("speculators_model_type") == MODEL_TYPE
 
 
+def is_eagle3(raw: dict) -> bool:
+    return raw.get("speculators_model_type") == EAGLE3_MODEL_TYPE
+
+
 def matches(names: set[str]) -> bool:
     """The tensors of a P-EAGLE head: ``mask_hidden``, ``fc`` and EAGLE-3's first layer."""
-    return {"mask_hidden", "fc.weight", "layers.0.hidden_norm.weight"} <= set(names)
+    return "mask_hidden" in names and matches_eagle3(names)
+
+
+def matches_eagle3(names: set[str]) -> bool:
+    """The tensors of a ``speculators`` EAGLE-3 head: ``fc`` and EAGLE-3's first layer."""
+    return {"fc.weight", "layers.0.hidden_norm.weight"} <= set(names)
 
 
 def peagle_config_from_hf(raw: dict, target_cfg, where: str) -> PEagleConfig:
-    """Parses a ``speculators`` P-EAGLE config for ``target_cfg``; raises ``ConfigError`` naming a
-    missing, bad or unsupported field, or one that does not fit the target."""
+    """Parses a ``speculators`` P-EAGLE or EAGLE-3 config (``speculators_model_type``; an EAGLE-3
+    head's has no mask token) for ``target_cfg``; raises ``ConfigError`` naming a missing, bad or
+    unsupported field, or one that does not fit the target."""
+    parallel = not is_eagle3(raw)
+    name = "P-EAGLE" if parallel else "EAGLE-3"
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{where}: missing the nested 'transformer_layer_config' (the head layers' config)")
     lwhere = f"{where} (transformer_layer_config)"
     kind = layer.get("model_type", "llama")
     if kind not in ("llama", "qwen3"):
-        raise ConfigError(f"{lwhere}: P-EAGLE layers of model_type {kind!r} are not supported (llama, qwen3)")
+        raise ConfigError(f"{lwhere}: {name} layers of model_type {kind!r} are not supported (llama, qwen3)")
     layer = {**(QWEN3_DEFAULTS if kind == "qwen3" else LLAMA_DEFAULTS), **{k: v for k, v in layer.items() if v is not None}}
     if layer.get("attention_bias") or layer.get("mlp_bias"):
-        raise ConfigError(f"{lwhere}: P-EAGLE layers with attention_bias / mlp_bias are not supported")
+        raise ConfigError(f"{lwhere}: {name} layers with attention_bias / mlp_bias are not supported")
     L = get_field(layer, "num_hidden_layers", int, where=lwhere)
     types = (layer.get("layer_types") or [])[:L]
     if any(t != "full_attention" for t in types) or (kind == "qwen3" and layer.get("use_sliding_window")):
-        raise ConfigError(f"{lwhere}: P-EAGLE layers with sliding-window attention ({types}) are not supported")
+        raise ConfigError(f"{lwhere}: {name} layers with sliding-window attention ({types}) are not supported")
     H = get_field(layer, "hidden_size", int, where=lwhere)
     heads = get_field(layer, "num_attention_heads", int, where=lwhere)
     target_hidden = raw.get("target_hidden_size") or H
     if H != target_cfg.hidden_size or target_hidden != target_cfg.hidden_size:
-        raise ConfigError(f"{where}: P-EAGLE hidden_size {H} (target_hidden_size {raw.get('target_hidden_size')}) "
+        raise ConfigError(f"{where}: {name} hidden_size {H} (target_hidden_size {raw.get('target_hidden_size')}) "
                           f"must equal the target's hidden size {target_cfg.hidden_size}")
-    vocab, draft_vocab = vocab_sizes(raw, layer, target_cfg, where, lwhere, prefix="P-EAGLE ")
-    aux = taps(raw, "eagle_aux_hidden_state_layer_ids", target_cfg.num_layers, where, prefix="P-EAGLE ")
-    mask = mask_token(raw, vocab, where, prefix="P-EAGLE ")
+    vocab, draft_vocab = vocab_sizes(raw, layer, target_cfg, where, lwhere, prefix=f"{name} ")
+    aux = taps(raw, "eagle_aux_hidden_state_layer_ids", target_cfg.num_layers, where, prefix=f"{name} ")
+    mask = mask_token(raw, vocab, where, prefix=f"{name} ") if parallel else None
     norm_before_fc, fc_norm = flag(raw, "norm_before_fc", False, where), flag(raw, "fc_norm", False, where)
     if norm_before_fc and fc_norm:
         raise ConfigError(f"{where}: norm_before_fc and fc_norm are mutually exclusive")
@@ -107,7 +122,9 @@ def peagle_table(cfg: PEagleConfig, *, embed: bool = True) -> Table:
     if embed:  # looked up vocab-parallel, so padded as the target's
         Vp = pad_vocab(cfg.vocab_size, cfg.vocab_parallel)
         table.append(Param("embed", "embed_tokens.weight", (Vp, H), pad=Vp - cfg.vocab_size))
-    table += [Param("mask_hidden", "mask_hidden", (1, 1, F)), Param("fc", "fc.weight", (F, H), perm=LINEAR)]
+    if cfg.mask_token_id is not None:  # P-EAGLE's mask rows
+        table.append(Param("mask_hidden", "mask_hidden", (1, 1, F)))
+    table.append(Param("fc", "fc.weight", (F, H), perm=LINEAR))
     if cfg.norm_before_fc:
         table.append(Param("fc_in_norm", "input_norm.weight", (F,), init="ones"))
     if cfg.fc_norm:
@@ -123,15 +140,17 @@ def peagle_table(cfg: PEagleConfig, *, embed: bool = True) -> Table:
 
 
 def load_peagle(ckpt, raw: dict, target, dtype, where: str) -> DraftModel:
-    """Reads a ``speculators`` P-EAGLE checkpoint for ``target`` (a ``Model``); a head without its
-    own embedding shares the target's."""
+    """Reads a ``speculators`` P-EAGLE or EAGLE-3 checkpoint for ``target`` (a ``Model``): a
+    P-EAGLE draft, or an EAGLE-3 one (``SpeculatorsEagle3Draft``); a head without its own
+    embedding shares the target's."""
     cfg = peagle_config_from_hf(raw, target.config, where)
     table = peagle_table(cfg, embed="embed_tokens.weight" in ckpt)
     params = load_params(table, ckpt, dtype, sharding_of=shardings_for(table, target.mesh, split=False))
     if "embed" not in params:
         params["embed"] = target.params["embed"]
     if cfg.own_vocab:
-        params["hot_ids"] = whole_on(hot_ids(ckpt, cfg.draft_vocab_size, cfg.vocab_size, prefix="P-EAGLE "),
+        params["hot_ids"] = whole_on(hot_ids(ckpt, cfg.draft_vocab_size, cfg.vocab_size,
+                                             prefix="P-EAGLE " if cfg.mask_token_id is not None else "EAGLE-3 "),
                                      target.mesh)
     return peagle_draft(cfg, params, ckpt.path)
 

@@ -49,7 +49,7 @@ def model_type(raw: dict, where: str) -> str:
     kind = raw.get("speculators_model_type")
     if kind not in MODEL_TYPES:
         raise ConfigError(f"{where}: speculators_model_type {kind!r} is not a draft jaxspec loads from this "
-                          f"layout; supported: {[*MODEL_TYPES, 'peagle']}")
+                          f"layout; supported: {[*MODEL_TYPES, 'peagle', 'eagle3']}")
     return kind
 
 

@@ -32,6 +32,11 @@ Params (linear weights ``[in, out]``):
     layer{i}/ (i >= 1) {attn_norm, wqkv [H, (Hq + 2 Hkv) * D], wo, (q_norm, k_norm), mlp_norm, ...};
     norm [H]; lm_head [H, Vd]; hot_ids i32[Vd] (reduced vocabulary only)
 
+``SpeculatorsEagle3Draft`` runs the same head without mask rows token by token (kind "eagle3", a
+chain or tree like any EAGLE-3 head): the ``speculators`` layout's plain EAGLE-3 heads
+(``speculators_model_type`` "eagle3"), whose variants above jaxspec's ``drafts.eagle`` head does not
+compute.
+
 Glossary: B rows, T rows per request, Q mask rows, S proposals, H width, F = n_aux * H_target
 target feature width, V target vocabulary (W its logits width: padded on a mesh), Vd draft
 vocabulary.
@@ -49,6 +54,7 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.config import RopeConfig, pad_vocab
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel, DraftSeed, check_block_tree
 from jaxspec.model.drafts.dflash import position_candidates, position_samples
+from jaxspec.model.drafts.eagle import Eagle3Draft
 from jaxspec.model.layers import (embed_lookup, head_logits, layer_tail, mask_padded_vocab, project_and_attend, rms_norm,
                                   rope_inv_freq)
 from jaxspec.sampling.grammar_masks import Grammar
@@ -61,7 +67,7 @@ class PEagleConfig:
     num_layers: the head's layers (the first one EAGLE-3's, 2H wide in).
     aux_layers: target layers whose input residual streams it taps (HF ``hidden_states`` indices).
     draft_vocab_size: Vd (== vocab_size without a ``d2t`` map).
-    mask_token_id: the token of every mask row.
+    mask_token_id: the token of every mask row (None: a plain EAGLE-3 head, no mask rows).
     num_speculative_tokens: K, the parallel depths it was trained for (its natural chain).
     norm_before_fc, fc_norm, norm_before_residual: the ``speculators`` EAGLE-3 variants.
     """
@@ -78,7 +84,7 @@ class PEagleConfig:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layers: tuple[int, ...]
-    mask_token_id: int
+    mask_token_id: int | None = None
     num_speculative_tokens: int
     qk_norm: bool = False
     attention_bias: bool = False  # (the shared Llama layer body reads it)
@@ -141,6 +147,19 @@ def peagle_layers(
     return x, pool
 
 
+def token_rows(params: dict, cfg: PEagleConfig, tokens, feature, positions, pool, attn, *, from_target: bool,
+               implementation=None):  # -> hidden [B, T, H] before the final norm, pool
+    """EAGLE-3 rows: (token, target features ``feature`` [B, T, F] through ``fc``) when
+    ``from_target``, else (token, the head's own output [B, T, H] as it is)."""
+    emb = embed_lookup(params["embed"], tokens, cfg.vocab_parallel)
+    h = fc_input(params, cfg, feature.astype(params["fc"].dtype)) if from_target else feature
+    return peagle_layers(params, cfg, emb, h, positions, pool, attn, implementation=implementation)
+
+
+def head_output(params: dict, cfg: PEagleConfig, h: jax.Array) -> jax.Array:  # [..., H] -> f32[..., Vd]
+    return head_logits(rms_norm(h, params["norm"], cfg.rms_norm_eps), params["lm_head"])
+
+
 @dataclasses.dataclass(frozen=True)
 class PEagleDraft(Draft):
     """A P-EAGLE head (``proposer`` "block": ``jaxspec.spec.block_loop``): the extend is EAGLE-3's
@@ -187,9 +206,8 @@ class PEagleDraft(Draft):
         if not from_target:
             h, pool = self.block_forward(params, tokens, positions, pool, attn, implementation=implementation)
             return h, h, pool
-        emb = embed_lookup(params["embed"], tokens, cfg.vocab_parallel)
-        h, pool = peagle_layers(params, cfg, emb, fc_input(params, cfg, hidden.astype(params["fc"].dtype)), positions,
-                                pool, attn, implementation=implementation)
+        h, pool = token_rows(params, cfg, tokens, hidden, positions, pool, attn, from_target=True,
+                             implementation=implementation)
         return h, h, pool
 
     def block_forward(self, params, tokens, positions, pool, attn: AttentionInputs, *, implementation=None):
@@ -213,8 +231,7 @@ class PEagleDraft(Draft):
     # --------------------------------------------------------------------------- vocabulary
 
     def logits(self, params, logit_in):  # [..., H] -> f32[..., Vd]
-        h = rms_norm(logit_in, params["norm"], self.model.rms_norm_eps)
-        return head_logits(h, params["lm_head"])
+        return head_output(params, self.model, logit_in)
 
     def to_target_ids(self, params, index):
         return params["hot_ids"][index] if "hot_ids" in params else index.astype(jnp.int32)
@@ -272,6 +289,27 @@ class PEagleDraft(Draft):
                              f"{target_cfg.vocab_size}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculatorsEagle3Draft(Eagle3Draft):
+    """A ``speculators`` EAGLE-3 head (``mask_token_id`` None): the P-EAGLE body drafting token by
+    token as an EAGLE-3 head (kind "eagle3": its chain and tree proposer, ``d2t`` vocabulary); it
+    computes ``norm_before_residual``, ``norm_before_fc`` / ``fc_norm`` and later layers, which the
+    plain ``drafts.eagle`` head does not."""
+
+    model: PEagleConfig
+
+    def forward(self, params, tokens, hidden, positions, pool, attn, ctx: DraftContext, *, from_target,
+                implementation=None):
+        h, pool = token_rows(params, self.model, tokens, hidden, positions, pool, attn, from_target=from_target,
+                             implementation=implementation)
+        return h, h, pool
+
+    def logits(self, params, logit_in):  # [..., H] -> f32[..., Vd]
+        return head_output(params, self.model, logit_in)
+
+
 def peagle_draft(cfg: PEagleConfig, params: dict, path: str | None = None) -> DraftModel:
-    """Wraps P-EAGLE params (a checkpoint or ``init_peagle_params``) as a draft."""
-    return DraftModel(config=PEagleDraft(model=cfg), params=params, path=path)
+    """Wraps P-EAGLE params (a checkpoint or ``init_peagle_params``) as a draft: a P-EAGLE one, or
+    an EAGLE-3 one for a head without a mask token."""
+    kind = PEagleDraft if cfg.mask_token_id is not None else SpeculatorsEagle3Draft
+    return DraftModel(config=kind(model=cfg), params=params, path=path)
