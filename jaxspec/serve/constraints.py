@@ -4,7 +4,8 @@ A regex or JSON schema can take long to turn into an automaton (a schema with ma
 properties, a regex with large counted repetitions). A thread cannot be stopped, so a server that
 gave up on one would keep a core busy compiling it; here each compile runs in one of a few
 long-lived processes (spawned, so they share no JAX state with the server), and a compile past its
-time limit ends its process, which is replaced on the next use. Results come back pickled and go
+time limit ends its process, which is replaced at once in the background (so the next request's
+limit does not pay for a process start). Results come back pickled and go
 into the same cache as every other compile (``jaxspec.structured.compile_constraint``).
 """
 
@@ -94,6 +95,15 @@ class ConstraintCompiler:
         w.stop()  # closed while it started: it would outlive the server
         raise RuntimeError("the constraint compiler is closed")
 
+    def _refill(self) -> None:
+        """Puts a freshly started worker in a retired one's slot (an empty slot if it fails to start,
+        or after ``close``)."""
+        try:
+            w = self._spawn()
+        except Exception:  # noqa: BLE001  whatever stopped the start, the slot comes back
+            w = None
+        self._idle.put(w)
+
     def _retire(self, w: _Worker) -> None:
         w.stop()
         with self._lock:
@@ -105,13 +115,14 @@ class ConstraintCompiler:
             w = self._idle.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no constraint compiler was free within {timeout:g} s") from None
+        retired = False
         try:
             if w is None or not w.alive:
                 w = self._spawn()
             w.conn.send((kind, text))
             if not w.conn.poll(max(0.0, deadline - time.monotonic())):
                 self._retire(w)
-                w = None
+                w, retired = None, True
                 raise TimeoutError(f"compiling the constraint took longer than {timeout:g} s")
             status, value = w.conn.recv()
         except TimeoutError:
@@ -119,10 +130,13 @@ class ConstraintCompiler:
         except (EOFError, OSError):  # the process died under it
             if w is not None:
                 self._retire(w)
-            w = None
+            w, retired = None, True
             raise RuntimeError("the constraint compiler process died") from None
         finally:
-            self._idle.put(w)  # the worker, or an empty slot to refill
+            if retired:  # its replacement starts now, not inside the next request's limit
+                threading.Thread(target=self._refill, daemon=True, name="jaxspec-constraint-refill").start()
+            else:
+                self._idle.put(w)  # the worker, or an empty slot (a failed start: the next use tries again)
         if status == "error":
             raise ValueError(value)
         return value
