@@ -521,6 +521,27 @@ def matmul_fn(implementation: str):
     return lambda x, w: x @ w
 
 
+def one_row_product_shapes(smoke: bool) -> list[tuple[str, int, int]]:
+    """(name, K, N) of one-row products whose weight has under 10M elements. XLA:GPU rewrites such an
+    ``x[1, K] @ w[K, N]`` as an elementwise multiply and a reduction (its dot strength reduction; the
+    10M threshold is fixed in jaxlib 0.11.2, no option turns it off), and writes the multiply out
+    where two products share ``x``: the DeepSeek-V4-shaped decode program at batch 1 does so for wq_a,
+    wkv and the compressors' products (benchmarks/RESULTS.md). The small drafts' products (a
+    1B-shaped model's q/k/v) fall under it too."""
+    if smoke:
+        return [("one-row product smoke", 64, 96)]
+    return [("v4 wq_a 4096x1024", 4096, 1024), ("v4 wkv 4096x512", 4096, 512),
+            ("v4 shared expert down 2048x4096", 2048, 4096), ("1B-shaped draft q/k/v 2048x3072", 2048, 3072)]
+
+
+def one_row_product_fn(implementation: str):
+    """The Pallas column: the row padded to two, which XLA leaves a product (cuBLAS on a GPU, reading
+    the weight once); the XLA column: the one-row product as XLA compiles it."""
+    if implementation == "pallas":
+        return lambda x, w: (jnp.pad(x, ((0, 1), (0, 0))) @ w)[:1]
+    return lambda x, w: x @ w
+
+
 def exact_attention_fn(s: "AttnShape", implementation: str):
     """The exact mode's attention in the Pallas column; the default paged kernel in the XLA column."""
     if implementation == "pallas":
@@ -563,6 +584,9 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
     # against the default paged kernel (in the XLA column).
     for name, rows, k, n in matmul_shapes(smoke):
         cases.append(KernelCase("exact_matmul", name, functools.partial(matmul_problem, rows, k, n), matmul_fn))
+    for name, k, n in one_row_product_shapes(smoke):
+        cases.append(KernelCase("one_row_product", f"{name} (Pallas column: the row padded to two)",
+                                functools.partial(matmul_problem, 1, k, n), one_row_product_fn))
     for s in attention_shapes(smoke)[:1]:
         def problem(s=s):
             a, floor = attention_problem(s)

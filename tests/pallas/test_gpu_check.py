@@ -98,7 +98,7 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert rows["target_candidates"][0]["vs_plain"] == 1.0 and rows["target_candidates"][1]["vs_plain"] > 0
     assert "WHILE,CONDITIONAL" in rows["target_candidates"][1]["options"]
     kinds = {"attention", "mla", "indexer", "kv_move", "gather", "rope_write", "rms_norm", "sinkhorn"}
-    assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "exact_attention"}
+    assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "one_row_product", "exact_attention"}
     assert all(r["pallas_calls"] >= 2 for r in rows["kernels"])
     assert {r["kind"] for r in rows["check"]} == kinds and all(r["ok"] for r in rows["check"])
     assert all(r["returncode"] == 0 and "collected" in r["summary"] for r in rows["pytest"])
