@@ -96,6 +96,9 @@ Call 2:
                published widths, weight bytes printed): plain step at batch 1 and 16 against its bound
                (weights, KV of its attention layers, recurrent state read and written), and its MTP
                layer's chain of 3 at batch 1.
+  one_row      the plain step at batch 1 of Llama-3.2-1B's and Qwen3-0.6B's shapes and the 8B shape, its
+               one-token forwards on one row (the engine) and over 8 (``dispatch.one_row_padded_to``):
+               at one row XLA rewrites products under 10M elements as a multiply and a reduction.
   v4           a DeepSeek-V4-Flash-shaped target (its layer kinds and widths, 10 layers and 32 experts,
                weight bytes printed): plain step at batch 1 through ``jaxspec.Engine`` (wall-time
                difference of two generations).
@@ -153,7 +156,7 @@ from jaxspec.pallas import dispatch  # noqa: E402
 CALLS = {
     1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "spec_variants", "compare",
         "variants_b16", "candidates"],
-    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
+    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "one_row", "spec_controls",
         "target_candidates", "check", "pytest", "sweep"],
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
@@ -797,6 +800,34 @@ def item_v4(check: Check, sizes, models, deadline, args):
              weight_bytes=total, active_weight_bytes_b1=int(active), **extra)
 
 
+def item_one_row(check: Check, sizes, models, deadline, args):
+    """Plain decode at batch 1 with each one-token forward as the engine runs it (one row) and over 8
+    rows (``dispatch.one_row_padded_to``), for Llama-3.2-1B's and Qwen3-0.6B's shapes (small targets,
+    and the standalone drafts speculative decoding runs) and the 8B shape. At one row XLA:GPU rewrites
+    each product under 10M elements as a multiply and a reduction, written out where not fused (every
+    product of the 0.6B shape; benchmarks/RESULTS.md); 8 rows keep every product a cuBLAS call. Decides
+    whether the engine should pad one-row forwards."""
+    shapes = [("Llama-3.2-1B shape", "llama3.2-1b", st.LLAMA32_1B), ("Qwen3-0.6B shape", "qwen3-0.6b", st.QWEN3_06B),
+              ("8B shape", "llama", None)]
+    bb = sizes.batch(1)
+    for label, key, cfg in dry_subset(sizes, shapes, keep=2):
+        need(deadline, 10 + 2 * sizes.compile_s(big=cfg is None), label)
+        if cfg is None:
+            target = models.llama()
+        else:
+            cfg = st.TINY if sizes.dry_run else cfg
+            target = models.get(key, lambda cfg=cfg: st.random_target(cfg, sizes.dtype))
+        one = None
+        for rows in (1, 8):
+            config = f"{label} plain, one-token forwards over {rows} row{'s' if rows > 1 else ''}"
+            with guarded(check, config):
+                r = _time(sizes, target, None, None, bb, one_row_rows=rows)
+                one = one or r["seconds"]
+                step_row(check, sizes, target, r, batch=bb, config=config,
+                         what=ENGINE_PROGRAM if rows == 1 else "decode_steps compiled inside dispatch.one_row_padded_to(8)",
+                         options="engine default", plain_s=one, bound=True)
+
+
 def item_target_candidates(check: Check, sizes, models, deadline, args):
     """The hybrid and the V4-shaped targets with one option set of ``xla_options.CANDIDATES`` or
     ``REJECTED`` (``--target-candidate``, default ``command_buffer_loops``) merged over the table, each
@@ -915,13 +946,13 @@ RUNNERS = dict(
     variants_b1=lambda *a: item_variants(*a, batch=1), spec_variants=item_spec_variants, compare=item_compare,
     variants_b16=lambda *a: item_variants(*a, batch=16), profile=item_profile, candidates=item_candidates,
     batch64=item_batch64, controls=item_controls, constraint=item_constraint, spec_controls=item_spec_controls,
-    hybrid=item_hybrid, v4=item_v4, target_candidates=item_target_candidates, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
+    hybrid=item_hybrid, v4=item_v4, one_row=item_one_row, target_candidates=item_target_candidates, kernels=item_kernels, exact=item_exact, check=item_check, pytest=item_pytest,
     sweep=item_sweep,
 )
 assert set(RUNNERS) == set(ITEMS)
 # Items whose rows are decode-step timings (one Markdown table layout).
 STEP_ITEMS = {"plain", "spec_b1", "spec_b16", "variants_b1", "spec_variants", "variants_b16", "candidates", "batch64",
-              "controls", "constraint", "exact", "spec_controls", "hybrid", "v4", "target_candidates"}
+              "controls", "constraint", "exact", "spec_controls", "hybrid", "v4", "one_row", "target_candidates"}
 
 
 # --------------------------------------------------------------------------- Markdown

@@ -214,17 +214,19 @@ def target_shape(name: str):
     the DeepSeek-V4-Flash-shaped target (10 layers, 32 experts)."""
     import step_timing as st
 
-    return {"llama3-8b": lambda: st.LLAMA3_8B, "qwen35": st.qwen35_shape, "v4": st.v4_shape}[name]()
+    return {"llama3-8b": lambda: st.LLAMA3_8B, "llama3.2-1b": lambda: st.LLAMA32_1B, "qwen3-0.6b": lambda: st.QWEN3_06B,
+            "qwen35": st.qwen35_shape, "v4": st.v4_shape}[name]()
 
 
 def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, context: int = 1024,
                steps: int = 4, product_rows: int | None = None, options: dict | None = None,
-               target: str = "llama3-8b") -> tuple[str, float]:
+               target: str = "llama3-8b", one_row_rows: int = 1) -> tuple[str, float]:
     """The optimized HLO of the engine's decode program for ``method`` ("plain" or a name in
     ``step_timing.METHODS``) at the ``target`` shape (``target_shape``), compiled for ``gpu``; and its
     compile seconds.
     ``product_rows``: the row multiple forwards pad to, instead of the GPU's
-    (``dispatch.product_rows``; 1 turns the padding off). ``options``: XLA options over the engine's
+    (``dispatch.product_rows``; 1 turns the padding off). ``one_row_rows``: the rows a one-token forward
+    at batch 1 runs over (``dispatch.one_row_padded_to``). ``options``: XLA options over the engine's
     table (``jaxspec.xla_options``)."""
     import step_timing as st
     from jaxspec.config import EngineConfig
@@ -292,7 +294,8 @@ def decode_hlo(method: str, batch: int, *, gpu: str, implementation=None, contex
     dispatch.on_gpu = lambda: True
     try:
         with (dispatch.assume_gpu(gpu), jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-              dispatch.rows_padded_to(product_rows) if product_rows else contextlib.nullcontext()):
+              dispatch.rows_padded_to(product_rows) if product_rows else contextlib.nullcontext(),
+              dispatch.one_row_padded_to(one_row_rows)):
             lowered = decode_program.lower(plan, *args)
     finally:
         dispatch.on_gpu = on_gpu
@@ -309,13 +312,15 @@ def main(argv=None) -> int:
                    help="comma-separated: plain and names of step_timing.METHODS (with --target qwen35 also "
                         f"{st.HYBRID_MTP.name!r})")
     p.add_argument("--batches", default="1,16")
-    p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "qwen35", "v4"),
-                   help="the target's shape: Llama-3-8B, the Qwen3.5-9B-shaped hybrid or the DeepSeek-V4-Flash-shaped "
-                        "target")
+    p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "llama3.2-1b", "qwen3-0.6b", "qwen35", "v4"),
+                   help="the target's shape: Llama-3-8B, Llama-3.2-1B, Qwen3-0.6B, the Qwen3.5-9B-shaped hybrid or "
+                        "the DeepSeek-V4-Flash-shaped target")
     p.add_argument("--implementation", default=None,
                    help='EngineConfig.implementation: "pallas", "xla" or op=choice pairs, e.g. rope_write=xla')
     p.add_argument("--product-rows", type=int, default=None,
                    help="the row multiple forwards pad to (default: the GPU's, 8; 1: no padding)")
+    p.add_argument("--one-row-rows", type=int, default=1,
+                   help="the rows a one-token forward at batch 1 runs over (default 1: as the engine runs it)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option over the engine's table (repeatable), e.g. xla_gpu_dot_merger_threshold_mb=0")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -332,7 +337,8 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             hlo, seconds = decode_hlo(method, batch, gpu=args.gpu, implementation=args.implementation,
-                                      product_rows=args.product_rows, options=options, target=args.target)
+                                      product_rows=args.product_rows, options=options, target=args.target,
+                                      one_row_rows=args.one_row_rows)
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.hlo_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', method)}_b{batch}.hlo.txt").write_text(hlo)
@@ -343,7 +349,7 @@ def main(argv=None) -> int:
                    "XLA" if kind.startswith("XLA") else "other"] += k
             rows.append(dict(method=method, batch=batch, gpu=args.gpu, target=args.target,
                              implementation=args.implementation,
-                             product_rows=args.product_rows, xla_options=options,
+                             product_rows=args.product_rows, one_row_rows=args.one_row_rows, xla_options=options,
                              kernels_per_step=n.total, by_kind=dict(n.per_step), compile_s=seconds))
             print(f"| {method} | {batch} | {n.total} | {by['cuBLAS']} | {by['Pallas']} | {by['XLA']} | {by['other']} "
                   f"| {seconds:.1f} |", flush=True)

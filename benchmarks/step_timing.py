@@ -74,6 +74,7 @@ from jaxspec.model.drafts.eagle import Eagle3Draft, eagle3_config_for, eagle_dra
 from jaxspec.model.drafts.ngram import NgramConfig, NgramLookup  # noqa: E402
 from jaxspec.model.drafts.qwen_mtp import QwenMtpConfig, QwenMtpDraft, qwen_mtp_draft  # noqa: E402
 from jaxspec.model.targets import Model, create_target_pool  # noqa: E402
+from jaxspec.pallas import dispatch  # noqa: E402
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, DeepseekV4Config  # noqa: E402
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, GatedDeltaConfig, HybridConfig  # noqa: E402
 from jaxspec.model.targets.llama_config import LlamaConfig  # noqa: E402
@@ -98,7 +99,19 @@ TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 # The shipped demo target's shape (demo/target/config.json).
 DEMO = LlamaConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_layers=8, num_heads=3,
                    num_kv_heads=1, head_dim=64)
-SHAPES = {"llama3-8b": LLAMA3_8B, "demo": DEMO, "tiny": TINY}
+# Small models as drafts and small targets run them: Llama-3.2-1B's shape (tied head), and Qwen3-0.6B's
+# (q/k norms, tied head). At one row XLA:GPU turns their products under 10M elements into a multiply
+# and a reduction (every product of the second; ``dispatch.one_row_padded_to``).
+LLAMA32_1B = LlamaConfig(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+    head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope=RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192),
+)
+QWEN3_06B = LlamaConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+                        rope=RopeConfig(theta=1000000.0))
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B, "qwen3-0.6b": QWEN3_06B, "demo": DEMO, "tiny": TINY}
 
 
 def qwen35_shape(tiny: bool = False) -> HybridConfig:
@@ -371,12 +384,13 @@ class Stepper:
     def __init__(self, target: Model, draft: DraftModel | None, spec, *, batch: int, context: int, steps: int,
                  repeats: int, implementation=None, options: dict | None = None, controls: bool = False,
                  grammars=None, temperature: float = 0.0, seed: int = 0, page_size: int = 16,
-                 general: bool = False, exact: bool = False, known_trips: bool = False):
+                 general: bool = False, exact: bool = False, known_trips: bool = False, one_row_rows: int = 1):
         """``controls``: every row with every generation control on (and the plan compiling them in).
         ``general``: the serve core's plan (sampling, top-k / top-p sorts, controls and 20 logprobs
         compiled in) over rows that use none of it (unless ``controls`` also sets them). ``exact``:
         the exact mode's plan (``EngineConfig(exact=True)``). ``known_trips``: the step loop of
-        ``decode_steps_known_trips``."""
+        ``decode_steps_known_trips``. ``one_row_rows``: one-token forwards at batch 1 over that many rows
+        (``dispatch.one_row_padded_to``; the program is compiled here, inside it)."""
         check_models(target, draft, spec)
         cfg, V = target.config, target.config.vocab_size
         self.plan = plan = Plan(target=cfg, draft=None if draft is None else draft.config, spec=spec,
@@ -412,6 +426,11 @@ class Stepper:
         self.target, self.dparams = target, None if draft is None else draft.params
         self.fn = decode_fn(options, known_trips)
         self.batch, self.context = batch, context
+        if one_row_rows != 1:  # traced and compiled inside the padding's scope, then called as compiled
+            with dispatch.one_row_padded_to(one_row_rows):
+                compiled = self.fn.lower(plan, target.params, self.dparams, self.state, self.tpool, self.dpool,
+                                         self.table).compile()
+            self.fn = lambda plan, *args: compiled(*args)
 
     def call(self) -> float:
         """One decode call; returns seconds per step."""
@@ -491,13 +510,13 @@ def ready_state(plan: Plan, target: Model, draft, *, batch: int, context: int, o
 
 def time_steps(target, draft, spec, *, batch: int, context: int, steps: int, repeats: int, implementation=None,
                options: dict | None = None, controls: bool = False, grammars=None, temperature: float = 0.0,
-               known_trips: bool = False) -> dict:
+               known_trips: bool = False, one_row_rows: int = 1) -> dict:
     """Median seconds per step of one configuration (the first call compiles and is not counted),
     with the nodes it verified and the bytes its plain step reads."""
     t0 = time.perf_counter()
     s = Stepper(target, draft, spec, batch=batch, context=context, steps=steps, repeats=repeats,
                 implementation=implementation, options=options, controls=controls, grammars=grammars,
-                temperature=temperature, known_trips=known_trips)
+                temperature=temperature, known_trips=known_trips, one_row_rows=one_row_rows)
     try:
         s.call()  # compiles
         compile_s = time.perf_counter() - t0

@@ -103,6 +103,7 @@ def warn_fallback(op: str, reason: str) -> None:
 
 
 _assumed_rows: list[int] = []  # stack of rows_padded_to() multiples
+_one_row_rows: list[int] = []  # stack of one_row_padded_to() row counts
 
 
 def product_rows() -> int:
@@ -128,6 +129,30 @@ def rows_padded_to(multiple: int):
         yield
     finally:
         _assumed_rows.pop()
+        jax.clear_caches()
+
+
+def one_row_rows() -> int:
+    """The rows a forward of one token at batch 1 runs over (``model.layers.padded_tokens``): 1 (as it
+    is) unless inside ``one_row_padded_to``. At one row XLA:GPU rewrites each product whose operands
+    hold under 10M elements as an elementwise multiply and a reduction (a small model's or a draft's
+    products, DeepSeek-V4's low-rank ones), writing the multiply out where it does not fuse it
+    (``benchmarks/RESULTS.md``); a second row keeps every product a cuBLAS call. Whether that is
+    faster is measured by the GPU check, so the engine does not pad yet."""
+    return _one_row_rows[-1] if _one_row_rows else 1
+
+
+@contextlib.contextmanager
+def one_row_padded_to(rows: int):
+    """Forwards of one token at batch 1 traced while inside run over ``rows`` rows (padding rows
+    after the token; 1: none). JAX's caches are cleared on entering and leaving, as in
+    ``rows_padded_to``."""
+    jax.clear_caches()
+    _one_row_rows.append(rows)
+    try:
+        yield
+    finally:
+        _one_row_rows.pop()
         jax.clear_caches()
 
 

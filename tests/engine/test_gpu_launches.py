@@ -231,3 +231,23 @@ def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program(tmp_
     assert {"['wq_b']", "['wo_a']", "['wo_b']"} <= set(weights)
     copied = {c["array"] for c in hlo_copies.find_copies((tmp_path / "plain_b1.hlo.txt").read_text(), weights, {})}
     assert not copied & {"['wq_b']", "['wo_a']", "['wo_b']"}, copied
+
+
+@needs_aot
+def test_one_row_forwards_over_eight_rows_keep_every_product_on_cublas_in_the_h100_program(tmp_path):
+    """Qwen3-0.6B's shape at batch 1, compiled for an H100 without one: on one row XLA:GPU rewrites its
+    products (all under 10M elements) as a multiply and a reduction, a few of them written out; its
+    one-token forwards over 8 rows (``dispatch.one_row_padded_to``, what the GPU check times) leave
+    every product a cuBLAS call and no rewritten one."""
+    import re
+
+    rewritten = re.compile(r"multiply\(.*op_name=\"[^\"]*dot_general")
+    counts = {}
+    for rows in (1, 8):
+        out = tmp_path / str(rows)
+        row = _h100_launches(tmp_path, "plain", "--target", "qwen3-0.6b", "--one-row-rows", str(rows),
+                             "--hlo-dir", str(out))
+        hlo = (out / "plain_b1.hlo.txt").read_text()
+        counts[rows] = (row["by_kind"].get("cuBLAS", 0), len(rewritten.findall(hlo)))
+    assert counts[1][1] > 0 and counts[1][0] < 28, counts  # a few cuBLAS calls (the head), the rest rewritten
+    assert counts[8][1] == 0 and counts[8][0] >= 28 * 4, counts  # q/k/v, o, gate/up, down every layer

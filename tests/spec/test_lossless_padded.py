@@ -17,7 +17,8 @@ import jaxspec as js
 from jaxspec.model.layers import padded_tokens
 from jaxspec.model.targets import forward_sequence
 from jaxspec.pallas import dispatch
-from tests.spec.test_lossless import test_speculative_greedy_equals_plain_greedy as lossless_case
+from tests.conftest import PROMPTS_1, engine
+from tests.spec.test_lossless import MAX_NEW, plain_greedy, test_speculative_greedy_equals_plain_greedy as lossless_case
 
 
 @pytest.fixture
@@ -70,3 +71,33 @@ SUBSET = [  # (spec, page_size, batch, draft, implementation): verify rows not a
 def test_speculative_greedy_through_padded_forwards_equals_plain_greedy(rows_of_eight, tiny_target, spec, page,
                                                                          batch, draft, implementation):
     lossless_case(tiny_target, spec, page, batch, draft, implementation=implementation)
+
+
+def test_one_row_forwards_padded_give_the_unpadded_outputs(tiny_target):
+    """A one-token forward at batch 1 over 8 rows (``dispatch.one_row_padded_to``, what the GPU check
+    times against one row): the logits, hidden state and taps of the unpadded forward; other shapes
+    keep their padding rule."""
+    tokens = np.asarray([[17]])
+    taps = (1, 2, tiny_target.config.num_layers)
+    logits, hidden, aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+    with dispatch.one_row_padded_to(8):
+        assert (padded_tokens(1, 1), padded_tokens(2, 1), padded_tokens(1, 3)) == (8, 1, 3)
+        p_logits, p_hidden, p_aux = forward_sequence(tiny_target, tokens, aux_layers=taps)
+    for got, want in ((p_logits, logits), (p_hidden, hidden), (p_aux, aux)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,draft", [(js.SpecConfig.chain(3), "eagle3"),
+                                        (js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5), "perturbed")],
+                         ids=["chain-eagle3", "tree-perturbed"])
+def test_one_row_forwards_padded_keep_greedy_decoding(tiny_target, spec, draft):
+    """Batch 1 with every one-token forward over 8 rows (the plain decode steps, the draft's steps):
+    plain greedy output as without the padding, and speculative output equal to it."""
+    want = plain_greedy(tiny_target, 16, 1)  # unpadded (cached across the module's tests)
+    with dispatch.one_row_padded_to(8):
+        out = js.generate(tiny_target, PROMPTS_1, sampling=js.SamplingParams(max_new_tokens=MAX_NEW),
+                          engine=engine(16, 1))
+        assert out.token_ids == want
+        lossless_case(tiny_target, spec, 16, 1, draft)
