@@ -74,6 +74,9 @@ Call 1:
   candidates   the plain step at batch 1 then 16 with each option set of ``xla_options.CANDIDATES``
                merged over the table (CUDA graphs over loops, loop unrolling, cuBLASLt, the latency-hiding
                scheduler, ...): the measurements that move an option into the table or drop it.
+  one_row      the plain step at batch 1 of Llama-3.2-1B's and Qwen3-0.6B's shapes and the 8B shape, its
+               one-token forwards on one row (the engine) and over 8 (``dispatch.one_row_padded_to``):
+               at one row XLA rewrites products under 10M elements as a multiply and a reduction.
 
 Call 2:
   env, copy    as in call 1 (the kernels' floors use this call's copy bandwidth).
@@ -96,9 +99,6 @@ Call 2:
                published widths, weight bytes printed): plain step at batch 1 and 16 against its bound
                (weights, KV of its attention layers, recurrent state read and written), and its MTP
                layer's chain of 3 at batch 1.
-  one_row      the plain step at batch 1 of Llama-3.2-1B's and Qwen3-0.6B's shapes and the 8B shape, its
-               one-token forwards on one row (the engine) and over 8 (``dispatch.one_row_padded_to``):
-               at one row XLA rewrites products under 10M elements as a multiply and a reduction.
   v4           a DeepSeek-V4-Flash-shaped target (its layer kinds and widths, 10 layers and 32 experts,
                weight bytes printed): plain step at batch 1 through ``jaxspec.Engine`` (wall-time
                difference of two generations).
@@ -155,8 +155,8 @@ from jaxspec.pallas import dispatch  # noqa: E402
 
 CALLS = {
     1: ["env", "copy", "plain", "copies", "spec_b1", "spec_b16", "profile", "variants_b1", "spec_variants", "compare",
-        "variants_b16", "candidates"],
-    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "one_row", "spec_controls",
+        "variants_b16", "candidates", "one_row"],
+    2: ["env", "copy", "batch64", "controls", "constraint", "kernels", "exact", "hybrid", "v4", "spec_controls",
         "target_candidates", "check", "pytest", "sweep"],
 }
 ITEMS = list(dict.fromkeys(CALLS[1] + CALLS[2]))
