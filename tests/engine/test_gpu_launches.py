@@ -128,12 +128,12 @@ def test_the_h200_decode_program_launches_its_layer_body_32_times():
     assert not any("compare" in k and v >= 32 for k, v in n.per_step.items())  # no layer-loop condition
 
 
-def _h100_launches(tmp_path, method: str, *flags: str) -> dict:
-    """``gpu_launches.py`` run in .venv-aot for one method at batch 1: its JSON row (with
+def _h100_launches(tmp_path, method: str, *flags: str, batch: int = 1) -> dict:
+    """``gpu_launches.py`` run in .venv-aot for one method at ``batch``: its JSON row (with
     ``--hlo-dir`` among the flags, the program's optimized HLO is written there too)."""
     out = tmp_path / "launches.json"
-    cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", method, "--batches", "1", "--out", str(out),
-           *flags]
+    cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", method, "--batches", str(batch),
+           "--out", str(out), *flags]
     subprocess.run(cmd, check=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
                    capture_output=True)
     return json.loads(out.read_text())["rows"][0]
@@ -251,3 +251,13 @@ def test_one_row_forwards_over_eight_rows_keep_every_product_on_cublas_in_the_h1
         counts[rows] = (row["by_kind"].get("cuBLAS", 0), len(rewritten.findall(hlo)))
     assert counts[1][1] > 0 and counts[1][0] < 28, counts  # a few cuBLAS calls (the head), the rest rewritten
     assert counts[8][1] == 0 and counts[8][0] >= 28 * 4, counts  # q/k/v, o, gate/up, down every layer
+
+
+@needs_aot
+def test_a_decode_of_four_rows_launches_as_few_kernels_as_one_of_eight_in_the_h100_program(tmp_path):
+    """The 8B plain step at batch 4 compiled for an H100: each request's token runs over 2 rows, so no
+    product has rows to pad (XLA's pad and slice around every product made it 595 kernels a step
+    against 370 at batch 8)."""
+    four = _h100_launches(tmp_path, "plain", batch=4)
+    eight = _h100_launches(tmp_path, "plain", batch=8)
+    assert four["kernels_per_step"] <= eight["kernels_per_step"] + 2, (four, eight)
