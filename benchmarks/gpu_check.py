@@ -76,7 +76,9 @@ Call 1:
                scheduler, ...): the measurements that move an option into the table or drop it.
   one_row      the plain step at batch 1 of Llama-3.2-1B's and Qwen3-0.6B's shapes and the 8B shape, its
                one-token forwards on one row (the engine) and over 8 (``dispatch.one_row_padded_to``):
-               at one row XLA rewrites products under 10M elements as a multiply and a reduction.
+               at one row XLA rewrites products under 10M elements as a multiply and a reduction. Then
+               the 8B plain step at batch 4 with its decode rows padded to 8 (the engine) and not
+               (``dispatch.rows_padded_to(1)``).
 
 Call 2:
   env, copy    as in call 1 (the kernels' floors use this call's copy bandwidth).
@@ -230,7 +232,7 @@ class Sizes:
         return 1 if self.dry_run else 5
 
     def batch(self, b: int) -> int:
-        return {1: 1, 16: 2, 64: 4}[b] if self.dry_run else b
+        return {1: 1, 4: 4, 16: 2, 64: 4}[b] if self.dry_run else b
 
     def compile_s(self, big: bool = True) -> float:
         """A generous guess of one compile and its timed calls (seconds), for the deadline."""
@@ -826,6 +828,24 @@ def item_one_row(check: Check, sizes, models, deadline, args):
                 step_row(check, sizes, target, r, batch=bb, config=config,
                          what=ENGINE_PROGRAM if rows == 1 else "decode_steps compiled inside dispatch.one_row_padded_to(8)",
                          options="engine default", plain_s=one, bound=True)
+    # Batch 4: the engine runs each request's token over 2 rows (no product has rows for XLA to pad);
+    # inside rows_padded_to(1) over one, as before (XLA's pad and slice around every product: 595
+    # kernels a step at the 8B shape against 370).
+    from jaxspec import xla_options
+
+    target, b4 = models.llama(), sizes.batch(4)
+    padded = None
+    for rows, config in ((None, "8B shape plain, decode rows padded to 8 (the engine)"),
+                         (1, "8B shape plain, decode rows not padded")):
+        need(deadline, sizes.compile_s(), config)
+        # The table's options passed explicitly: a fresh jit (and inside rows_padded_to, a fresh trace).
+        with (guarded(check, config), dispatch.rows_padded_to(rows) if rows else contextlib.nullcontext()):
+            r = _time(sizes, target, None, None, b4,
+                      options=None if rows is None else dict(xla_options.resolve_options(None, "gpu")))
+            padded = padded or r["seconds"]
+            step_row(check, sizes, target, r, batch=b4, config=config,
+                     what=ENGINE_PROGRAM if rows is None else "decode_steps with its forwards' rows not padded",
+                     options="engine table", plain_s=padded, bound=True)
 
 
 def item_target_candidates(check: Check, sizes, models, deadline, args):

@@ -92,7 +92,8 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert rows["hybrid"][1]["verified"] == 4 and rows["hybrid"][0]["bound_ms_measured"] > 0
     # (a difference of two wall times: at toy sizes on a busy CPU it can come out negative)
     assert [r["config"].split(" plain, ")[1] for r in rows["one_row"]] == [
-        "one-token forwards over 1 row", "one-token forwards over 8 rows"] * 2
+        "one-token forwards over 1 row", "one-token forwards over 8 rows"] * 2 + [
+        "decode rows padded to 8 (the engine)", "decode rows not padded"]
     assert all(r["vs_plain"] > 0 and r["verified"] == 1.0 for r in rows["one_row"])
     assert isinstance(rows["v4"][0]["ms_per_step"], float)
     assert rows["v4"][0]["weight_bytes"] > rows["v4"][0]["active_weight_bytes_b1"] > 0
