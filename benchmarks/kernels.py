@@ -535,10 +535,12 @@ def one_row_product_shapes(smoke: bool) -> list[tuple[str, int, int]]:
 
 
 def one_row_product_fn(implementation: str):
-    """The Pallas column: the row padded to two, which XLA leaves a product (cuBLAS on a GPU, reading
-    the weight once); the XLA column: the one-row product as XLA compiles it."""
+    """The Pallas column: the row padded to eight, as ``dispatch.one_row_padded_to(8)`` runs a forward,
+    which XLA leaves a product (cuBLAS on a GPU, reading the weight once, beside a small pad and
+    slice; at two rows XLA would pad them to eight around the call); the XLA column: the one-row
+    product as XLA compiles it."""
     if implementation == "pallas":
-        return lambda x, w: (jnp.pad(x, ((0, 1), (0, 0))) @ w)[:1]
+        return lambda x, w: (jnp.pad(x, ((0, 7), (0, 0))) @ w)[:1]
     return lambda x, w: x @ w
 
 
@@ -585,7 +587,7 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
     for name, rows, k, n in matmul_shapes(smoke):
         cases.append(KernelCase("exact_matmul", name, functools.partial(matmul_problem, rows, k, n), matmul_fn))
     for name, k, n in one_row_product_shapes(smoke):
-        cases.append(KernelCase("one_row_product", f"{name} (Pallas column: the row padded to two)",
+        cases.append(KernelCase("one_row_product", f"{name} (Pallas column: the row padded to eight)",
                                 functools.partial(matmul_problem, 1, k, n), one_row_product_fn))
     for s in attention_shapes(smoke)[:1]:
         def problem(s=s):
