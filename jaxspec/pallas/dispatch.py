@@ -123,12 +123,20 @@ def rows_padded_to(multiple: int):
     The multiple is read while tracing and is not part of a jitted function's cache key, so a
     program traced outside would be reused inside unchanged (and the other way round): JAX's
     caches are cleared on entering and on leaving. (On a machine the multiple never changes.)"""
+    with _traced_with(_assumed_rows, multiple):
+        yield
+
+
+@contextlib.contextmanager
+def _traced_with(stack: list[int], value: int):
+    """``value`` on top of ``stack`` while inside, with JAX's caches cleared on entering and leaving:
+    the value is read while tracing and is not part of a jitted function's cache key."""
     jax.clear_caches()
-    _assumed_rows.append(multiple)
+    stack.append(value)
     try:
         yield
     finally:
-        _assumed_rows.pop()
+        stack.pop()
         jax.clear_caches()
 
 
@@ -137,8 +145,9 @@ def one_row_rows() -> int:
     is) unless inside ``one_row_padded_to``. At one row XLA:GPU rewrites each product whose operands
     hold under 10M elements as an elementwise multiply and a reduction (a small model's or a draft's
     products, DeepSeek-V4's low-rank ones), writing the multiply out where it does not fuse it
-    (``benchmarks/RESULTS.md``); a second row keeps every product a cuBLAS call. Whether that is
-    faster is measured by the GPU check, so the engine does not pad yet."""
+    (``benchmarks/RESULTS.md``); eight rows keep every product a cuBLAS call (at two, XLA pads
+    them to eight around each product). Whether that is faster is measured by the GPU check, so the
+    engine does not pad yet."""
     return _one_row_rows[-1] if _one_row_rows else 1
 
 
@@ -147,13 +156,8 @@ def one_row_padded_to(rows: int):
     """Forwards of one token at batch 1 traced while inside run over ``rows`` rows (padding rows
     after the token; 1: none). JAX's caches are cleared on entering and leaving, as in
     ``rows_padded_to``."""
-    jax.clear_caches()
-    _one_row_rows.append(rows)
-    try:
+    with _traced_with(_one_row_rows, rows):
         yield
-    finally:
-        _one_row_rows.pop()
-        jax.clear_caches()
 
 
 def interpret_mode() -> bool:
