@@ -48,11 +48,11 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_p
 import jaxspec as js
 from jaxspec.model.checkpoints import checkpoint
 
-opened, init = [], checkpoint.SafetensorsCheckpoint.__init__
+opened, init = [], checkpoint.CheckpointTensors.__init__
 def recording(self, path):  # the loader's own count of the bytes it reads (headers included)
     init(self, path)
     opened.append(self)
-checkpoint.SafetensorsCheckpoint.__init__ = recording
+checkpoint.CheckpointTensors.__init__ = recording
 
 out = {}
 for case_dir in sys.argv[3:]:

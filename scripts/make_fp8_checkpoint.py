@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxspec.model.checkpoints.checkpoint import SafetensorsCheckpoint
+from jaxspec.model.checkpoints.checkpoint import CheckpointTensors
 
 E4M3_MAX = 448.0
 QUANTIZED = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
@@ -42,7 +42,7 @@ def quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 def quantize_checkpoint(src: str, out: str, block: int = 128) -> list[str]:
     """Writes the quantized copy of ``src`` to ``out``; returns the names of the quantized tensors."""
     os.makedirs(out, exist_ok=True)
-    ckpt = SafetensorsCheckpoint(src)
+    ckpt = CheckpointTensors(src)
     tensors, done = {}, []
     for name in ckpt.keys():
         x = ckpt.get(name)

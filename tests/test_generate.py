@@ -181,7 +181,7 @@ def _copy_golden(tmp_path, name="llama3"):
 LOAD_ERRORS = [
     ("missing_dir", lambda d: shutil.rmtree(d), FileNotFoundError, "checkpoint directory not found"),
     ("missing_config", lambda d: os.remove(d / "config.json"), FileNotFoundError, "config.json"),
-    ("missing_weights", lambda d: os.remove(d / "model.safetensors"), FileNotFoundError, "no safetensors weights"),
+    ("missing_weights", lambda d: os.remove(d / "model.safetensors"), FileNotFoundError, "no weights in"),
     ("unsupported_arch", lambda d: _edit(d, architectures=["GPT2LMHeadModel"], model_type="gpt2"), ValueError,
      "unsupported architecture"),
     ("bad_field", lambda d: _edit(d, hidden_size="big"), ValueError, "hidden_size"),

@@ -41,18 +41,18 @@ def counted_load(load, *args, **kw):
     """``load(*args, **kw)`` and the bytes it read: the checkpoints' own counts, and the kernel's."""
     from jaxspec.model.checkpoints import checkpoint
 
-    made, init = [], checkpoint.SafetensorsCheckpoint.__init__
+    made, init = [], checkpoint.CheckpointTensors.__init__
 
     def recording(self, path):
         init(self, path)
         made.append(self)
 
-    checkpoint.SafetensorsCheckpoint.__init__ = recording
+    checkpoint.CheckpointTensors.__init__ = recording
     before = rchar()
     try:
         out = load(*args, **kw)
     finally:
-        checkpoint.SafetensorsCheckpoint.__init__ = init
+        checkpoint.CheckpointTensors.__init__ = init
     return out, sum(c.bytes_read for c in made), rchar() - before
 
 

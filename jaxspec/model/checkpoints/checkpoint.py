@@ -1,4 +1,5 @@
-"""Reading HF checkpoint directories: config.json and (sharded) safetensors."""
+"""Reading HF checkpoint directories: config.json and (sharded) safetensors, or PyTorch's
+``pytorch_model.bin`` files (``torch_archive``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.mesh import same_on_every_process, spans_processes
+from jaxspec.model.checkpoints.torch_archive import TorchArchiveError, read_torch_archive
 
 DTYPES = {
     "float32": np.float32,
@@ -140,13 +142,16 @@ SAFETENSORS_DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lives: its file, dtype, shape and byte offset of its data."""
+    """Where one tensor lives: its file, dtype (a safetensors name), shape and byte offset of its
+    first element; ``strides`` (in elements) only for a tensor of a ``torch.save`` file that is not
+    row-major (a saved view, such as a transpose)."""
 
     file: str
     dtype: str
     shape: tuple[int, ...]
     offset: int  # absolute, in bytes
     nbytes: int
+    strides: tuple[int, ...] | None = None
 
 
 def read_header(file: str) -> tuple[dict[str, TensorEntry], int]:
@@ -176,20 +181,13 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
         buf, offset = buf[got:], offset + got
 
 
-class SafetensorsCheckpoint:
-    """Tensors of a checkpoint directory: ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``, or (fallback) every ``*.safetensors`` file.
-
-    Tensors are read piece by piece with plain reads of exactly the bytes asked for (rows of the
-    first axis, optionally a band of another axis: a tensor-parallel shard), so the process
-    holds no more than the pieces in flight and reads nothing a caller did not ask for;
-    ``bytes_read`` counts what was read (headers included). (``safetensors.safe_open`` keeps a
-    whole file mapped while it is open, and its numpy path refuses float8.)"""
-
-    def __init__(self, path: str):
-        self.path = path
-        index_path = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
+def tensor_files(path: str) -> list[str]:
+    """The files holding a checkpoint directory's tensors, in the order HF's loaders prefer them:
+    ``model.safetensors.index.json``'s shards, ``model.safetensors``, every ``*.safetensors``;
+    else PyTorch's ``pytorch_model.bin.index.json``'s shards or ``pytorch_model.bin``."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index_path = os.path.join(path, index)
         if os.path.exists(index_path):
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -199,24 +197,46 @@ class SafetensorsCheckpoint:
                 if not os.path.exists(os.path.join(path, file)):
                     name = next(k for k, v in weight_map.items() if v == file)
                     raise FileNotFoundError(f"missing shard {file} (listed in {index_path} for {name})")
-            files = [os.path.join(path, f) for f in files]
-        else:
-            files = [single] if os.path.exists(single) else sorted(
-                os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")
-            )
-            if not files:
-                pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
-                hint = (f"; it holds PyTorch pickles ({', '.join(pickles)}), which jaxspec does not unpickle: "
-                        "convert them with safetensors.torch.save_file(torch.load(f)) first") if pickles else ""
-                raise FileNotFoundError(
-                    f"no safetensors weights in {path} (expected model.safetensors or "
-                    f"model.safetensors.index.json with shards){hint}"
-                )
+            return [os.path.join(path, f) for f in files]
+        if os.path.exists(os.path.join(path, single)):
+            return [os.path.join(path, single)]
+        if single.endswith(".safetensors"):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+            if files:
+                return files
+    pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+    hint = (f"; it holds {', '.join(pickles)}, and of PyTorch files only pytorch_model.bin (or the shards "
+            "pytorch_model.bin.index.json lists) is read") if pickles else ""
+    raise FileNotFoundError(
+        f"no weights in {path} (expected model.safetensors, model.safetensors.index.json with shards, "
+        f"or pytorch_model.bin){hint}"
+    )
+
+
+class CheckpointTensors:
+    """Tensors of a checkpoint directory (``tensor_files``): safetensors files, or PyTorch's
+    ``torch.save`` zip archives, whose tensors are read in place too (``torch_archive``: no torch,
+    and no code from the pickle is run).
+
+    Tensors are read piece by piece with plain reads of exactly the bytes asked for (rows of the
+    first axis, optionally a band of another axis: a tensor-parallel shard), so the process
+    holds no more than the pieces in flight and reads nothing a caller did not ask for;
+    ``bytes_read`` counts what was read (headers included). (``safetensors.safe_open`` keeps a
+    whole file mapped while it is open, and its numpy path refuses float8.)"""
+
+    def __init__(self, path: str):
+        self.path = path
         self._entries: dict[str, TensorEntry] = {}
         self._lock = threading.Lock()  # bytes_read is counted from the loader's threads
         self.bytes_read = 0
-        for file in files:
-            entries, header_bytes = read_header(file)
+        for file in tensor_files(path):
+            if file.endswith(".safetensors"):
+                entries, header_bytes = read_header(file)
+            else:
+                try:
+                    entries, header_bytes = read_torch_archive(file, TensorEntry)
+                except TorchArchiveError as e:
+                    raise CheckpointError(str(e)) from None
             self._entries.update(entries)
             self.bytes_read += header_bytes
 
@@ -260,6 +280,8 @@ class SafetensorsCheckpoint:
             if not 1 <= axis < len(dims):
                 raise ValueError(f"band axis {axis} of a {len(dims)}-axis tensor")
             dims[axis] = b1 - b0
+        if e.strides is not None:
+            return self._read_strided(e, dt, dims, start, band)
         out = np.empty(dims, dt)
         if out.size == 0:
             return out.reshape(tuple(e.shape) and dims)
@@ -280,6 +302,26 @@ class SafetensorsCheckpoint:
             self.bytes_read += out.nbytes
         return out.reshape(tuple(e.shape) and dims)
 
+    def _read_strided(self, e: TensorEntry, dt: np.dtype, dims: list[int], start: int, band) -> np.ndarray:
+        """A tensor that is not row-major (a saved view): the span of its storage it covers, read
+        whole, then the asked-for rows / band of it copied out."""
+        span = 1 + sum((d - 1) * s for d, s in zip(e.shape, e.strides)) if all(e.shape) else 0
+        raw = np.empty(span, dt)
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            _pread_into(fd, memoryview(raw.view(np.uint8)), e.offset)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.bytes_read += raw.nbytes
+        full = np.lib.stride_tricks.as_strided(raw, e.shape, [s * dt.itemsize for s in e.strides], writeable=False)
+        index = [slice(None)] * len(e.shape)
+        if e.shape:
+            index[0] = slice(start, start + dims[0])
+        if band is not None:
+            index[band[0]] = slice(band[1], band[2])
+        return np.ascontiguousarray(full[tuple(index)])
+
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtype=None) -> np.ndarray:
         """The tensor ``name`` as an in-memory array (cast to ``dtype``), checked against ``shape``."""
         x = self.read(name, shape)
@@ -289,7 +331,7 @@ class SafetensorsCheckpoint:
         """Nothing stays open between reads (kept for callers that close checkpoints)."""
 
 
-def check_same_checkpoint(path: str, raw: dict, ckpt: SafetensorsCheckpoint, dtype, mesh) -> None:
+def check_same_checkpoint(path: str, raw: dict, ckpt: CheckpointTensors, dtype, mesh) -> None:
     """On a mesh spanning several processes: every process must be loading the same checkpoint
     (a checksum of its config.json, its tensor index and the dtype asked for; not its path,
     which may differ between hosts), else a ValueError on every process before anything is read."""

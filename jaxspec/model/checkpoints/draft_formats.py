@@ -31,7 +31,7 @@ from jaxspec.model.checkpoints import assistant as assistant_io
 from jaxspec.model.checkpoints import dflash as dflash_io
 from jaxspec.model.checkpoints import peagle as peagle_io
 from jaxspec.model.checkpoints import speculators as speculators_io
-from jaxspec.model.checkpoints.checkpoint import (CheckpointError, SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size,
+from jaxspec.model.checkpoints.checkpoint import (CheckpointError, CheckpointTensors, check_same_checkpoint, fp8_block_size,
                                          read_config, resolve_dtype)
 from jaxspec.model.checkpoints.eagle import ARCHITECTURES as EAGLE_ARCHITECTURES
 from jaxspec.model.checkpoints.eagle import detect_eagle_version, load_eagle
@@ -321,7 +321,7 @@ def load_draft(path: str | os.PathLike, target: Model, dtype=None) -> DraftModel
     np_dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     raw = read_config(path)
     where = os.path.join(path, "config.json")
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = CheckpointTensors(path)
     check_same_checkpoint(path, raw, ckpt, np_dtype, target.mesh)
     try:
         fmt = detect_draft_format(raw, set(ckpt.keys()), where)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from jaxspec.mesh import MODEL, axis_size
 from jaxspec.model.config import ConfigError
-from jaxspec.model.checkpoints.checkpoint import (SafetensorsCheckpoint, check_same_checkpoint, fp8_block_size, read_config,
+from jaxspec.model.checkpoints.checkpoint import (CheckpointTensors, check_same_checkpoint, fp8_block_size, read_config,
                                          read_eos_ids, resolve_dtype)
 from jaxspec.model.checkpoints.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.checkpoints import deepseek_v4 as v4_io
@@ -102,7 +102,9 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or shards with
-        ``model.safetensors.index.json``); ``tokenizer.json`` is attached when present.
+        ``model.safetensors.index.json``), or PyTorch's ``pytorch_model.bin`` (or its shards with
+        ``pytorch_model.bin.index.json``; read without torch, running nothing from the pickle);
+        ``tokenizer.json`` is attached when present.
       dtype: "bfloat16" | "float32" | "float16": params are cast to it (on the device).
       mesh: a ``jaxspec.make_mesh`` mesh: the weights are streamed straight into their shards
         (tensor parallel over its ``model`` axis, replicated over ``data``; the vocabulary padded
@@ -125,7 +127,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *, mesh=None, progress
     family = target_family(raw, where)
     fp8_block = fp8_block_size(raw, where)
     cfg = family.for_mesh(family.parse(raw, where), axis_size(mesh, MODEL), where)
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = CheckpointTensors(path)
     check_same_checkpoint(path, raw, ckpt, np_dtype, mesh)
     table = family.table(cfg, ckpt)
     warn_unread(family.name, table, ckpt, path, lambda name: family.leaves_unread(name, cfg))

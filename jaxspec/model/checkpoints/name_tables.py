@@ -339,7 +339,7 @@ LOAD_THREADS = 2  # entries loaded at once on one device (each with at most two 
 
 def load_params(table: Table, ckpt, dtype, *, sharding_of=None, fp8_block: tuple[int, int] | None = None,
                 progress: bool = False, desc: str = "loading") -> dict:
-    """Reads every entry of ``table`` from ``ckpt`` (a ``SafetensorsCheckpoint``) into our layout.
+    """Reads every entry of ``table`` from ``ckpt`` (a ``CheckpointTensors``) into our layout.
 
     Streaming: each checkpoint tensor goes from a memory map of its bytes to the device in
     pieces of at most ``CHUNK_BYTES`` (rows of its first axis); the cast to ``dtype`` and any

@@ -128,12 +128,3 @@ def test_sglang_nextn_export_loads_as_the_targets_mtp_layer(tmp_path):
     a, b = jax.tree.leaves_with_path(exported.params), jax.tree.leaves_with_path(own.params)
     assert [p for p, _ in a] == [p for p, _ in b]
     assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(a, b))
-
-
-def test_a_pytorch_pickle_checkpoint_is_refused_naming_its_files(tmp_path):
-    """SafeAILab publishes its heads as ``pytorch_model.bin``: the error names the file and the
-    conversion, not only the safetensors it expected."""
-    d = _copy(tmp_path, "eagle1")
-    (d / "model.safetensors").rename(d / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match=r"PyTorch pickles \(pytorch_model\.bin\).*safetensors\.torch"):
-        js.load_draft(d, _target())

@@ -10,7 +10,7 @@ import pytest
 
 import jaxspec as js
 from jaxspec.model.checkpoints import name_tables as tables
-from jaxspec.model.checkpoints.checkpoint import SafetensorsCheckpoint
+from jaxspec.model.checkpoints.checkpoint import CheckpointTensors
 from jaxspec.model.checkpoints.llama import llama_table
 from jaxspec.model.fused import split_columns
 from jaxspec.model.targets.llama_config import llama_for_tensor_parallel
@@ -36,9 +36,9 @@ def test_repeated_kv_heads_in_pieces(monkeypatch):
     cfg = llama_for_tensor_parallel(js.load_model(path, dtype="float32", progress=False).config, 4)
     assert cfg.kv_repeat == 2
     table = llama_table(cfg, kv_repeat=2)
-    want = tables.load_params(table, SafetensorsCheckpoint(path), np.float32)
+    want = tables.load_params(table, CheckpointTensors(path), np.float32)
     monkeypatch.setattr(tables, "CHUNK_BYTES", 512)
-    got = tables.load_params(table, SafetensorsCheckpoint(path), np.float32)
+    got = tables.load_params(table, CheckpointTensors(path), np.float32)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     D = cfg.head_dim
@@ -72,7 +72,7 @@ def _family_table(name: str, shards: int):
     raw = read_config(path)
     family = target_family(raw, path)
     cfg = family.for_mesh(family.parse(raw, path), shards, path)
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = CheckpointTensors(path)
     return family.table(cfg, ckpt), ckpt
 
 
@@ -111,7 +111,7 @@ def test_export_then_load_is_the_identity(tmp_path, name, shards):
             np.testing.assert_array_equal(tensors[n], ckpt.get(n, dtype=np.float32), err_msg=n)
     assert not tables.unread_tensors(table, tensors)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    back = tables.load_params(table, SafetensorsCheckpoint(str(tmp_path)), np.float32)
+    back = tables.load_params(table, CheckpointTensors(str(tmp_path)), np.float32)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -128,7 +128,7 @@ def test_reads_are_exactly_the_bytes_asked_for(tmp_path):
     x = rng.standard_normal((6, 5, 7)).astype(np.float32)
     y = rng.standard_normal((4, 9)).astype(ml_dtypes.bfloat16)
     save_file({"x": x, "y": y}, str(tmp_path / "model.safetensors"))
-    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    ckpt = CheckpointTensors(str(tmp_path))
     assert ckpt.bytes_read == (tmp_path / "model.safetensors").stat().st_size - x.nbytes - y.nbytes  # the header
     for name, kw, want in [("x", dict(rows=(1, 4), band=(2, 2, 5)), x[1:4, :, 2:5]),
                            ("x", dict(band=(1, 3, 5)), x[:, 3:5]),

@@ -194,10 +194,10 @@ def test_release_form_with_fp8_and_fp4_stages(tmp_path):
     the draft loads with every quantized weight equal to code x scale, the rest as in the golden."""
     from safetensors.numpy import save_file
 
-    from jaxspec.model.checkpoints.checkpoint import SafetensorsCheckpoint
+    from jaxspec.model.checkpoints.checkpoint import CheckpointTensors
     from tests.model.targets.test_deepseek_v4 import BLOCK, legacy_form, published_from_mixed, quantize_as_released
 
-    ckpt = SafetensorsCheckpoint(PATH)
+    ckpt = CheckpointTensors(PATH)
     tensors, want = {}, {}
     for name in ckpt.keys():
         x = ckpt.get(name)

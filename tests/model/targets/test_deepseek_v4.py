@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 import jaxspec as js
 from jaxspec.model.config import ConfigError
-from jaxspec.model.checkpoints.checkpoint import CheckpointError, SafetensorsCheckpoint
+from jaxspec.model.checkpoints.checkpoint import CheckpointError, CheckpointTensors
 from jaxspec.model.targets import forward_fresh
 from jaxspec.model.targets.deepseek_v4_config import CSA, HASH, HCA, SLIDING, TOPK, deepseek_v4_config_from_hf
 from tests.model.golden import GOLDEN, arrays, cases
@@ -161,7 +161,7 @@ def _published_tensor(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def published_dir(root: str) -> str:
-    ckpt = SafetensorsCheckpoint(MIXED)
+    ckpt = CheckpointTensors(MIXED)
     out = os.path.join(root, "published")
     _write(out, {published_from_mixed(k): _published_tensor(ckpt.get(k)) for k in ckpt.keys()},
            legacy_form(raw_config()))
@@ -173,7 +173,7 @@ def modules_dir(root: str) -> str:
     every layout keeps for it; HF writes no MTP layer)."""
     out = os.path.join(root, "modules")
     shutil.copytree(MODULES, out)
-    mixed, modules = SafetensorsCheckpoint(MIXED), SafetensorsCheckpoint(MODULES)
+    mixed, modules = CheckpointTensors(MIXED), CheckpointTensors(MODULES)
     tensors = {k: modules.get(k) for k in modules.keys()}
     tensors.update({k: mixed.get(k) for k in mixed.keys() if k.startswith("mtp.")})
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -194,7 +194,7 @@ def test_three_layouts_load_the_same_params(tmp_path_factory):
     mixed layout's params, and ``load_draft`` the same MTP layer from each."""
     root = str(tmp_path_factory.mktemp("v4"))
     pub = published_dir(root)
-    ckpt = SafetensorsCheckpoint(pub)
+    ckpt = CheckpointTensors(pub)
     assert "embed.weight" in ckpt and "model.embed_tokens.weight" not in ckpt
     assert ckpt.get("layers.0.ffn.gate.tid2eid").dtype == np.int32
     mixed = golden_model()
@@ -260,7 +260,7 @@ def test_fp8_and_fp4_weights_dequantize_while_loading(tmp_path_factory):
     """The published layout, its dense linears FP8 with ``.scale`` (ue8m0) blocks and its routed experts
     FP4: every quantized weight loads as code x scale, computed here with numpy."""
     pub = published_dir(str(tmp_path_factory.mktemp("v4")))
-    ckpt = SafetensorsCheckpoint(pub)
+    ckpt = CheckpointTensors(pub)
     tensors, want = {}, {}
     for name in ckpt.keys():
         x = ckpt.get(name)

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import jaxspec as js
 from jaxspec.kvcache.paging import AttentionInputs
-from jaxspec.model.checkpoints.checkpoint import CheckpointError, SafetensorsCheckpoint
+from jaxspec.model.checkpoints.checkpoint import CheckpointError, CheckpointTensors
 from jaxspec.model.config import ConfigError
 from jaxspec.model.checkpoints.deepseek import init_deepseek_params
 from jaxspec.model.targets.deepseek import create_mla_pool, deepseek_forward
@@ -70,7 +70,7 @@ def test_mtp_head_matches_hf(name):
 
 def check_mtp_head(case, model, ref):
     """The checkpoint's MTP layer over the golden sequence equals HF's block (hidden and logits)."""
-    ckpt = SafetensorsCheckpoint(case_dir(case))
+    ckpt = CheckpointTensors(case_dir(case))
     params, cfg = load_mtp_params(ckpt, model.config, np.float32, target_params=model.params)
     assert cfg.indexer == case["mtp"].get("indexer", False)
     assert cfg.layer_index == case["mtp"]["layer_index"]
@@ -290,10 +290,10 @@ def test_mtp_errors(tmp_path):
     del tensors["model.layers.3.shared_head.head.weight"]
     save_file(tensors, path)
     with pytest.raises(CheckpointError, match="shared_head.head.weight"):
-        load_mtp_params(SafetensorsCheckpoint(str(d)), model.config, np.float32)  # no target to share
-    params, _ = load_mtp_params(SafetensorsCheckpoint(str(d)), model.config, np.float32, target_params=model.params)
+        load_mtp_params(CheckpointTensors(str(d)), model.config, np.float32)  # no target to share
+    params, _ = load_mtp_params(CheckpointTensors(str(d)), model.config, np.float32, target_params=model.params)
     np.testing.assert_array_equal(np.asarray(params["head"]), np.asarray(model.params["lm_head"]))
     del tensors["model.layers.3.eh_proj.weight"]
     save_file(tensors, path)
     with pytest.raises(CheckpointError, match="eh_proj"):
-        load_mtp_params(SafetensorsCheckpoint(str(d)), model.config, np.float32, target_params=model.params)
+        load_mtp_params(CheckpointTensors(str(d)), model.config, np.float32, target_params=model.params)
