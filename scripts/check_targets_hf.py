@@ -8,7 +8,7 @@ Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, Qwen3
 config
 (layers, widths, heads and KV heads, RoPE kind (Llama's ``llama3``, Qwen's YaRN), tied head; Mistral and Gemma 4 windows of 5-16
 positions, Qwen2/Qwen3 ``use_sliding_window`` with a ``max_window_layers`` that makes every layer or
-none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads and softcap; DeepSeek's
+none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads, softcap and MoE blocks; DeepSeek's
 LoRA ranks, dense or MoE layers and YaRN; the hybrids' layer pattern, Gated DeltaNet heads and widths, conv
 kernel, partial rotary factor, dense or MoE), saves an HF model with weights drawn as the goldens' are,
 and as its standalone draft a copy whose every weight is scaled by 1 + s N(0, 1), s of 0.005, 0.02 or
@@ -84,12 +84,14 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int, sha
     if family == "gemma4":
         types = [rng.choice([S, S, F]) for _ in range(layers - 1)] + [F]
         k_eq_v = rng.random() < 0.5
+        moe = dict(enable_moe_block=True, num_experts=rng.choice([4, 8]), top_k_experts=2,
+                   moe_intermediate_size=rng.choice([16, 32])) if rng.random() < 0.5 else {}
         return tf.Gemma4TextConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=rng.choice([8, 16]),
             global_head_dim=rng.choice([16, 32]), num_global_key_value_heads=1 if k_eq_v else kv_heads,
             attention_k_eq_v=k_eq_v, layer_types=types, sliding_window=rng.randint(5, 16),
             hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-            final_logit_softcapping=rng.choice([None, 30.0]))
+            final_logit_softcapping=rng.choice([None, 30.0]), **moe)
     if family == "deepseek_v3":
         rope_dim, moe = rng.choice([4, 8, 16]), rng.random() < 0.5
         if rng.random() < 0.5:
@@ -292,7 +294,8 @@ def make_case(case_dir: Path, family: str, seed: int, vocab: int | None = None, 
                             heads=f"{cfg.num_attention_heads}/{_attr(cfg, 'num_key_value_heads')}",
                             window=_window(family, cfg),
                             rope=(_attr(cfg, "rope_parameters") or {}).get("rope_type", "default")
-                            if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings))
+                            if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings,
+                            gemma4_moe=bool(getattr(cfg, "enable_moe_block", False))))
     (case_dir / "check.json").write_text(json.dumps(meta))
     return meta
 
@@ -323,7 +326,8 @@ def main() -> None:
         acc = results[d]["accept"]
         accept = f"{meta['draft_noise']:g}: " + " ".join(f"{name} " + "/".join(f"{v:.1f}" for k, v in acc.items() if k.startswith(name + " "))
                           for name in meta["drafts"])
-        print(f"{meta['seed']:>5} {meta['family']:>12} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
+        family = meta["family"] + ("+moe" if c.get("gemma4_moe") else "")
+        print(f"{meta['seed']:>5} {family:>12} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
               f"{c['rope']:>14} {lens:>12} {meta['min_logit_margin']:>12.2g} {'yes' if lossless else 'NO':>11} {accept:>40}  "
               f"{vs_hf}{'' if clean else ' (near-tie)'}")
     print(f"{n_clean} of {len(metas)} cases free of near-ties: {bad_hf} differ from HF. Speculative != plain in "

@@ -533,13 +533,14 @@ def routed_experts(
     w_down: jax.Array,  # [E, I, H]
     tensor_parallel: int = 1,
     limit: float | None = None,
+    activation=jax.nn.silu,
 ) -> jax.Array:  # [N, H]
-    """The routed SwiGLU experts of an MoE block: the N*K (token, expert) assignments sorted by
-    expert and run as one grouped matmul (``ragged_dot``), weighted and summed per token. With
-    ``tensor_parallel`` shards the experts are split over the model axis: every shard runs the
-    assignments to its own experts and one all-reduce sums the shards. ``limit``: clamp the gate
-    from above and the up projection to [-limit, limit] before the product (DeepSeek-V4's
-    ``swiglu_limit``)."""
+    """The routed gated experts of an MoE block (``down(activation(gate) * up)``, SwiGLU by
+    default; Gemma 4's GELU-tanh): the N*K (token, expert) assignments sorted by expert and run as
+    one grouped matmul (``ragged_dot``), weighted and summed per token. With ``tensor_parallel``
+    shards the experts are split over the model axis: every shard runs the assignments to its own
+    experts and one all-reduce sums the shards. ``limit``: clamp the gate from above and the up
+    projection to [-limit, limit] before the product (DeepSeek-V4's ``swiglu_limit``)."""
     N, K = experts.shape
     H = xf.shape[-1]
 
@@ -557,7 +558,7 @@ def routed_experts(
         u = jax.lax.ragged_dot(xs, w_up, sizes)
         if limit is not None:
             g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)  # [N*K, H]
+        y = jax.lax.ragged_dot(activation(g) * u, w_down, sizes)  # [N*K, H]
         y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
         out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
         return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)

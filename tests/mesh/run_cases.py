@@ -135,8 +135,10 @@ def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
                       progress=False)
     want = [ref[f"greedy_{i}"].tolist() for i in range(len(c["prompts"]))]
     lens = [a for s in out.stats for a in s.accept_lens]
+    experts = {str(g["experts_gate"].sharding.spec) for g in target.params.values()
+               if isinstance(g, dict) and "experts_gate" in g}
     return dict(equal=out.token_ids == want, plain_equal=None, mean_accept=float(np.mean(lens)),
-                pages_back=out.kv_pages_free == out.kv_pages_total,
+                experts_specs=sorted(experts), pages_back=out.kv_pages_free == out.kv_pages_total,
                 window_pages_back=out.kv_window_pages_free == out.kv_window_pages_total > 0,
                 window_pages_returned=out.kv_window_pages_returned, window_pool_spec=_window_pool_spec(target),
                 wo_spec=_spec(target.params), draft_kind=draft.kind)
@@ -438,6 +440,8 @@ CASES = {
                                                                "gemma4_assistant", dp=2),
     "gemma4_tp2_dp2_tree_perturbed": lambda: sliding_lossless(
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
+    "gemma4_moe_tp2_tree_perturbed": lambda: sliding_lossless(
+        "gemma4_moe", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
     "gemma4_tp2_dp2_window_cache": lambda: window_cache_on_mesh("gemma4_text", 2, 2),
     "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(

@@ -61,6 +61,7 @@ def case(results, name) -> dict:
     # TP=2 x DP=2: each data shard's rows take window pages from the shard's own allocator
     ("gemma4_tp2_dp2_chain_assistant", "frozen_kv"),  # the assistant over split pools, chain, page 16
     ("gemma4_tp2_dp2_tree_perturbed", "standalone"),  # partly accepted tree, compaction per data shard, page 1
+    ("gemma4_moe_tp2_tree_perturbed", "standalone"),  # Gemma 4 with MoE blocks: its 8 experts split 4 + 4, page 16
     # A hybrid (Qwen3.5) target: Gated DeltaNet heads and their recurrent state split over model, rows over data
     ("qwen3_5_tp2_tree_perturbed", "standalone"),  # a hybrid draft's tree, partly accepted, page 16
     ("qwen3_5_tp2_dp2_chain_mtp", "qwen_mtp"),  # its MTP layer, TP=2 x DP=2, page 1
@@ -83,6 +84,8 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     if "window_pool_spec" in r:  # pages over data, KV heads over model; every window page came back
         assert r["window_pool_spec"] == "P(None, 'data', 'model', None)"
         assert r["window_pages_back"]
+    if name.startswith("gemma4_moe"):  # both layer types' experts split over model by expert
+        assert r["experts_specs"] == ["P(None, 'model', None, None)"], r["experts_specs"]
     if "state_spec" in r:  # rows over data, value heads over model
         assert r["state_spec"] == "P(None, 'data', 'model', None, None)"
     if name == "llama_tp2_dp2_ngram":

@@ -4,11 +4,11 @@ engine run reproduces token for token (tests/model/targets/test_golden_sliding.p
 plain greedy without a plain run here.
 
 Targets: the HF-made tiny Gemma 4 (tests/data/golden/sliding_window/gemma4_text: layers
-[S, S, F] x 2, window 6) and Mistral with a window of 6 (every layer sliding: a zero-layer full
+[S, S, F] x 2, window 6), its MoE kind (gemma4_moe: [S, F] x 2, 8 experts, top 2) and Mistral with a window of 6 (every layer sliding: a zero-layer full
 part), each with the goldens' ragged batch of 3 prompts (5, 11, 17 tokens, 16 new: every request
 runs past the window). Drafts: the HF-layout Gemma 4 assistants (frozen-KV: ordered-embeddings
-and plain heads; random, so rarely accepted) on Gemma 4, and a perturbed copy of Mistral as a
-standalone draft with a window pool of its own (partial acceptance: the tree compacts scattered
+and plain heads; random, so rarely accepted) on Gemma 4, and perturbed copies of Mistral and the
+MoE Gemma 4 as standalone drafts with a window pool of its own (partial acceptance: the tree compacts scattered
 nodes in the window pools; compaction in both parts of a split pool is checked directly in
 tests/kvcache/test_window_pool.py).
 """
@@ -52,6 +52,8 @@ CASES = [  # (target, spec, page, draft)
     ("gemma4_text", js.SpecConfig.chain(3), 1, "gemma4_assistant"),
     ("gemma4_text", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "gemma4_assistant_plain"),
     ("mistral_swa", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    ("gemma4_moe", js.SpecConfig.chain(3), 1, "perturbed"),
+    ("gemma4_moe", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
 ]
 
 

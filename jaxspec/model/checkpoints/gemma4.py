@@ -7,18 +7,36 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.model.checkpoints.name_tables import LINEAR, Param, Table, embedding, fused, gate_up, init_params, output_head, stacked
+from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, embedding, fused, gate_up, init_params,
+                                                 output_head, packed_experts, stacked)
 from jaxspec.model.targets.gemma4 import GROUPS
-from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
+from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config, Gemma4Moe
+
+
+def gemma4_moe_entries(moe: Gemma4Moe, hidden: int) -> list:
+    """A layer's MoE block (26B-A4B): its three extra norms, the router (``router.proj``, its input
+    scale ``router.scale`` and ``router.per_expert_scale``) and the packed experts, split over
+    the model axis by expert (the router replicated)."""
+    H, E = hidden, moe.num_experts
+    return [
+        Param("post_mlp_norm_1", "post_feedforward_layernorm_1.weight", (H,), init="ones"),
+        Param("pre_moe_norm", "pre_feedforward_layernorm_2.weight", (H,), init="ones"),
+        Param("post_moe_norm", "post_feedforward_layernorm_2.weight", (H,), init="ones"),
+        Param("router_scale", "router.scale", (H,), init="ones"),
+        Param("router", "router.proj.weight", (H, E), perm=LINEAR),
+        Param("per_expert_scale", "router.per_expert_scale", (E,), init="ones"),
+        *packed_experts("experts.", E, H, moe.intermediate_size),
+    ]
 
 
 def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: int, num_heads: int,
-                         kv: bool = True, shards: int = 1) -> list:
+                         kv: bool = True, shards: int = 1, moe: Gemma4Moe | None = None) -> list:
     """One Gemma 4 layer of an attention shape (names relative to the layer); ``kv=False``: a
-    query-only layer (a frozen-KV assistant's). q/k/v (q/k with ``k_eq_v``) read into one joined
-    ``wqkv`` and gate/up into ``w_gate_up``, in the column order of ``shards`` model shards
-    (``jaxspec.model.fused``). Tensor parallel: q/k/v/gate/up column-parallel, o/down
-    row-parallel; each checkpoint KV head repeated ``shape.kv_repeat`` times."""
+    query-only layer (a frozen-KV assistant's); ``moe``: with its MoE block. q/k/v (q/k with
+    ``k_eq_v``) read into one joined ``wqkv`` and gate/up into ``w_gate_up``, in the column order
+    of ``shards`` model shards (``jaxspec.model.fused``). Tensor parallel: q/k/v/gate/up
+    column-parallel, o/down row-parallel; each checkpoint KV head repeated ``shape.kv_repeat``
+    times."""
     H, D = hidden, shape.head_dim
     q, kvs = num_heads * D, shape.num_kv_heads * D
     a = "self_attn."
@@ -41,7 +59,7 @@ def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: in
         gate_up("w_gate_up", "mlp.", H, intermediate, shards),
         Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR, tp=0),
         Param("layer_scalar", "layer_scalar", (1,), init="ones"),
-    ]
+    ] + ([] if moe is None else gemma4_moe_entries(moe, H))
 
 
 def typed_layers(layer_types, shape_of, prefix: str, **dims) -> Table:
@@ -61,7 +79,7 @@ def gemma4_table(cfg: Gemma4Config) -> Table:
     H, pre = cfg.hidden_size, cfg.prefix
     table: Table = [embedding("embed", pre + "embed_tokens.weight", cfg)]
     table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
-                          num_heads=cfg.num_heads, shards=cfg.tensor_parallel)
+                          num_heads=cfg.num_heads, shards=cfg.tensor_parallel, moe=cfg.moe)
     table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
         table.append(output_head("lm_head", "lm_head.weight", cfg))

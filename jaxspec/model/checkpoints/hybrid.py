@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, SplitParam, Table, embedding, fused, gate_up, init_params,
-                                                 output_head, row_blocks, stacked)
+                                                 output_head, packed_experts, row_blocks, stacked)
 from jaxspec.model.targets.hybrid_config import FULL, HybridConfig
 
 
@@ -125,16 +125,7 @@ def _experts(cfg: HybridConfig, fused: bool) -> list:
                 Param("experts_up", e + "up_proj.weight", (H, Im), perm=LINEAR, experts=E, tp="experts"),
                 Param("experts_down", e + "down_proj.weight", (Im, H), perm=LINEAR, experts=E, tp="experts")]
 
-    def split(x):  # [E, 2 * Im, H] -> gate, up [E, H, Im]
-        return np.transpose(x[:, :Im], (0, 2, 1)), np.transpose(x[:, Im:], (0, 2, 1))
-
-    def join(gate, up):
-        return np.concatenate([np.transpose(gate, (0, 2, 1)), np.transpose(up, (0, 2, 1))], axis=1)
-
-    return [SplitParam(parts=(("experts_gate", (E, H, Im)), ("experts_up", (E, H, Im))),
-                       hf="mlp.experts.gate_up_proj", hf_shape=(E, 2 * Im, H), split=split, join=join, tp="experts",
-                       shard_rows=row_blocks(E)),
-            Param("experts_down", "mlp.experts.down_proj", (E, Im, H), perm=(0, 2, 1), tp="experts")]
+    return packed_experts("mlp.experts.", E, H, Im)
 
 
 def mlp_entries(cfg: HybridConfig, kind: str, fused_experts: bool) -> list:

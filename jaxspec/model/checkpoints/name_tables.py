@@ -212,6 +212,23 @@ def fused(path: str, parts: Sequence[Param], shards: int = 1) -> FusedParam:
                       dtype=parts[0].dtype)
 
 
+def packed_experts(prefix: str, E: int, H: int, I: int) -> list:
+    """Routed SwiGLU-style experts stored as transformers 5 packs them: ``{prefix}gate_up_proj``
+    [E, 2I, H] (gate rows first) and ``{prefix}down_proj`` [E, H, I]; ours ``experts_gate``,
+    ``experts_up`` [E, H, I] and ``experts_down`` [E, I, H], split over the model axis by expert."""
+
+    def split(x):  # [E, 2I, H] -> gate, up [E, H, I]
+        return np.transpose(x[:, :I], (0, 2, 1)), np.transpose(x[:, I:], (0, 2, 1))
+
+    def join(gate, up):
+        return np.concatenate([np.transpose(gate, (0, 2, 1)), np.transpose(up, (0, 2, 1))], axis=1)
+
+    return [SplitParam(parts=(("experts_gate", (E, H, I)), ("experts_up", (E, H, I))),
+                       hf=prefix + "gate_up_proj", hf_shape=(E, 2 * I, H), split=split, join=join, tp="experts",
+                       shard_rows=row_blocks(E)),
+            Param("experts_down", prefix + "down_proj", (E, I, H), perm=(0, 2, 1), tp="experts")]
+
+
 def row_blocks(*segments: int) -> Callable[[int, int], list[tuple[int, int]]]:
     """``SplitParam.shard_rows`` of a tensor whose first axis is ``segments`` one after another,
     each split evenly over the shards: shard k of n takes the k-th n-th of each."""

@@ -1,4 +1,4 @@
-"""Gemma 4 text decoder (dense) as pure functions (checkpoint names in ``jaxspec.model.checkpoints.gemma4``).
+"""Gemma 4 text decoder (dense, or with MoE blocks) as pure functions (checkpoint names in ``jaxspec.model.checkpoints.gemma4``).
 
 Sliding-window and full-attention layers interleave (``Gemma4Config.layer_types``); each type
 has its own head width, KV heads and RoPE, so each keeps its K/V in its own part of a
@@ -12,7 +12,12 @@ layers in ``pool.window`` (only the last positions, the ring table; see
         (wq, wk, wv: one product with the joined wqkv, split after it: ``jaxspec.model.fused``)
     o = attention(q, k, v) with scale 1.0 (sliding layers: keys in (p - W, p])
     x = x + post_attn_norm(o @ wo)
-    x = x + post_mlp_norm(down(gelu_tanh(gate(pre_mlp_norm(x))) * up(pre_mlp_norm(x))))
+    m = post_mlp_norm_1(down(gelu_tanh(gate(pre_mlp_norm(x))) * up(pre_mlp_norm(x))))  (dense: no _1 norm)
+    MoE blocks (26B-A4B), from the same residual x:
+        r = rms(x) * router_scale / sqrt(H);  p = softmax(r @ router) in f32
+        top_k of p renormalized to sum 1, each times per_expert_scale[e]
+        m = m + post_moe_norm(sum_k w_k * down_e(gelu_tanh(gate_e(h)) * up_e(h))),  h = pre_moe_norm(x)
+    x = x + post_mlp_norm(m)
     x = x * layer_scalar
 
 The input is ``embed[tokens] * sqrt(H)`` (the scale rounded to the weight dtype); the output
@@ -28,6 +33,9 @@ Params (linear weights ``[in, out]``; ``[Lt]`` = stacked over the layers of one 
       attn_norm, post_attn_norm, pre_mlp_norm, post_mlp_norm [Lt, H]; layer_scalar [Lt, 1]
       wqkv [Lt, H, (Hq + 2 Hkv) * D] (k_eq_v: [Lt, H, (Hq + Hkv) * D]); q_norm, k_norm [Lt, D]
       wo [Lt, Hq*D, H]; w_gate_up [Lt, H, 2I] (joined); w_down [Lt, I, H]
+      with MoE blocks also: post_mlp_norm_1, pre_moe_norm, post_moe_norm, router_scale [Lt, H];
+      router [Lt, H, E]; per_expert_scale [Lt, E]; experts_gate, experts_up [Lt, E, H, Im];
+      experts_down [Lt, E, Im, H]
 
 Glossary: B rows, T positions per row, H width, Hq query heads, Hkv KV heads, D head width.
 """
@@ -43,9 +51,9 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import SplitPool
 from jaxspec.model.fused import split_columns
 from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, gelu_tanh, lm_head, rms_norm,
-                                  rope_inv_freq, window_write_and_attend, write_and_attend)
+                                  rope_inv_freq, routed_experts, window_write_and_attend, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
-from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config
+from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config, Gemma4Moe
 
 GROUPS = {SLIDING: "sliding", FULL: "full"}  # params group of each layer type
 
@@ -94,12 +102,30 @@ def gemma_qkv(
     return q, apply_rope(norm(k_raw, lp["k_norm"], eps), positions, inv_freq), norm(v_raw, None, eps)
 
 
-def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array, shards: int = 1) -> jax.Array:
+def gemma_moe_block(lp: dict, moe: Gemma4Moe, eps: float, x: jax.Array, shards: int = 1) -> jax.Array:
+    """x [B, T, H] residual -> [B, T, H] the MoE block's output, after its post norm: the router
+    and the experts both read the residual (the experts through their own input norm)."""
+    B, T, H = x.shape
+    xf = x.reshape(B * T, H)
+    # HF's order: the weightless norm, times the scale, times H^-0.5, in the model's dtype.
+    r = norm(xf, None, eps) * lp["router_scale"] * jnp.asarray(H ** -0.5, x.dtype)
+    probs = jax.nn.softmax((r @ lp["router"]).astype(jnp.float32), axis=-1)  # f32[N, E]
+    weights, experts = jax.lax.top_k(probs, moe.top_k)  # [N, K]
+    weights = weights / weights.sum(-1, keepdims=True) * lp["per_expert_scale"].astype(jnp.float32)[experts]
+    y = routed_experts(norm(xf, lp["pre_moe_norm"], eps), experts, weights, lp["experts_gate"], lp["experts_up"],
+                       lp["experts_down"], shards, activation=gelu_tanh)
+    return norm(y.reshape(B, T, H), lp["post_moe_norm"], eps)
+
+
+def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array, shards: int = 1,
+                     moe: Gemma4Moe | None = None) -> jax.Array:
     """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer
-    (gate/up joined in the column order of ``shards`` model shards)."""
+    (gate/up joined in the column order of ``shards`` model shards; ``moe``: with its MoE block)."""
     B, T, _ = x.shape
     x = x + norm(o.reshape(B, T, -1) @ lp["wo"], lp["post_attn_norm"], eps)
     m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate_up"], lp["w_down"], shards, gelu_tanh)
+    if moe is not None:
+        m = norm(m, lp["post_mlp_norm_1"], eps) + gemma_moe_block(lp, moe, eps, x, shards)
     x = x + norm(m, lp["post_mlp_norm"], eps)
     return x * lp["layer_scalar"].astype(x.dtype)
 
@@ -144,7 +170,7 @@ def gemma4_forward(
             else:
                 o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
                                            tensor_parallel=tp)
-            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp)
+            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp, cfg.moe)
         return (x, full, window, aux, g + 1), None
 
     carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))

@@ -2,9 +2,10 @@
 ``Gemma4ForConditionalGeneration``), parsed from HF ``config.json``.
 
 Two layer types interleave: sliding-window layers and full-attention layers, each with its own
-head width, KV heads and RoPE. Dense configurations are supported (the 31B class). Features of
-other sizes are refused by name: per-layer input embeddings (E2B/E4B), KV sharing across layers
-(``num_kv_shared_layers``), MoE blocks (26B-A4B), bidirectional attention, attention biases.
+head width, KV heads and RoPE. Dense configurations (the 31B class) and MoE blocks (26B-A4B: every
+layer a dense MLP plus routed experts, ``Gemma4Moe``) are supported. Features of other sizes are
+refused by name: per-layer input embeddings (E2B/E4B), KV sharing across layers
+(``num_kv_shared_layers``), bidirectional attention, attention biases.
 """
 
 from __future__ import annotations
@@ -43,14 +44,26 @@ class AttentionShape:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemma4Moe:
+    """The MoE block every layer of a Gemma 4 MoE model adds beside its dense MLP
+    (``enable_moe_block``): ``num_experts`` GELU-tanh gated experts of width ``intermediate_size``,
+    ``top_k`` of them per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemma4Config:
-    """A dense Gemma 4 text decoder.
+    """A Gemma 4 text decoder, dense or with MoE blocks.
 
     Attributes:
       layer_types: per layer, "sliding_attention" or "full_attention" (the last is full).
       sliding_window: W: a sliding layer's query at position p sees keys p-W+1 .. p.
       sliding, full: the attention shape of each layer type.
       final_logit_softcapping: c in ``c * tanh(logits / c)``, or None.
+      moe: the MoE block of every layer, or None (dense).
       prefix: where the text weights sit in the checkpoint ("model." for the causal LM,
         "model.language_model." inside a conditional-generation checkpoint).
       tensor_parallel: shards of the mesh's model axis the weights and KV heads (of both pools)
@@ -73,6 +86,7 @@ class Gemma4Config:
     max_position_embeddings: int = 131072
     prefix: str = "model."
     tensor_parallel: int = 1
+    moe: Gemma4Moe | None = None
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:
@@ -161,8 +175,6 @@ def _refuse(text: dict, where: str) -> None:
     if text.get("num_kv_shared_layers"):
         raise ConfigError(f"{where}: KV sharing across layers (num_kv_shared_layers="
                           f"{text['num_kv_shared_layers']}) is not supported")
-    if text.get("enable_moe_block"):
-        raise ConfigError(f"{where}: MoE blocks (enable_moe_block, Gemma 4 26B-A4B) are not supported")
     if text.get("use_bidirectional_attention") == "all":
         raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (a causal LM is expected)")
     if text.get("attention_bias"):
@@ -170,6 +182,18 @@ def _refuse(text: dict, where: str) -> None:
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in _ACTIVATIONS:
         raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (supported: {list(_ACTIVATIONS)})")
+
+
+def moe_of(text: dict, where: str) -> Gemma4Moe | None:
+    """The MoE block of a config with ``enable_moe_block`` (26B-A4B), else None."""
+    if not text.get("enable_moe_block"):
+        return None
+    moe = Gemma4Moe(num_experts=get_field(text, "num_experts", int, where=where),
+                    top_k=get_field(text, "top_k_experts", int, where=where),
+                    intermediate_size=get_field(text, "moe_intermediate_size", int, where=where))
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"{where}: top_k_experts={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    return moe
 
 
 def layer_types_of(text: dict, num_layers: int, where: str) -> tuple[str, ...]:
@@ -237,6 +261,7 @@ def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Ge
             tie_word_embeddings=bool(text.get("tie_word_embeddings", True)),
             max_position_embeddings=int(text.get("max_position_embeddings") or 131072),
             prefix=prefix,
+            moe=moe_of(text, where),
         )
     except ConfigError as e:
         if str(e).startswith(where):
@@ -251,7 +276,8 @@ def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "con
     if shards == 1:
         return cfg
     problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
-                for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size))
+                for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                                ("num_experts", cfg.moe.num_experts if cfg.moe else 0))
                 if n % shards]
     split = {}
     for t, name in ((SLIDING, "sliding"), (FULL, "full")):

@@ -14,12 +14,12 @@ import pytest
 import jaxspec as js
 from jaxspec.model.config import ConfigError
 from jaxspec.model.targets import forward_sequence
-from jaxspec.model.targets.gemma4_config import gemma4_config_from_hf
+from jaxspec.model.targets.gemma4_config import Gemma4Moe, gemma4_config_from_hf, gemma4_for_tensor_parallel
 from tests.conftest import engine
 from tests.model.sliding_golden import (arrays, assistant, assistant_golden_steps, case, case_dir,
                                        check_assistant_steps, target)
 
-TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa"]
+TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa", "gemma4_moe"]
 ASSISTANTS = ["gemma4_assistant", "gemma4_assistant_plain"]
 
 
@@ -34,7 +34,7 @@ def test_logits_and_hidden_match_hf(name):
     np.testing.assert_allclose(np.asarray(hidden[0]), ref[f"hidden_final_{i}"], atol=c["atol"], rtol=c["rtol"])
 
 
-@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("mistral_swa", 1)])
+@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("mistral_swa", 1), ("gemma4_moe", 1)])
 def test_greedy_tokens_past_the_window_match_hf(name, page_size):
     """Ragged batch of 3 through the engine; sequences run to 33 positions, windows are 5-6 (page
     size 16: tests/spec/test_sliding_lossless.py compares its speculative runs with these tokens)."""
@@ -108,10 +108,28 @@ def test_per_layer_config_holds_only_differences(per_layer_config, full_shape):
     assert (cfg.sliding.head_dim, cfg.sliding.num_kv_heads) == (16, 2)
 
 
+def test_moe_blocks_parse_and_check_their_fields():
+    """26B-A4B's fields (enable_moe_block, num_experts, top_k_experts, moe_intermediate_size); a dense
+    config has none; experts must split evenly over the model axis."""
+    cfg = gemma4_config_from_hf(_text_config("gemma4_moe"))
+    assert cfg.moe == Gemma4Moe(num_experts=8, top_k=2, intermediate_size=32)
+    assert gemma4_config_from_hf(_text_config("gemma4_text")).moe is None
+    assert gemma4_for_tensor_parallel(cfg, 2).moe == cfg.moe
+    for field, value, message in [("top_k_experts", 9, "top_k_experts=9 must be between 1 and num_experts=8"),
+                                  ("num_experts", None, "num_experts")]:
+        raw = _text_config("gemma4_moe")
+        raw[field] = value
+        with pytest.raises(ConfigError, match=message):
+            gemma4_config_from_hf(raw)
+    raw = _text_config("gemma4_moe")
+    raw["num_experts"] = 6
+    with pytest.raises(ConfigError, match="num_experts 6 is not divisible by tensor_parallel 4"):
+        gemma4_for_tensor_parallel(gemma4_config_from_hf(raw), 4)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
     ("num_kv_shared_layers", 2, "KV sharing across layers"),
-    ("enable_moe_block", True, "MoE blocks"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
     ("hidden_activation", "silu", "hidden_activation 'silu'"),
 ])
