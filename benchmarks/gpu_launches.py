@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="plain," + ",".join(m.name for m in st.METHODS),
                    help="comma-separated: plain and names of step_timing.METHODS (with --target qwen35 also "
                         f"{st.HYBRID_MTP.name!r})")
-    p.add_argument("--batches", default="1,16")
+    p.add_argument("--batches", default="1,16", help="comma-separated powers of two (the engine's decode batches)")
     p.add_argument("--target", default="llama3-8b", choices=("llama3-8b", "llama3.2-1b", "qwen3-0.6b", "qwen35", "v4"),
                    help="the target's shape: Llama-3-8B, Llama-3.2-1B, Qwen3-0.6B, the Qwen3.5-9B-shaped hybrid or "
                         "the DeepSeek-V4-Flash-shaped target")
@@ -334,8 +334,12 @@ def main(argv=None) -> int:
     rows = []
     print("| method | batch | kernels per step | cuBLAS | Pallas | XLA fusions | other | compile s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    batches = [int(b) for b in args.batches.split(",")]
+    odd = [b for b in batches if b < 1 or b & (b - 1)]
+    if odd:  # the engine's decode batches are powers of two (3 requests run as 4 rows): count those
+        p.error(f"--batches {odd}: the engine's decode batches are powers of two (it runs 3 requests as 4 rows)")
     for method in args.methods.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in batches:
             hlo, seconds = decode_hlo(method, batch, gpu=args.gpu, implementation=args.implementation,
                                       product_rows=args.product_rows, options=options, target=args.target,
                                       one_row_rows=args.one_row_rows)
