@@ -178,9 +178,12 @@ def _shared(cfg: EagleConfig, params: dict, target_params: dict) -> dict:
 def load_eagle(ckpt, raw: dict, version: int, target_cfg: LlamaConfig, target_params: dict, dtype,
                where: str, mesh=None) -> tuple[EagleConfig, dict]:
     """Reads an EAGLE head; shares the target's embedding (and, for EAGLE-1, its lm_head). On a
-    mesh the head is replicated on every shard."""
-    cfg = eagle_config_from_hf(raw, version, target_cfg, where)
+    mesh the head is replicated on every shard. An EAGLE-3 config without ``draft_vocab_size``
+    takes it from the checkpoint's ``d2t`` (one entry per draft token), as the head was trained."""
     view = _Stripped(ckpt)
+    if version == 3 and not raw.get("draft_vocab_size") and "d2t" in view:
+        raw = {**raw, "draft_vocab_size": int(view.entry("d2t").shape[0])}
+    cfg = eagle_config_from_hf(raw, version, target_cfg, where)
     if cfg.version == 1 and cfg.hidden_size != cfg.target_hidden_size:
         raise CheckpointError(f"{ckpt.path}: EAGLE-1 head width {cfg.hidden_size} != target hidden {cfg.target_hidden_size}")
     if "fc.bias" in view:

@@ -125,6 +125,20 @@ def test_eagle3_taps_are_read_from_either_layout(tmp_path, fields):
     assert js.load_draft(d, target("llama3")).config.aux_layers == (1, 3, 6)
 
 
+def test_eagle3_draft_vocabulary_comes_from_d2t_when_the_config_has_none(tmp_path):
+    """A config without ``draft_vocab_size`` (or null) takes the checkpoint's ``d2t`` length; a
+    wrong one stated is still refused by the head's shape."""
+    ref = js.load_draft(case_dir(next(c for c in HEADS if c["name"] == "eagle3_midlayer")), target("llama3"))
+    d = _copy(tmp_path, "eagle3_midlayer")
+    _edit(d, draft_vocab_size=None)
+    draft = js.load_draft(d, target("llama3"))
+    assert draft.config.model.draft_vocab_size == 96
+    np.testing.assert_array_equal(np.asarray(draft.params["hot_ids"]), np.asarray(ref.params["hot_ids"]))
+    _edit(d, draft_vocab_size=128)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(96, 64\), expected \(128, 64\)"):
+        js.load_draft(d, target("llama3"))
+
+
 def test_standalone_draft_with_another_vocabulary_is_refused(tmp_path):
     import shutil
 
