@@ -552,13 +552,26 @@ def routed_experts(
         flat = jnp.where((local >= 0) & (local < El), local, El)
         order = jnp.argsort(flat, stable=True)
         token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
-        sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
         xs = xf[token]  # [N*K, H]
-        g = jax.lax.ragged_dot(xs, w_gate, sizes)
-        u = jax.lax.ragged_dot(xs, w_up, sizes)
-        if limit is not None:
-            g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-        y = jax.lax.ragged_dot(activation(g) * u, w_down, sizes)  # [N*K, H]
+        if N * K < El:
+            # Fewer assignments than experts (decode): XLA lowers ragged_dot densely (each row
+            # masked into an [E*H] row, one product with every expert's weights), so it would read
+            # all El experts' weights; gathered, only the assigned experts' are read.
+            mine = flat[order] < El
+            e = jnp.where(mine, flat[order], 0)
+            g = jnp.einsum("ah,ahi->ai", xs, w_gate[e])
+            u = jnp.einsum("ah,ahi->ai", xs, w_up[e])
+            if limit is not None:
+                g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+            y = jnp.einsum("ai,aih->ah", activation(g) * u, w_down[e])
+            y = jnp.where(mine[:, None], y, jnp.zeros_like(y))  # another shard's expert: zeros, as ragged_dot
+        else:
+            sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
+            g = jax.lax.ragged_dot(xs, w_gate, sizes)
+            u = jax.lax.ragged_dot(xs, w_up, sizes)
+            if limit is not None:
+                g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+            y = jax.lax.ragged_dot(activation(g) * u, w_down, sizes)  # [N*K, H]
         y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
         out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
         return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)

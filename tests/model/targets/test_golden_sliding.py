@@ -47,6 +47,17 @@ def test_greedy_tokens_past_the_window_match_hf(name, page_size):
         assert out.kv_window_pages_returned > 0
 
 
+def test_moe_greedy_one_request_at_a_time_matches_hf():
+    """Batch 1: each decode step routes 2 assignments over 8 experts, fewer than the experts, so it
+    gathers the assigned experts' weights (``layers.routed_experts``); the batch of 3 above routes
+    8 or more and runs ``ragged_dot``."""
+    c, model, ref = case("gemma4_moe"), target("gemma4_moe"), arrays("gemma4_moe")
+    sampling = js.SamplingParams(max_new_tokens=c["greedy_new_tokens"], stop_token_ids=())
+    for i, prompt in enumerate(c["prompts"]):
+        out = js.generate(model, [prompt], sampling=sampling, engine=engine(16, max_batch=1, max_seq_len=64))
+        assert out.token_ids == [ref[f"greedy_{i}"].tolist()]
+
+
 @pytest.mark.parametrize("name", ASSISTANTS)
 def test_assistant_matches_hf_given_the_target_kv(name):
     """HF's recipe (``assistant_golden_steps``): the target over the prompt, then 4 draft steps
