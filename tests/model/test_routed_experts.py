@@ -53,9 +53,12 @@ def test_routed_experts_match_a_loop_over_tokens(N, K, E, limit, act):
     activation = jax.nn.silu if act == "silu" else gelu_tanh
     args = (jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(w_gate), jnp.asarray(w_up),
             jnp.asarray(w_down))
+    def run(*a):
+        return routed_experts(*a, limit=limit, activation=activation)
+
     with jax.default_matmul_precision("highest"):
-        got = routed_experts(*args, limit=limit, activation=activation)
-        jaxpr = str(jax.make_jaxpr(lambda *a: routed_experts(*a, limit=limit, activation=activation))(*args))
+        got = jax.jit(run)(*args)  # one compile, not one per op
+        jaxpr = str(jax.make_jaxpr(run)(*args))
     want = reference(x.astype(np.float64), experts, weights, w_gate.astype(np.float64), w_up.astype(np.float64),
                      w_down.astype(np.float64), limit, silu if act == "silu" else gelu)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
