@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.mesh import same_on_every_process, spans_processes
-from jaxspec.model.checkpoints.torch_archive import TorchArchiveError, read_torch_archive
+from jaxspec.model.checkpoints.torch_archive import TorchArchiveError, read_torch_archive, strided_span
 
 DTYPES = {
     "float32": np.float32,
@@ -305,8 +305,7 @@ class CheckpointTensors:
     def _read_strided(self, e: TensorEntry, dt: np.dtype, dims: list[int], start: int, band) -> np.ndarray:
         """A tensor that is not row-major (a saved view): the span of its storage it covers, read
         whole, then the asked-for rows / band of it copied out."""
-        span = 1 + sum((d - 1) * s for d, s in zip(e.shape, e.strides)) if all(e.shape) else 0
-        raw = np.empty(span, dt)
+        raw = np.empty(strided_span(e.shape, e.strides), dt)
         fd = os.open(e.file, os.O_RDONLY)
         try:
             _pread_into(fd, memoryview(raw.view(np.uint8)), e.offset)

@@ -77,6 +77,11 @@ class StoredTensor:
         return True
 
 
+def strided_span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Elements of its storage a tensor of ``shape`` and element ``strides`` covers, from its first."""
+    return 1 + sum((d - 1) * s for d, s in zip(shape, strides)) if all(shape) else 0
+
+
 def _rebuild_v2(storage, offset, shape, strides, requires_grad=False, hooks=None, metadata=None):
     return _tensor(storage, offset, shape, strides, storage.dtype)
 
@@ -199,7 +204,7 @@ def read_torch_archive(file: str, entry_type):
                     read += _LOCAL_HEADER.size + len(info.filename.encode()) + len(info.extra)
                 begin, size = starts[t.key]
                 item = ITEM_BYTES[t.dtype]
-                span = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.strides)) if all(t.shape) else 0
+                span = strided_span(t.shape, t.strides)
                 if t.offset < 0 or min(t.strides, default=0) < 0 or (t.offset + span) * item > size:
                     raise TorchArchiveError(f"{file}: tensor {name!r} reaches past its storage data/{t.key}")
                 nbytes = int(np.prod(t.shape, dtype=np.int64)) * item
