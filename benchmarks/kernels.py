@@ -24,7 +24,8 @@ DeepSeek-V3 shape (128 heads, latent 512 + rope 64) at B = 32 and context 4096, 
 verify; the DSA indexer scores at DeepSeek-V3.2's (64 heads x 128, page 64); KV moves of accepted
 paths; the gather of the accepted rows' extras; RoPE and the K/V write of one Llama-3-8B layer at
 decode (B = 1) and an 8-node verify (B = 16), and its RMSNorm at the same row counts, each against
-XLA's kernels for the same.
+XLA's kernels for the same; one MoE layer's routed experts (``experts_shapes``) through the
+grouped-matmul kernel against the XLA path.
 
 ``--xla-vs-reference`` times, in one run on any device, the XLA path users run
 (``implementation="xla"``, the CPU default and the GPU fallback: pool-dtype operands, f32
@@ -60,7 +61,7 @@ from jaxspec.pallas.gather_extras import gather_spec_extras  # noqa: E402
 from jaxspec.pallas.kv_move import kv_move  # noqa: E402
 from jaxspec.kvcache.pool import KVPool  # noqa: E402
 from jaxspec.model.config import RopeConfig  # noqa: E402
-from jaxspec.model.layers import Rope, rotate_and_write, stacked_rms_norm  # noqa: E402
+from jaxspec.model.layers import Rope, routed_experts, rotate_and_write, stacked_rms_norm  # noqa: E402
 from jaxspec.pallas.rms_norm import record_reference, rms_norm_reference  # noqa: E402
 from jaxspec.pallas.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
 from jaxspec.pallas.mla_attention import mla_attention, mla_attention_reference, mla_attention_xla  # noqa: E402
@@ -544,6 +545,56 @@ def one_row_product_fn(implementation: str):
     return lambda x, w: x @ w
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertsShape:
+    """One MoE layer's routed experts: ``tokens`` tokens routed to ``top_k`` of ``experts`` experts
+    of hidden ``hidden`` and expert width ``width`` (bf16)."""
+
+    name: str
+    tokens: int
+    top_k: int
+    experts: int
+    hidden: int
+    width: int
+
+
+def experts_shapes(smoke: bool) -> list[ExpertsShape]:
+    """DeepSeek-V4-Flash's expert widths (4096 x 2048, 6 routed) over 64 experts (the check's V4-shaped
+    target has 32; V4-Flash 256), at a verify of 8 nodes for 16 requests (768 assignments: the XLA
+    column is ``ragged_dot``, lowered densely) and for one request (48 < 64: the XLA column gathers the
+    assigned experts), and a 2048-token prefill; Gemma-4-26B-A4B's (2816 x 704, 8 of 128) at a verify
+    of 8 nodes for 4 requests."""
+    if smoke:
+        return [ExpertsShape("experts-smoke", 8, 2, 4, 64, 32)]
+    return [ExpertsShape("v4-like 64 experts verify n=8 B=16", 128, 6, 64, 4096, 2048),
+            ExpertsShape("v4-like 64 experts verify n=8 B=1", 8, 6, 64, 4096, 2048),
+            ExpertsShape("v4-like 64 experts prefill 2048", 2048, 6, 64, 4096, 2048),
+            ExpertsShape("gemma4-26b verify n=8 B=4", 32, 8, 128, 2816, 704)]
+
+
+def experts_problem(s: ExpertsShape, seed: int = 0):
+    """``(x, experts, weights, w_gate, w_up, w_down)`` with each token's experts drawn at random;
+    floor: the weights of the experts some token is routed to, read once, x read, the output written."""
+    rng = np.random.default_rng(seed)
+    experts = np.stack([rng.choice(s.experts, s.top_k, replace=False) for _ in range(s.tokens)]).astype(np.int32)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(keys[0], (s.tokens, s.hidden), jnp.bfloat16)
+    w_gate, w_up = ((jax.random.normal(k, (s.experts, s.hidden, s.width), jnp.float32) * s.hidden ** -0.5)
+                    .astype(jnp.bfloat16) for k in keys[1:3])
+    w_down = (jax.random.normal(keys[3], (s.experts, s.width, s.hidden), jnp.float32) * s.width ** -0.5).astype(
+        jnp.bfloat16)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (s.tokens, s.top_k)), jnp.float32)
+    used = len(np.unique(experts))
+    floor = 2 * (used * 3 * s.hidden * s.width + 2 * s.tokens * s.hidden)
+    return (x, jnp.asarray(experts), weights, w_gate, w_up, w_down), floor
+
+
+def experts_fn(implementation: str):
+    """The routed experts of one layer: the grouped-matmul kernel, or the XLA path (``ragged_dot``, or
+    the assigned experts gathered when there are fewer assignments than experts)."""
+    return functools.partial(routed_experts, implementation={"grouped_matmul": implementation})
+
+
 def exact_attention_fn(s: "AttnShape", implementation: str):
     """The exact mode's attention in the Pallas column; the default paged kernel in the XLA column."""
     if implementation == "pallas":
@@ -589,6 +640,8 @@ def kernel_cases(smoke: bool) -> list[KernelCase]:
     for name, k, n in one_row_product_shapes(smoke):
         cases.append(KernelCase("one_row_product", f"{name} (Pallas column: the row padded to eight)",
                                 functools.partial(matmul_problem, 1, k, n), one_row_product_fn))
+    for s in experts_shapes(smoke):
+        cases.append(KernelCase("grouped_matmul", s.name, functools.partial(experts_problem, s), experts_fn))
     for s in attention_shapes(smoke)[:1]:
         def problem(s=s):
             a, floor = attention_problem(s)
@@ -761,6 +814,14 @@ def check(args) -> list[dict]:
             a, _ = sinkhorn_problem(matrices, seed=6)
             close(sinkhorn_fn("pallas")(*a), sinkhorn_reference(*a, iters=20, eps=1e-6), "float32")
         report("sinkhorn", name, mixing)
+    for s in experts_shapes(True) + ([] if args.smoke else [ExpertsShape("check experts 96 rows of 16", 16, 6, 16, 512, 256),
+                                                            ExpertsShape("check experts prefill 64-row tiles", 512, 2, 4, 256, 128)]):
+        def grouped(s=s):
+            a, _ = experts_problem(s, seed=7)
+            got, want = (np.asarray(experts_fn(impl)(*a), np.float32) for impl in ("pallas", "xla"))
+            # bf16 sums of K experts, each rounded on its own path: compared at the output's scale
+            np.testing.assert_allclose(got, want, rtol=TOL["bfloat16"], atol=TOL["bfloat16"] * np.abs(want).max())
+        report("grouped_matmul", s.name, grouped)
     return rows
 
 

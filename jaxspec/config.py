@@ -17,7 +17,7 @@ from jaxspec.xla_options import normalize_options
 
 # Ops of ``jaxspec.pallas`` that take an ``implementation`` (each resolves its own entry).
 KERNEL_OPS = ("paged_attention", "mla_attention", "mla_sparse_attention", "dsa_indexer", "kv_move", "gather_spec_extras",
-              "rope_write", "rms_norm", "sinkhorn")
+              "rope_write", "rms_norm", "sinkhorn", "grouped_matmul")
 # "pallas" | "xla" | None for every op, or per op: {op: "pallas" | "xla" | None}, stored as
 # sorted (op, choice) pairs so configs stay hashable.
 Implementation = Literal["pallas", "xla"] | None | Mapping[str, Literal["pallas", "xla"] | None] | tuple

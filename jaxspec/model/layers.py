@@ -25,8 +25,10 @@ from jaxspec.mesh import MODEL, per_model_shard
 from jaxspec.model.config import RopeConfig
 from jaxspec.model.fused import column_shards, fuse_columns, shards_of, split_columns
 from jaxspec.pallas import dispatch
+from jaxspec.pallas.block_sizes import grouped_blocks
 from jaxspec.pallas.exact import exact_on, matmul, row_mean
 from jaxspec.pallas.exact_attention import exact_attention
+from jaxspec.pallas.grouped_matmul import gated_epilogue, group_tiles, grouped_matmul_tiled_pallas, grouped_unsupported
 from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.rms_norm import record_reference, rms_norm_pallas
 from jaxspec.pallas.rope_write import rope_cos_sin, rope_write_pallas, rope_write_unsupported
@@ -534,46 +536,67 @@ def routed_experts(
     tensor_parallel: int = 1,
     limit: float | None = None,
     activation=jax.nn.silu,
+    implementation=None,
 ) -> jax.Array:  # [N, H]
     """The routed gated experts of an MoE block (``down(activation(gate) * up)``, SwiGLU by
     default; Gemma 4's GELU-tanh): the N*K (token, expert) assignments sorted by expert and run as
-    one grouped matmul (``ragged_dot``), weighted and summed per token. With ``tensor_parallel``
-    shards the experts are split over the model axis: every shard runs the assignments to its own
-    experts and one all-reduce sums the shards. ``limit``: clamp the gate from above and the up
-    projection to [-limit, limit] before the product (DeepSeek-V4's ``swiglu_limit``)."""
+    grouped matmuls, weighted and summed per token. With ``tensor_parallel`` shards the experts are
+    split over the model axis: every shard runs the assignments to its own experts and one
+    all-reduce sums the shards. ``limit``: clamp the gate from above and the up projection to
+    [-limit, limit] before the product (DeepSeek-V4's ``swiglu_limit``).
+
+    Three paths compute the same function (``implementation``'s ``grouped_matmul`` entry picks):
+    the grouped-matmul kernel (``jaxspec.pallas.grouped_matmul``: each row tile reads its expert's
+    weights once; a GPU's choice), and on XLA either the assigned experts' weights gathered by
+    index (fewer assignments than experts: decode) or ``ragged_dot``, which XLA lowers densely
+    (each row masked into an [E*H] row, one product with every expert's weights)."""
     N, K = experts.shape
-    H = xf.shape[-1]
+    H, I = xf.shape[-1], w_gate.shape[-1]
+    El = w_gate.shape[0] // tensor_parallel
+    if dispatch.implementation_for("grouped_matmul", implementation) is None and N * K < El:
+        path = "gathered"  # decode on any backend: the gather reads the assigned experts, as the kernel would
+    else:
+        why = grouped_unsupported(H, I) or grouped_unsupported(I, H)
+        chosen = dispatch.choose("grouped_matmul", implementation, shape_class="grouped_matmul", unsupported=why)
+        path = "pallas" if chosen == "pallas" else "gathered" if N * K < El else "ragged"
 
     def routed(xf, experts, weights, w_gate, w_up, w_down):  # w_*: this shard's experts [El, ...]
-        El = w_gate.shape[0]
-        # Assignments to other shards' experts sort last, past every group (ragged_dot: zeros).
+        # Assignments to other shards' experts sort last, past every group.
         first = jax.lax.axis_index(MODEL) * El if tensor_parallel > 1 else 0
         local = experts.reshape(N * K) - first
         flat = jnp.where((local >= 0) & (local < El), local, El)
         order = jnp.argsort(flat, stable=True)
         token = (jnp.arange(N * K, dtype=jnp.int32) // K)[order]  # [N*K]
-        xs = xf[token]  # [N*K, H]
-        if N * K < El:
-            # Fewer assignments than experts (decode): XLA lowers ragged_dot densely (each row
-            # masked into an [E*H] row, one product with every expert's weights), so it would read
-            # all El experts' weights; gathered, only the assigned experts' are read.
-            mine = flat[order] < El
-            e = jnp.where(mine, flat[order], 0)
-            g = jnp.einsum("ah,ahi->ai", xs, w_gate[e])
-            u = jnp.einsum("ah,ahi->ai", xs, w_up[e])
-            if limit is not None:
-                g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-            y = jnp.einsum("ai,aih->ah", activation(g) * u, w_down[e])
-            y = jnp.where(mine[:, None], y, jnp.zeros_like(y))  # another shard's expert: zeros, as ragged_dot
-        else:
+        weight = weights.reshape(N * K)[order]  # [N*K]
+        if path == "pallas":
             sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
-            g = jax.lax.ragged_dot(xs, w_gate, sizes)
-            u = jax.lax.ragged_dot(xs, w_up, sizes)
-            if limit is not None:
-                g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-            y = jax.lax.ragged_dot(activation(g) * u, w_down, sizes)  # [N*K, H]
-        y = (y.astype(jnp.float32) * weights.reshape(N * K)[order][:, None]).astype(xf.dtype)
-        out = jnp.zeros((N, H), xf.dtype).at[token].add(y)
+            bm = grouped_blocks(rows=N * K, groups=El, k=H, n=I).block_m
+            tiles = group_tiles(sizes, N * K, bm)
+            # Tiled rows: a padding row reads a zero row (token N) and carries weight 0.
+            token = jnp.concatenate([token, jnp.full((1,), N, jnp.int32)])[tiles.source]  # [T*bm]
+            weight = jnp.concatenate([weight, jnp.zeros((1,), weight.dtype)])[tiles.source]
+            xt = jnp.concatenate([xf, jnp.zeros((1, H), xf.dtype)])[token]  # [T*bm, H]
+            interpret = dispatch.interpret_mode()
+            h = grouped_matmul_tiled_pallas(xt, tiles.tile_group, w_gate, w_up=w_up, activation=activation,
+                                            limit=limit, interpret=interpret)  # [T*bm, I]
+            y = grouped_matmul_tiled_pallas(h, tiles.tile_group, w_down, interpret=interpret)  # [T*bm, H]
+        else:
+            xs = xf[token]  # [N*K, H]
+            if path == "gathered":
+                # XLA reads the gathered experts' rows in place inside its reductions (no copy).
+                mine = flat[order] < El
+                e = jnp.where(mine, flat[order], 0)
+                g = jnp.einsum("ah,ahi->ai", xs, w_gate[e])
+                u = jnp.einsum("ah,ahi->ai", xs, w_up[e])
+                y = jnp.einsum("ai,aih->ah", gated_epilogue(g, u, activation, limit), w_down[e])
+                y = jnp.where(mine[:, None], y, jnp.zeros_like(y))  # another shard's expert: zeros, as ragged_dot
+            else:
+                sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
+                g = jax.lax.ragged_dot(xs, w_gate, sizes)
+                u = jax.lax.ragged_dot(xs, w_up, sizes)
+                y = jax.lax.ragged_dot(gated_epilogue(g, u, activation, limit), w_down, sizes)  # [N*K, H]
+        y = (y.astype(jnp.float32) * weight[:, None]).astype(xf.dtype)
+        out = jnp.zeros((N + 1, H), xf.dtype).at[token].add(y)[:N]  # row N: the tiled layout's padding
         return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)
 
     split = P(MODEL, None, None)

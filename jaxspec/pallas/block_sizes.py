@@ -194,3 +194,53 @@ def gather_blocks(*, num_rows: int, widths: tuple[int, ...], tile_elems: int = _
     rows = _clamp(next_pow2(num_rows), 1, 32)
     cols = tuple(_clamp(tile_elems // rows, 1, next_pow2(max(w, 1))) for w in widths)
     return GatherBlocks(block_rows=rows, block_cols=cols, num_warps=num_warps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedBlocks:
+    """Tiles of the grouped (per-expert) matmul.
+
+    Attributes:
+      block_m: rows per tile; every tile holds rows of one group only (each group is padded to a
+        multiple of it), so a tile reads one expert's weights.
+      block_n: output columns per program.
+      block_k: the reduction step.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for v in (self.block_m, self.block_n, self.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"grouped-matmul tiles must be powers of two >= 16 (tl.dot), got {self}")
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n (1 when n is odd)."""
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def grouped_blocks(*, rows: int, groups: int, k: int, n: int, block_m: int | None = None) -> GroupedBlocks | None:
+    """Heuristic tiles for the grouped matmul of ``rows`` rows over ``groups`` groups (``[rows, k]``
+    times a ``[k, n]`` weight per group), or None when ``k`` or ``n`` has no power-of-two divisor
+    >= 16 (the kernel never pads the weights: a padded copy of every expert would cost more than
+    the product). Rows per group average ``rows / groups``: at a verify (a few rows per expert)
+    tiles of 16 rows waste the least padding; a prefill (hundreds of rows per expert) takes 64, so
+    each weight tile is read by 4x fewer programs. ``block_m``: the rows per tile of a layout
+    already built."""
+    bn, bk = _pow2_divisor(n, 128), _pow2_divisor(k, 64)
+    if bn < 16 or bk < 16:
+        return None
+    if block_m is None:
+        block_m = 64 if rows >= 64 * groups else 16
+    if block_m >= 64:  # 8 warps: the gated product's two [64, 128] f32 accumulators
+        return GroupedBlocks(block_m=block_m, block_n=bn, block_k=bk, num_warps=8)
+    return GroupedBlocks(block_m=block_m, block_n=bn, block_k=bk)

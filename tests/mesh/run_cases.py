@@ -113,7 +113,7 @@ def dflash_lossless(tp, spec, page, draft_dir="dflash/dflash"):
                 draft_kind=draft.kind)
 
 
-def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
+def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1, implementation=None):
     """A target with sliding-window layers on a mesh (both KV pools split by KV head over model,
     and by pages over data): speculative greedy == HF's greedy tokens (the goldens, which plain
     greedy on one device reproduces: tests/model/targets/test_golden_sliding.py), ragged batch of 3
@@ -131,8 +131,8 @@ def sliding_lossless(target_name, tp, spec, page, draft_kind, dp=1):
     else:  # an HF-layout Gemma 4 assistant (frozen KV: reads the split target pools)
         draft = js.load_draft(case_dir(draft_kind), target)
     sampling = js.SamplingParams(max_new_tokens=c["greedy_new_tokens"], stop_token_ids=())
-    out = js.generate(target, c["prompts"], draft=draft, spec=spec, sampling=sampling, engine=engine(page, 4),
-                      progress=False)
+    out = js.generate(target, c["prompts"], draft=draft, spec=spec, sampling=sampling,
+                      engine=engine(page, 4, implementation=implementation), progress=False)
     want = [ref[f"greedy_{i}"].tolist() for i in range(len(c["prompts"]))]
     lens = [a for s in out.stats for a in s.accept_lens]
     experts = {str(g["experts_gate"].sharding.spec) for g in target.params.values()
@@ -442,6 +442,8 @@ CASES = {
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
     "gemma4_moe_tp2_tree_perturbed": lambda: sliding_lossless(
         "gemma4_moe", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    "gemma4_moe_tp2_chain_grouped_kernel": lambda: sliding_lossless(
+        "gemma4_moe", 2, js.SpecConfig.chain(3), 1, "perturbed", implementation={"grouped_matmul": "pallas"}),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),
     "gemma4_tp2_dp2_window_cache": lambda: window_cache_on_mesh("gemma4_text", 2, 2),
     "qwen3_5_tp2_tree_perturbed": lambda: hybrid_lossless(

@@ -1,6 +1,7 @@
-"""``layers.routed_experts`` against a per-token loop in numpy, on both of its paths: fewer
+"""``layers.routed_experts`` against a per-token loop in numpy, on its three paths: on XLA, fewer
 assignments than experts (decode: the assigned experts' weights gathered) and the rest (one
-``ragged_dot`` per product over the assignments sorted by expert)."""
+``ragged_dot`` per product over the assignments sorted by expert); and the grouped-matmul kernel
+(``implementation="pallas"``, interpret mode here) at every shape."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ CASES = [  # (tokens N, experts per token K, experts E, limit, activation); gath
 ]
 
 
+@pytest.mark.parametrize("implementation", [None, "pallas"])
 @pytest.mark.parametrize("N,K,E,limit,act", CASES, ids=[f"N{c[0]}_K{c[1]}_E{c[2]}" for c in CASES])
-def test_routed_experts_match_a_loop_over_tokens(N, K, E, limit, act):
-    H, I = 16, 12
+def test_routed_experts_match_a_loop_over_tokens(N, K, E, limit, act, implementation):
+    H, I = 16, 32
     rng = np.random.default_rng(N * 100 + K * 10 + E)
     x = rng.standard_normal((N, H)).astype(np.float32)
     experts = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
@@ -54,7 +56,7 @@ def test_routed_experts_match_a_loop_over_tokens(N, K, E, limit, act):
     args = (jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(w_gate), jnp.asarray(w_up),
             jnp.asarray(w_down))
     def run(*a):
-        return routed_experts(*a, limit=limit, activation=activation)
+        return routed_experts(*a, limit=limit, activation=activation, implementation=implementation)
 
     with jax.default_matmul_precision("highest"):
         got = jax.jit(run)(*args)  # one compile, not one per op
@@ -63,4 +65,5 @@ def test_routed_experts_match_a_loop_over_tokens(N, K, E, limit, act):
                      w_down.astype(np.float64), limit, silu if act == "silu" else gelu)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     # Which path ran: XLA lowers ragged_dot densely (every expert's weights read), so decode gathers.
-    assert ("ragged_dot" in jaxpr) == (N * K >= E)
+    assert ("ragged_dot" in jaxpr) == (implementation is None and N * K >= E)
+    assert ("pallas_call" in jaxpr) == (implementation == "pallas")

@@ -41,11 +41,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.model.config import RopeConfig
+from jaxspec.model.layers import gelu_tanh
 from jaxspec.pallas import block_table
 from jaxspec.pallas.dsa_indexer import index_scores_pallas
 from jaxspec.pallas.exact_attention import exact_attention
 from jaxspec.pallas.fixed_matmul import fixed_matmul_pallas
 from jaxspec.pallas.gather_extras import gather_spec_extras_pallas
+from jaxspec.pallas.grouped_matmul import grouped_matmul_tiled_pallas, tiles_needed
 from jaxspec.pallas.kv_move import kv_move_pallas
 from jaxspec.pallas.mla_attention import mla_attention_pallas
 from jaxspec.pallas.mla_sparse_attention import mla_sparse_attention_pallas
@@ -269,6 +271,20 @@ def fixed_matmul_case(rows: int, k: int, n: int):
     return fn, (_sds((rows, k), _BF16), _sds((k, n), _BF16))
 
 
+def grouped_matmul_case(rows: int, experts: int, k: int, n: int, block_m: int, gated: bool, limit: float | None = None,
+                        activation=jax.nn.silu):
+    """An MoE block's routed experts in the tiled layout: ``rows`` assignments over ``experts``
+    experts of ``[k, n]`` weights (``gated``: the gate and up products and ``activation``)."""
+    tiles = tiles_needed(rows, experts, block_m)
+
+    def fn(xt, tile_group, w, w_up=None):
+        return grouped_matmul_tiled_pallas(xt, tile_group, w, w_up=w_up, activation=activation, limit=limit,
+                                           interpret=False)
+
+    w = _sds((experts, k, n), _BF16)
+    return fn, (_sds((tiles * block_m, k), _BF16), _sds((tiles,), _I32), w) + ((w,) if gated else ())
+
+
 def _attn(id_, s: AttentionShape, **kw) -> CompileCase:
     return CompileCase(id_, "paged_attention", functools.partial(paged_attention_case, s), shape=s, **kw)
 
@@ -383,6 +399,19 @@ CASES: list[CompileCase] = [
                 reads_kv=False),
     CompileCase("fixed matmul llama3-8b down 16 rows", "fixed_matmul",
                 functools.partial(fixed_matmul_case, 16, 14336, 4096), reads_kv=False),
+    # Routed experts: DeepSeek-V4-Flash (256 experts of 4096 x 2048, 6 routed) at a verify n=8 B=16
+    # (768 assignments, 16-row tiles) and a 2048-token prefill (64-row tiles); Gemma-4-26B-A4B
+    # (128 experts of 2816 x 704, 8 routed, GELU-tanh) at a verify n=8 B=4
+    CompileCase("grouped matmul v4-flash gate/up verify n=8 B=16", "grouped_matmul",
+                functools.partial(grouped_matmul_case, 768, 256, 4096, 2048, 16, True, 10.0)),
+    CompileCase("grouped matmul v4-flash down verify n=8 B=16", "grouped_matmul",
+                functools.partial(grouped_matmul_case, 768, 256, 2048, 4096, 16, False)),
+    CompileCase("grouped matmul v4-flash gate/up prefill 2048", "grouped_matmul",
+                functools.partial(grouped_matmul_case, 12288, 256, 4096, 2048, 64, True)),
+    CompileCase("grouped matmul gemma4-26b gate/up verify n=8 B=4", "grouped_matmul",
+                functools.partial(grouped_matmul_case, 256, 128, 2816, 704, 16, True, activation=gelu_tanh)),
+    CompileCase("grouped matmul gemma4-26b down verify n=8 B=4", "grouped_matmul",
+                functools.partial(grouped_matmul_case, 256, 128, 704, 2816, 16, False)),
     # Gemma-4-31B-like (report rows)
     _attn("gemma4-31b sliding D=256 decode B=32 p16", _decode(32, **GEMMA_SLIDING), must_pass=False),
     _attn("gemma4-31b sliding D=256 verify n=8 B=16 p16", _verify(16, **GEMMA_SLIDING), must_pass=False),

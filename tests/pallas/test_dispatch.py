@@ -65,7 +65,7 @@ def test_bad_choices_raise():
     with pytest.raises(NotImplementedError, match="paged_attention: too wide"):
         dispatch.choose("paged_attention", "pallas", shape_class=VERIFY_128, unsupported="too wide")
     assert set(KERNEL_OPS) == {"paged_attention", "mla_attention", "mla_sparse_attention", "dsa_indexer", "kv_move",
-                               "gather_spec_extras", "rope_write", "rms_norm", "sinkhorn"}
+                               "gather_spec_extras", "rope_write", "rms_norm", "sinkhorn", "grouped_matmul"}
 
 
 def test_gpu_picks_pallas_unless_the_table_or_the_shape_sends_it_to_xla(on_h100):

@@ -101,7 +101,7 @@ def test_dry_run_runs_every_item_of_both_calls():
     assert [r["config"] for r in rows["target_candidates"]] == ["hybrid plain", "hybrid plain + command_buffer_loops"]
     assert rows["target_candidates"][0]["vs_plain"] == 1.0 and rows["target_candidates"][1]["vs_plain"] > 0
     assert "WHILE,CONDITIONAL" in rows["target_candidates"][1]["options"]
-    kinds = {"attention", "mla", "indexer", "kv_move", "gather", "rope_write", "rms_norm", "sinkhorn"}
+    kinds = {"attention", "mla", "indexer", "kv_move", "gather", "rope_write", "rms_norm", "sinkhorn", "grouped_matmul"}
     assert {r["kind"] for r in rows["kernels"]} == kinds | {"exact_matmul", "one_row_product", "exact_attention"}
     assert all(r["pallas_calls"] >= 2 for r in rows["kernels"])
     assert {r["kind"] for r in rows["check"]} == kinds and all(r["ok"] for r in rows["check"])

@@ -39,18 +39,20 @@ def golden(name):
     return case, target, js.load_draft(case_dir(case), target), arrays(case)
 
 
-@pytest.mark.parametrize("name,spec,page", [
-    ("deepseek_v3_dense", js.SpecConfig.chain(3), 1),
-    ("deepseek_v3_dense", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), 16),
-    ("deepseek_v3_moe", js.SpecConfig.chain(2), 16),
-    ("deepseek_v3_moe", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 1),
-], ids=["dense-chain3-page1", "dense-tree-page16", "moe-chain2-page16", "moe-tree-page1"])
-def test_mtp_drafting_is_lossless(name, spec, page):
+@pytest.mark.parametrize("name,spec,page,implementation", [
+    ("deepseek_v3_dense", js.SpecConfig.chain(3), 1, None),
+    ("deepseek_v3_dense", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), 16, None),
+    ("deepseek_v3_moe", js.SpecConfig.chain(2), 16, None),
+    ("deepseek_v3_moe", js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 1, None),
+    # the routed experts of the target and of its MTP layer through the grouped-matmul kernel
+    ("deepseek_v3_moe", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, {"grouped_matmul": "pallas"}),
+], ids=["dense-chain3-page1", "dense-tree-page16", "moe-chain2-page16", "moe-tree-page1", "moe-tree-page16-grouped-kernel"])
+def test_mtp_drafting_is_lossless(name, spec, page, implementation):
     case, target, draft, ref = golden(name)
     assert draft.kind == "mtp"
     out = js.generate(target, case["prompts"], draft=draft, spec=spec,
                       sampling=js.SamplingParams(max_new_tokens=case["greedy_new_tokens"], stop_token_ids=()),
-                      engine=engine(page, 4, max_seq_len=64))
+                      engine=engine(page, 4, max_seq_len=64, implementation=implementation))
     for i in range(len(case["prompts"])):
         assert out.token_ids[i] == ref[f"greedy_{i}"].tolist()
     assert out.kv_pages_free == out.kv_pages_total

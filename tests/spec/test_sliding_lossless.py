@@ -27,11 +27,11 @@ from tests.conftest import engine
 from tests.model.sliding_golden import arrays, assistant, case, target
 
 
-def run(name, page, draft=None, spec=None):
+def run(name, page, draft=None, spec=None, implementation=None):
     c = case(name)
     return js.generate(target(name), c["prompts"], draft=draft, spec=spec,
                        sampling=js.SamplingParams(max_new_tokens=c["greedy_new_tokens"], stop_token_ids=()),
-                       engine=engine(page, max_batch=4, max_seq_len=64))
+                       engine=engine(page, max_batch=4, max_seq_len=64, implementation=implementation))
 
 
 @functools.cache
@@ -72,6 +72,17 @@ def test_speculative_greedy_equals_plain_greedy(name, spec, page, draft):
     assert lens.min() >= 1 and lens.max() <= spec.num_steps + 1
     if draft == "perturbed":
         assert lens.mean() > 1.2 and (lens < spec.num_steps + 1).any(), lens
+
+
+def test_moe_chain_with_the_grouped_kernel_equals_plain_greedy():
+    """Gemma 4 MoE's routed experts (target and draft) through the grouped-matmul kernel: the
+    speculative tokens are still HF's greedy tokens, with partial acceptance."""
+    spec = js.SpecConfig.chain(3)
+    out = run("gemma4_moe", 1, draft_for("gemma4_moe", "perturbed"), spec, implementation={"grouped_matmul": "pallas"})
+    ref = arrays("gemma4_moe")
+    assert out.token_ids == [ref[f"greedy_{i}"].tolist() for i in range(len(case("gemma4_moe")["prompts"]))]
+    lens = np.concatenate([s.accept_lens for s in out.stats])
+    assert lens.mean() > 1.2 and (lens < spec.num_steps + 1).any(), lens
 
 
 def test_tree_depth_must_stay_inside_the_window():

@@ -65,7 +65,7 @@ def _layer(params: dict, cfg: QwenMtpConfig, j: int, x, positions, kv: KVPool, a
                            implementation)
     x = x + o
     h = norm(x, lp["mlp_norm"], t.rms_norm_eps)
-    return x + (moe_mlp(lp, t, h) if cfg.moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], t.tensor_parallel)), kv
+    return x + (moe_mlp(lp, t, h, implementation) if cfg.moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], t.tensor_parallel)), kv
 
 
 def qwen_mtp_forward(params: dict, cfg: QwenMtpConfig, tokens, feature, positions, kv: KVPool, attn: AttentionInputs,

@@ -205,7 +205,8 @@ def mla_attention_block(
     return o @ lp["wo"], pool
 
 
-def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) -> jax.Array:  # [B, T, H] -> [B, T, H]
+def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1,
+            implementation=None) -> jax.Array:  # [B, T, H] -> [B, T, H]
     """DeepSeekMoE: group-limited sigmoid routing (bias for selection only), the routed experts
     (``routed_experts``), plus the shared experts."""
     B, T, H = x.shape
@@ -228,7 +229,7 @@ def moe_mlp(lp: dict, moe: MoEConfig, x: jax.Array, tensor_parallel: int = 1) ->
     weights = weights * moe.routed_scaling_factor
 
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                         tensor_parallel)
+                         tensor_parallel, implementation=implementation)
     if moe.n_shared_experts:
         out = out + gated_mlp(xf, lp["shared_gate_up"], lp["shared_down"], tensor_parallel)
     return out.reshape(B, T, H)
@@ -251,7 +252,7 @@ def decoder_block(
     o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel) if moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
+    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel, implementation) if moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
     return x, pool
 
 

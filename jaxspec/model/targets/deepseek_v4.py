@@ -137,7 +137,7 @@ def clamped_swiglu(x: jax.Array, w_gate_up, w_down, limit: float, shards: int = 
 
 
 def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid2eid: jax.Array | None,
-           bias: jax.Array | None, hashed: jax.Array) -> jax.Array:
+           bias: jax.Array | None, hashed: jax.Array, implementation=None) -> jax.Array:
     """``x [B, T, H]`` -> [B, T, H]: routed experts plus the shared expert. The experts are
     ``tid2eid[token]`` where ``hashed`` (bool[]), else the top-k of score + ``bias``."""
     B, T, H = x.shape
@@ -153,7 +153,7 @@ def v4_moe(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, tid
     weights = jnp.take_along_axis(scores, experts, axis=1)
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                         cfg.tensor_parallel, limit=cfg.swiglu_limit)
+                         cfg.tensor_parallel, limit=cfg.swiglu_limit, implementation=implementation)
     shared = clamped_swiglu(xf, lp["shared_gate_up"], lp["shared_down"], cfg.swiglu_limit, cfg.tensor_parallel)
     return (out + shared).reshape(B, T, H)
 
@@ -169,7 +169,8 @@ def v4_block(lp: dict, cfg: DeepseekV4Config, x: jax.Array, tokens: jax.Array, a
     x = expand(x, o.astype(x.dtype), post, comb)
     pre, post, comb = hyper_weights(x, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], cfg,
                                     implementation=implementation)
-    y = v4_moe(lp, cfg, norm(collapse(x, pre), lp["mlp_norm"], cfg.rms_norm_eps), tokens, tid2eid, bias, hashed)
+    y = v4_moe(lp, cfg, norm(collapse(x, pre), lp["mlp_norm"], cfg.rms_norm_eps), tokens, tid2eid, bias, hashed,
+               implementation)
     return expand(x, y.astype(x.dtype), post, comb), extra
 
 

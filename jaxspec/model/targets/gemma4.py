@@ -102,7 +102,8 @@ def gemma_qkv(
     return q, apply_rope(norm(k_raw, lp["k_norm"], eps), positions, inv_freq), norm(v_raw, None, eps)
 
 
-def gemma_moe_block(lp: dict, moe: Gemma4Moe, eps: float, x: jax.Array, shards: int = 1) -> jax.Array:
+def gemma_moe_block(lp: dict, moe: Gemma4Moe, eps: float, x: jax.Array, shards: int = 1,
+                    implementation=None) -> jax.Array:
     """x [B, T, H] residual -> [B, T, H] the MoE block's output, after its post norm: the router
     and the experts both read the residual (the experts through their own input norm)."""
     B, T, H = x.shape
@@ -113,19 +114,19 @@ def gemma_moe_block(lp: dict, moe: Gemma4Moe, eps: float, x: jax.Array, shards: 
     weights, experts = jax.lax.top_k(probs, moe.top_k)  # [N, K]
     weights = weights / weights.sum(-1, keepdims=True) * lp["per_expert_scale"].astype(jnp.float32)[experts]
     y = routed_experts(norm(xf, lp["pre_moe_norm"], eps), experts, weights, lp["experts_gate"], lp["experts_up"],
-                       lp["experts_down"], shards, activation=gelu_tanh)
+                       lp["experts_down"], shards, activation=gelu_tanh, implementation=implementation)
     return norm(y.reshape(B, T, H), lp["post_moe_norm"], eps)
 
 
 def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array, shards: int = 1,
-                     moe: Gemma4Moe | None = None) -> jax.Array:
+                     moe: Gemma4Moe | None = None, implementation=None) -> jax.Array:
     """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer
     (gate/up joined in the column order of ``shards`` model shards; ``moe``: with its MoE block)."""
     B, T, _ = x.shape
     x = x + norm(o.reshape(B, T, -1) @ lp["wo"], lp["post_attn_norm"], eps)
     m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate_up"], lp["w_down"], shards, gelu_tanh)
     if moe is not None:
-        m = norm(m, lp["post_mlp_norm_1"], eps) + gemma_moe_block(lp, moe, eps, x, shards)
+        m = norm(m, lp["post_mlp_norm_1"], eps) + gemma_moe_block(lp, moe, eps, x, shards, implementation)
     x = x + norm(m, lp["post_mlp_norm"], eps)
     return x * lp["layer_scalar"].astype(x.dtype)
 
@@ -170,7 +171,7 @@ def gemma4_forward(
             else:
                 o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
                                            tensor_parallel=tp)
-            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp, cfg.moe)
+            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp, cfg.moe, implementation)
         return (x, full, window, aux, g + 1), None
 
     carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))

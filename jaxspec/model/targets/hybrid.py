@@ -222,7 +222,7 @@ def conv_from_scratch(x, conv0, w, scratch_in, at_step, step):  # -> f32[B, T, C
     return out
 
 
-def moe_mlp(lp: dict, cfg: HybridConfig, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+def moe_mlp(lp: dict, cfg: HybridConfig, x: jax.Array, implementation=None) -> jax.Array:  # [B, T, H] -> [B, T, H]
     """Softmax top-k routing (renormalized when ``norm_topk_prob``), the routed experts, and the
     shared expert scaled by sigmoid(shared_expert_gate(x))."""
     B, T, H = x.shape
@@ -234,7 +234,7 @@ def moe_mlp(lp: dict, cfg: HybridConfig, x: jax.Array) -> jax.Array:  # [B, T, H
     if m.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     out = routed_experts(xf, experts, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                         cfg.tensor_parallel)
+                         cfg.tensor_parallel, implementation=implementation)
     shared = gated_mlp(xf, lp["shared_gate_up"], lp["shared_down"], cfg.tensor_parallel)
     gate = jax.nn.sigmoid((xf @ lp["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)
     return (out + gate * shared).reshape(B, T, H)
@@ -284,7 +284,7 @@ def hybrid_forward(
                 li += 1
             x = x + o
             h = layer_norm(x, j, "mlp_norm", n)
-            x = x + (moe_mlp(lp, cfg, h) if mlp == "moe" else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
+            x = x + (moe_mlp(lp, cfg, h, implementation) if mlp == "moe" else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
         ys = tuple(pend) if attn.pending else None
         return (x, kv, state, snaps, scratch, aux, n + 1), ys
 
