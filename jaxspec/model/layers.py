@@ -526,13 +526,44 @@ def layer_tail(
     return x + gated_mlp(h, lp["w_gate_up"], lp["w_down"], shards_of(cfg))
 
 
+ROUTED_EXPERTS = ("experts_gate", "experts_up", "experts_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer ``layer`` of the stacked weights ``stack [L, ...]``, left unsliced: a layer loop hands
+    the routed experts' weights to ``routed_experts`` this way, so the grouped-matmul kernel reads
+    them where they lie (a slice handed to a custom call is copied first: every expert's weights,
+    every layer), while XLA's paths slice them inside their own fusions."""
+
+    stack: jax.Array  # [L, ...]
+    layer: jax.Array  # i32[]
+
+    def sliced(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)
+
+
+def without_routed_experts(stacked: dict) -> dict:
+    """A layer stack's weights but the routed experts': what a layer loop slices per layer."""
+    return {k: v for k, v in stacked.items() if k not in ROUTED_EXPERTS}
+
+
+def with_routed_experts(lp: dict, stacked: dict, layer) -> dict:
+    """One layer's weights ``lp`` (sliced by the loop) plus its routed experts' weights as
+    ``StackedLayer`` rows of ``stacked`` (unsliced): the loop's counterpart of
+    ``without_routed_experts``."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return {**lp, **{k: StackedLayer(stacked[k], layer) for k in ROUTED_EXPERTS if k in stacked}}
+
+
 def routed_experts(
     xf: jax.Array,  # [N, H] tokens
     experts: jax.Array,  # i32[N, K] the experts each token is routed to
     weights: jax.Array,  # f32[N, K] their weights
-    w_gate: jax.Array,  # [E, H, I]
-    w_up: jax.Array,  # [E, H, I]
-    w_down: jax.Array,  # [E, I, H]
+    w_gate: jax.Array | StackedLayer,  # [E, H, I], or a layer of a stack [L, E, H, I]
+    w_up: jax.Array | StackedLayer,  # [E, H, I]
+    w_down: jax.Array | StackedLayer,  # [E, I, H]
     tensor_parallel: int = 1,
     limit: float | None = None,
     activation=jax.nn.silu,
@@ -550,9 +581,11 @@ def routed_experts(
     weights once; a GPU's choice), and on XLA either the assigned experts' weights gathered by
     index (fewer assignments than experts: decode) or ``ragged_dot``, which XLA lowers densely
     (each row masked into an [E*H] row, one product with every expert's weights)."""
+    stacks = tuple(w.stack if isinstance(w, StackedLayer) else w[None] for w in (w_gate, w_up, w_down))  # [L, E, ..]
+    layer = w_gate.layer if isinstance(w_gate, StackedLayer) else jnp.zeros((), jnp.int32)
     N, K = experts.shape
-    H, I = xf.shape[-1], w_gate.shape[-1]
-    El = w_gate.shape[0] // tensor_parallel
+    H, I = xf.shape[-1], stacks[0].shape[-1]
+    El = stacks[0].shape[1] // tensor_parallel
     if dispatch.implementation_for("grouped_matmul", implementation) is None and N * K < El:
         path = "gathered"  # decode on any backend: the gather reads the assigned experts, as the kernel would
     else:
@@ -560,7 +593,7 @@ def routed_experts(
         chosen = dispatch.choose("grouped_matmul", implementation, shape_class="grouped_matmul", unsupported=why)
         path = "pallas" if chosen == "pallas" else "gathered" if N * K < El else "ragged"
 
-    def routed(xf, experts, weights, w_gate, w_up, w_down):  # w_*: this shard's experts [El, ...]
+    def routed(xf, experts, weights, layer, w_gate, w_up, w_down):  # w_*: this shard's experts [L, El, ...]
         # Assignments to other shards' experts sort last, past every group.
         first = jax.lax.axis_index(MODEL) * El if tensor_parallel > 1 else 0
         local = experts.reshape(N * K) - first
@@ -577,21 +610,23 @@ def routed_experts(
             weight = jnp.concatenate([weight, jnp.zeros((1,), weight.dtype)])[tiles.source]
             xt = jnp.concatenate([xf, jnp.zeros((1, H), xf.dtype)])[token]  # [T*bm, H]
             interpret = dispatch.interpret_mode()
-            h = grouped_matmul_tiled_pallas(xt, tiles.tile_group, w_gate, w_up=w_up, activation=activation,
-                                            limit=limit, interpret=interpret)  # [T*bm, I]
-            y = grouped_matmul_tiled_pallas(h, tiles.tile_group, w_down, interpret=interpret)  # [T*bm, H]
+            h = grouped_matmul_tiled_pallas(xt, tiles.tile_group, w_gate, w_up=w_up, layer=layer,
+                                            activation=activation, limit=limit, interpret=interpret)  # [T*bm, I]
+            y = grouped_matmul_tiled_pallas(h, tiles.tile_group, w_down, layer=layer, interpret=interpret)  # [T*bm, H]
         else:
             xs = xf[token]  # [N*K, H]
             if path == "gathered":
                 # XLA reads the gathered experts' rows in place inside its reductions (no copy).
                 mine = flat[order] < El
                 e = jnp.where(mine, flat[order], 0)
-                g = jnp.einsum("ah,ahi->ai", xs, w_gate[e])
-                u = jnp.einsum("ah,ahi->ai", xs, w_up[e])
-                y = jnp.einsum("ai,aih->ah", gated_epilogue(g, u, activation, limit), w_down[e])
+                g = jnp.einsum("ah,ahi->ai", xs, w_gate[layer, e])
+                u = jnp.einsum("ah,ahi->ai", xs, w_up[layer, e])
+                y = jnp.einsum("ai,aih->ah", gated_epilogue(g, u, activation, limit), w_down[layer, e])
                 y = jnp.where(mine[:, None], y, jnp.zeros_like(y))  # another shard's expert: zeros, as ragged_dot
             else:
                 sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)  # [El]
+                w_gate, w_up, w_down = (jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+                                        for w in (w_gate, w_up, w_down))
                 g = jax.lax.ragged_dot(xs, w_gate, sizes)
                 u = jax.lax.ragged_dot(xs, w_up, sizes)
                 y = jax.lax.ragged_dot(gated_epilogue(g, u, activation, limit), w_down, sizes)  # [N*K, H]
@@ -599,9 +634,9 @@ def routed_experts(
         out = jnp.zeros((N + 1, H), xf.dtype).at[token].add(y)[:N]  # row N: the tiled layout's padding
         return out if tensor_parallel == 1 else jax.lax.psum(out, MODEL)
 
-    split = P(MODEL, None, None)
-    return per_model_shard(routed, in_specs=(P(), P(), P(), split, split, split), out_specs=P(),
-                           shards=tensor_parallel)(xf, experts, weights, w_gate, w_up, w_down)
+    split = P(None, MODEL, None, None)
+    return per_model_shard(routed, in_specs=(P(), P(), P(), P(), split, split, split), out_specs=P(),
+                           shards=tensor_parallel)(xf, experts, weights, layer, *stacks)
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int, width: int | None = None) -> jax.Array:  # f32[..., W]

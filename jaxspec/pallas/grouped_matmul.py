@@ -20,8 +20,11 @@ down product reads it as it lies, and the tiled rows are scattered back to their
 
 Kernels (Triton), one body for both products: grid ``(T, N / bn)``; the program of tile t and
 column block j reads ``e = tile_group[t]`` and walks K in ``bk`` steps, multiplying the tile's
-``[bm, bk]`` rows by ``w[e, k : k + bk, j * bn : (j + 1) * bn]`` (the weights stay where they lie,
-``[E * K, N]``, indexed by the expert's first row). An unused tile writes zeros and reads nothing.
+``[bm, bk]`` rows by ``w[layer, e, k : k + bk, j * bn : (j + 1) * bn]``. The weights are the
+model's stacked ``[L, E, K, N]`` array, indexed inside the kernel by the layer and the expert's
+first row: a layer's slice handed to a custom call would first be copied into a buffer of its own
+(every expert's weights, every layer: 1.6 GB a layer at the GPU check's DeepSeek-V4 shape), where a
+product XLA runs reads its slice in place. An unused tile writes zeros and reads nothing.
 The gated product keeps two accumulators (gate and up), rounds them to the rows' dtype and writes
 ``activation(gate) * up`` (``gated_epilogue``; the activation in float32, rounded once). K and N must have power-of-two divisors
 of at least 16 (``tl.dot``); the weights are never padded, since a padded copy of the expert bank
@@ -71,13 +74,13 @@ def group_tiles(group_sizes: jax.Array, rows: int, block_m: int) -> GroupTiles: 
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     q = jnp.arange(T * block_m, dtype=jnp.int32)
-    g = jnp.searchsorted(padded_end, q, side="right").astype(jnp.int32)  # [T * bm], E past the used rows
+    g = jnp.searchsorted(padded_end, q, side="right", method="compare_all").astype(jnp.int32)  # [T * bm], E past the used rows
     gc = jnp.minimum(g, E - 1)
     j = q - padded_start[gc]  # the row's index within its group
     held = (g < E) & (j < sizes[gc])
     source = jnp.where(held, start[gc] + j, rows)
     r = jnp.arange(rows, dtype=jnp.int32)
-    rg = jnp.searchsorted(end, r, side="right").astype(jnp.int32)  # [M], E past the total
+    rg = jnp.searchsorted(end, r, side="right", method="compare_all").astype(jnp.int32)  # [M], E past the total
     rgc = jnp.minimum(rg, E - 1)
     dest = jnp.where(rg < E, padded_start[rgc] + r - start[rgc], T * block_m)
     return GroupTiles(source=source, dest=dest, tile_group=g[::block_m])
@@ -134,9 +137,10 @@ def grouped_gated_reference(x, w_gate, w_up, group_sizes, *, activation: Callabl
 # ------------------------------------------------------------------------------------ kernel
 
 
-def _grouped_kernel(tile_group_ref, x_ref, *refs, groups: int, k: int, bk: int, gated: bool,
+def _grouped_kernel(layer_ref, tile_group_ref, x_ref, *refs, groups: int, k: int, bk: int, gated: bool,
                     activation: Callable | None, limit: float | None):
-    # tile_group_ref i32[T]; x_ref [bm, K] (this tile's rows); w refs [E * K, N] whole; o_ref [bm, bn]
+    # layer_ref i32[1]; tile_group_ref i32[T]; x_ref [bm, K] (this tile's rows); w refs [L * E * K, N]
+    # whole; o_ref [bm, bn]
     *w_refs, o_ref = refs
     bm, bn = o_ref.shape
     t, j = pl.program_id(0), pl.program_id(1)
@@ -144,7 +148,7 @@ def _grouped_kernel(tile_group_ref, x_ref, *refs, groups: int, k: int, bk: int, 
 
     @pl.when(e < groups)
     def _():
-        first = e * k  # the expert's first row of the flattened weights
+        first = (layer_ref[0] * groups + e) * k  # the expert's first row of the flattened stacked weights
         cols = pl.ds(j * bn, bn)
 
         def step(i, accs):
@@ -167,40 +171,45 @@ def _grouped_kernel(tile_group_ref, x_ref, *refs, groups: int, k: int, bk: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "activation", "limit", "interpret"))
-def _grouped_call(xt, tile_group, weights, *, blocks: GroupedBlocks, activation, limit, interpret: bool):
+def _grouped_call(xt, tile_group, weights, layer, *, blocks: GroupedBlocks, activation, limit, interpret: bool):
     TM, K = xt.shape
-    E, _, N = weights[0].shape
+    L, E, _, N = weights[0].shape
     bm, bn = blocks.block_m, blocks.block_n
-    flat = tuple(w.astype(xt.dtype).reshape(E * K, N) for w in weights)  # a bitcast: read where they lie
+    flat = tuple(w.astype(xt.dtype).reshape(L * E * K, N) for w in weights)  # a bitcast: read where they lie
     return pl.pallas_call(
         functools.partial(_grouped_kernel, groups=E, k=K, bk=blocks.block_k, gated=len(weights) == 2,
                           activation=activation, limit=limit),
         grid=(TM // bm, N // bn),
-        in_specs=[whole(tile_group), pl.BlockSpec((bm, K), lambda t, j: (t, 0))] + [whole(w) for w in flat],
+        in_specs=[whole(layer), whole(tile_group), pl.BlockSpec((bm, K), lambda t, j: (t, 0))] + [whole(w) for w in flat],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((TM, N), xt.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="grouped_gated_matmul" if len(weights) == 2 else "grouped_matmul",
-    )(tile_group, xt, *flat)
+    )(layer, tile_group, xt, *flat)
 
 
 def grouped_matmul_tiled_pallas(
     xt: jax.Array,  # [T * bm, K] rows in the tiled layout (padding rows zeros)
     tile_group: jax.Array,  # i32[T] (GroupTiles.tile_group)
-    w: jax.Array,  # [E, K, N]
+    w: jax.Array,  # [E, K, N], or [L, E, K, N] with ``layer``
     *,
     interpret: bool,
-    w_up: jax.Array | None = None,  # [E, K, N]: the gated product
+    w_up: jax.Array | None = None,  # w's shape: the gated product
+    layer: jax.Array | None = None,  # i32[]: w and w_up are stacked per layer, this one's are used
     activation: Callable = jax.nn.silu,
     limit: float | None = None,
     blocks: GroupedBlocks | None = None,
 ) -> jax.Array:  # [T * bm, N] in the tiled layout
     """Pallas path, in the tiled layout: ``xt @ w[tile_group]`` tile by tile, or with ``w_up``
-    ``activation(xt @ w) * (xt @ w_up)`` (``gated_epilogue``). ``blocks``: their ``block_m`` must be
-    the layout's; default: the heuristic's tiles for that ``block_m``."""
+    ``activation(xt @ w) * (xt @ w_up)`` (``gated_epilogue``); with ``layer``, ``w[layer]`` read in
+    place. ``blocks``: their ``block_m`` must be the layout's; default: the heuristic's tiles for
+    that ``block_m``."""
+    if layer is None:
+        w, w_up = w[None], None if w_up is None else w_up[None]
+        layer = jnp.zeros((), jnp.int32)
     TM, K = xt.shape
-    E, Kw, N = w.shape
+    _, E, Kw, N = w.shape
     bm = TM // tile_group.shape[0]
     if Kw != K or (w_up is not None and w_up.shape != w.shape):
         raise ValueError(f"rows [.., {K}] and weights {w.shape}" + ("" if w_up is None else f", {w_up.shape}")
@@ -212,7 +221,8 @@ def grouped_matmul_tiled_pallas(
     if blocks.block_m != bm or K % blocks.block_k or N % blocks.block_n:
         raise ValueError(f"{blocks} do not tile rows of {bm}-row tiles, K={K}, N={N}")
     weights = (w,) if w_up is None else (w, w_up)
-    return _grouped_call(xt, tile_group.astype(jnp.int32), weights, blocks=blocks,
+    return _grouped_call(xt, tile_group.astype(jnp.int32), weights, jnp.asarray(layer, jnp.int32).reshape(1),
+                         blocks=blocks,
                          activation=activation if w_up is not None else None, limit=limit, interpret=interpret)
 
 

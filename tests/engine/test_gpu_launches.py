@@ -261,3 +261,24 @@ def test_a_decode_of_four_rows_launches_as_few_kernels_as_one_of_eight_in_the_h1
     four = _h100_launches(tmp_path, "plain", batch=4)
     eight = _h100_launches(tmp_path, "plain", batch=8)
     assert four["kernels_per_step"] <= eight["kernels_per_step"] + 2, (four, eight)
+
+
+@needs_aot
+def test_the_v4_routed_experts_read_their_weights_in_place_in_the_h100_program(tmp_path):
+    """The DeepSeek-V4-shaped target at batch 16 compiled for an H100 without one: 96 (token, expert)
+    assignments over 32 experts run as the grouped-matmul kernel (gate/up and down, two launches a
+    layer) reading the stacked experts' weights where they lie. Handed a layer's slice, the kernel's
+    custom call had XLA copy every expert's weights of the layer first (1.6 GB a layer)."""
+    import jax
+    import jax.numpy as jnp
+
+    hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
+
+    row = _h100_launches(tmp_path, "plain", "--target", "v4", "--hlo-dir", str(tmp_path), batch=16)
+    assert row["by_kind"]["Pallas (Triton)"] == 10 + 2 * 10 + 2 * 10, row  # attention, Sinkhorn x 2, experts x 2
+    params = jax.eval_shape(lambda: st.random_target(st.v4_shape(), jnp.bfloat16).params)
+    weights = hlo_copies.stacked_weights(params)
+    experts = {"['experts_gate']", "['experts_up']", "['experts_down']"}
+    assert experts <= set(weights)
+    copied = {c["array"] for c in hlo_copies.find_copies((tmp_path / "plain_b16.hlo.txt").read_text(), weights, {})}
+    assert not copied & experts, copied

@@ -32,6 +32,7 @@ class GroupedCase:
     gated: bool = False
     limit: float | None = None
     gelu: bool = False
+    layers: int = 0  # > 0: the weights stacked per layer, the second to last one used (read in place)
 
 
 CASES = [
@@ -43,6 +44,8 @@ CASES = [
     GroupedCase("64-row-tiles-bf16", (70, 0, 130, 56), 256, k=64, n=128, block_m=64, dtype="bfloat16"),
     GroupedCase("gated-swiglu-clamped", (5, 11, 0, 16), 40, gated=True, limit=0.7),
     GroupedCase("gated-gelu-bf16", (9, 3, 20, 0, 1), 33, k=48, n=32, dtype="bfloat16", gated=True, gelu=True),
+    GroupedCase("stacked-layer-gated", (6, 0, 13, 3), 24, gated=True, layers=3),
+    GroupedCase("stacked-layer", (2, 30, 0), 40, layers=4),
 ]
 
 
@@ -50,8 +53,13 @@ def _inputs(case: GroupedCase):
     rng = np.random.default_rng(zlib.crc32(case.id.encode()))
     E, dt = len(case.sizes), jnp.dtype(case.dtype)
     x = jnp.asarray(rng.standard_normal((case.rows, case.k)), dt)
-    ws = [jnp.asarray(rng.standard_normal((E, case.k, case.n)) / np.sqrt(case.k), dt) for _ in range(2)]
+    lead = (case.layers,) if case.layers else ()
+    ws = [jnp.asarray(rng.standard_normal(lead + (E, case.k, case.n)) / np.sqrt(case.k), dt) for _ in range(2)]
     return x, ws, jnp.asarray(case.sizes, jnp.int32)
+
+
+def _layer_of(case: GroupedCase) -> int | None:
+    return case.layers - 2 if case.layers else None
 
 
 def _tiled(x, sizes, block_m):
@@ -86,8 +94,11 @@ def test_grouped_matmul_matches_reference(case, interpret):
     x, (w, w_up), sizes = _inputs(case)
     activation = gelu_tanh if case.gelu else jax.nn.silu
     tiles, xt = _tiled(x, sizes, case.block_m)
-    yt = grouped_matmul_tiled_pallas(xt, tiles.tile_group, w, w_up=w_up if case.gated else None,
+    layer = _layer_of(case)
+    yt = grouped_matmul_tiled_pallas(xt, tiles.tile_group, w, w_up=w_up if case.gated else None, layer=layer,
                                      activation=activation, limit=case.limit, interpret=interpret)
+    if layer is not None:  # the reference reads the layer's slice
+        w, w_up = w[layer], w_up[layer]
     got = np.asarray(jnp.concatenate([yt, jnp.zeros((1, yt.shape[1]), yt.dtype)])[tiles.dest], np.float32)
     if case.gated:
         want = grouped_gated_reference(x, w, w_up, sizes, activation=activation, limit=case.limit)
@@ -110,7 +121,8 @@ def test_grouped_matmul_matches_reference(case, interpret):
         assert np.abs(np.asarray(other, np.float32) - want).max() > 10 * tol
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.gated and c.block_m == 16], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.gated and c.block_m == 16 and not c.layers],
+                         ids=lambda c: c.id)
 def test_wrapper_equals_ragged_dot(case):
     x, (w, _), sizes = _inputs(case)
     got = grouped_matmul(x, w, sizes, implementation="pallas")

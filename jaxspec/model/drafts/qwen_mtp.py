@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import KVPool
 from jaxspec.model.drafts.base import Draft, DraftContext, DraftModel
-from jaxspec.model.layers import embed_lookup, gated_mlp, head_logits, mask_padded_vocab
+from jaxspec.model.layers import embed_lookup, gated_mlp, head_logits, mask_padded_vocab, with_routed_experts, without_routed_experts
 from jaxspec.model.targets.hybrid import full_attention, moe_mlp, norm
 from jaxspec.model.targets.hybrid_config import HybridConfig
 
@@ -60,7 +60,8 @@ class QwenMtpConfig:
 def _layer(params: dict, cfg: QwenMtpConfig, j: int, x, positions, kv: KVPool, attn: AttentionInputs,
            implementation):  # x [B, T, H] -> ([B, T, H], kv)
     t = cfg.target
-    lp = jax.tree.map(lambda w: w[j], params["layers"])
+    lp = jax.tree.map(lambda w: w[j], without_routed_experts(params["layers"]))
+    lp = with_routed_experts(lp, params["layers"], j)  # the experts read where they lie
     o, kv = full_attention(lp, t, norm(x, lp["attn_norm"], t.rms_norm_eps), positions, kv, jnp.int32(j), attn,
                            implementation)
     x = x + o

@@ -52,7 +52,8 @@ from jaxspec.kvcache.pool import MLAPool
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.mesh import MODEL, per_model_shard
-from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, rms_norm, routed_experts
+from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, rms_norm, routed_experts, with_routed_experts,
+                                  without_routed_experts)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_config import DeepseekConfig, MLARope, MoEConfig
 from jaxspec.pallas.dsa_indexer import indexer_top_k
@@ -272,17 +273,20 @@ def deepseek_forward(
     x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel)  # [B, T, H]
     taps = AuxTaps(cfg.num_layers, aux_layers)
     aux = taps.empty(x)
-    layer0 = jnp.int32(0)
+    layer0, first = jnp.int32(0), 0  # the group's first layer, traced and static
     for group, is_moe in (("dense", False), ("moe", True)):
         if group not in params:
             continue
+        stacked = params[group]
 
-        def body(carry, lp, is_moe=is_moe):
+        def body(carry, lp, is_moe=is_moe, stacked=stacked, first=first):
             x, pool, aux, l = carry
             aux = taps.record(aux, l, x)
+            lp = with_routed_experts(lp, stacked, l - first)  # the experts read where they lie
             x, pool = decoder_block(lp, cfg, x, positions, pool, l, attn, moe=is_moe, implementation=implementation)
             return (x, pool, aux, l + 1), None
 
-        (x, pool, aux, layer0), _ = jax.lax.scan(body, (x, pool, aux, layer0), params[group])
+        (x, pool, aux, layer0), _ = jax.lax.scan(body, (x, pool, aux, layer0), without_routed_experts(stacked))
+        first += jax.tree.leaves(stacked)[0].shape[0]
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=pool)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jaxspec.kvcache.compressed import CompressedPool, entry_pages_for
 from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.model.fused import split_columns
-from jaxspec.model.layers import embed_lookup, routed_experts
+from jaxspec.model.layers import embed_lookup, routed_experts, with_routed_experts, without_routed_experts
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.deepseek_v4_attention import (Closing, norm, v4_attention_core, v4_output_projection,
                                                          v4_projections)
@@ -225,6 +225,7 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
     def body(carry, xs):
         x, pool, aux = carry
         lp, s = xs
+        lp = with_routed_experts(lp, params["layers"], s["layer"])  # the experts read where they lie
         aux = taps.record(aux, s["layer"], x.reshape(B, T, N * H))
 
         def attend(h):
@@ -246,7 +247,7 @@ def run_layers(params: dict, cfg: DeepseekV4Config, kinds: tuple[str, ...], mlp:
                                       implementation=implementation)
         return (x, pool, aux), closing
 
-    (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (params["layers"], sched))
+    (x, pool, aux), closings = jax.lax.scan(body, (x, pool, aux), (without_routed_experts(params["layers"]), sched))
     return x, pool, aux, closings
 
 

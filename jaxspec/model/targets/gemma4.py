@@ -51,7 +51,8 @@ from jaxspec.kvcache.paging import AttentionInputs
 from jaxspec.kvcache.pool import SplitPool
 from jaxspec.model.fused import split_columns
 from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, gelu_tanh, lm_head, rms_norm,
-                                  rope_inv_freq, routed_experts, window_write_and_attend, write_and_attend)
+                                  rope_inv_freq, routed_experts, window_write_and_attend, with_routed_experts,
+                                  without_routed_experts, write_and_attend)
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config, Gemma4Moe
 
@@ -150,7 +151,8 @@ def gemma4_forward(
     counts = {t: pattern.count(t) for t in (SLIDING, FULL)}
     groups = cfg.num_layers // p
     # [Lt, ...] -> [G, n_t, ...]: group g holds layers g*n_t .. of each type.
-    xs = {GROUPS[t]: jax.tree.map(lambda a, n=n: a.reshape((groups, n) + a.shape[1:]), params[GROUPS[t]])
+    xs = {GROUPS[t]: jax.tree.map(lambda a, n=n: a.reshape((groups, n) + a.shape[1:]),
+                                  without_routed_experts(params[GROUPS[t]]))
           for t, n in counts.items() if n}
     inv_freq = {t: rope_inv_freq(cfg.shape_of(t).rope, cfg.shape_of(t).head_dim) for t in (SLIDING, FULL)}
     taps = AuxTaps(cfg.num_layers, aux_layers)
@@ -162,8 +164,8 @@ def gemma4_forward(
             aux = taps.record(aux, g * p + k, x)
             i = seen[t]
             seen[t] += 1
-            lp = jax.tree.map(lambda a, i=i: a[i], gp[GROUPS[t]])
             shape, layer = cfg.shape_of(t), g * counts[t] + i
+            lp = with_routed_experts(jax.tree.map(lambda a, i=i: a[i], gp[GROUPS[t]]), params[GROUPS[t]], layer)
             q, kk, v = gemma_qkv(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t], tp)
             if t == SLIDING:
                 o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions,

@@ -40,7 +40,8 @@ from jaxspec.kvcache.recurrent import HybridPool, RecurrentPool
 from jaxspec.model.gated_delta import (conv_chain, conv_state_after, conv_tree, delta_block, delta_chain, delta_rows,
                                        l2norm, state_at)
 from jaxspec.model.fused import split_columns
-from jaxspec.model.layers import apply_rope, embed_lookup, gated_mlp, routed_experts, stacked_rms_norm, write_and_attend
+from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, routed_experts, stacked_rms_norm,
+                                  with_routed_experts, without_routed_experts, write_and_attend)
 from jaxspec.model.layers import centred_rms_norm as norm  # zero-centred RMSNorm, HF's Qwen3-Next arithmetic
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.hybrid_config import FULL, LINEAR, HybridConfig
@@ -271,7 +272,7 @@ def hybrid_forward(
         pend = []
         li = fi = 0
         for j, (mixer, mlp) in enumerate(kinds):
-            lp = lps[j]
+            lp = with_routed_experts(lps[j], params[f"p{j}"], n)  # the experts read where they lie
             aux = taps.record(aux, n * p + j, x)
             h = layer_norm(x, j, "attn_norm", n)
             if mixer == FULL:
@@ -288,7 +289,7 @@ def hybrid_forward(
         ys = tuple(pend) if attn.pending else None
         return (x, kv, state, snaps, scratch, aux, n + 1), ys
 
-    layer_params = tuple(params[f"p{j}"] for j in range(p))
+    layer_params = tuple(without_routed_experts(params[f"p{j}"]) for j in range(p))
     carry = (x, pool.kv, pool.state, snapshots, pool.scratch, taps.empty(x), jnp.int32(0))
     (x, kv, state, snapshots, scratch, aux, _), ys = jax.lax.scan(period, carry, layer_params)
     hidden = norm(x, params["norm"], cfg.rms_norm_eps)
