@@ -540,9 +540,6 @@ class StackedLayer:
     stack: jax.Array  # [L, ...]
     layer: jax.Array  # i32[]
 
-    def sliced(self) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)
-
 
 def without_routed_experts(stacked: dict) -> dict:
     """A layer stack's weights but the routed experts': what a layer loop slices per layer."""

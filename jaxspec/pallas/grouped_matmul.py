@@ -26,9 +26,9 @@ first row: a layer's slice handed to a custom call would first be copied into a 
 (every expert's weights, every layer: 1.6 GB a layer at the GPU check's DeepSeek-V4 shape), where a
 product XLA runs reads its slice in place. An unused tile writes zeros and reads nothing.
 The gated product keeps two accumulators (gate and up), rounds them to the rows' dtype and writes
-``activation(gate) * up`` (``gated_epilogue``; the activation in float32, rounded once). K and N must have power-of-two divisors
-of at least 16 (``tl.dot``); the weights are never padded, since a padded copy of the expert bank
-would cost more than the product.
+``activation(gate) * up`` (``gated_epilogue``; the activation in float32, rounded once). K and N
+must have power-of-two divisors of at least 16 (``tl.dot``); the weights are never padded, since a
+padded copy of the expert bank would cost more than the product.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def group_tiles(group_sizes: jax.Array, rows: int, block_m: int) -> GroupTiles: 
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     q = jnp.arange(T * block_m, dtype=jnp.int32)
-    g = jnp.searchsorted(padded_end, q, side="right", method="compare_all").astype(jnp.int32)  # [T * bm], E past the used rows
+    # compare_all: one fusion (the default method is a loop of small kernels on a GPU)
+    g = jnp.searchsorted(padded_end, q, side="right", method="compare_all").astype(jnp.int32)  # [T*bm]; E: unused
     gc = jnp.minimum(g, E - 1)
     j = q - padded_start[gc]  # the row's index within its group
     held = (g < E) & (j < sizes[gc])
@@ -180,7 +181,8 @@ def _grouped_call(xt, tile_group, weights, layer, *, blocks: GroupedBlocks, acti
         functools.partial(_grouped_kernel, groups=E, k=K, bk=blocks.block_k, gated=len(weights) == 2,
                           activation=activation, limit=limit),
         grid=(TM // bm, N // bn),
-        in_specs=[whole(layer), whole(tile_group), pl.BlockSpec((bm, K), lambda t, j: (t, 0))] + [whole(w) for w in flat],
+        in_specs=[whole(layer), whole(tile_group), pl.BlockSpec((bm, K), lambda t, j: (t, 0))]
+        + [whole(w) for w in flat],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((TM, N), xt.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
@@ -222,8 +224,8 @@ def grouped_matmul_tiled_pallas(
         raise ValueError(f"{blocks} do not tile rows of {bm}-row tiles, K={K}, N={N}")
     weights = (w,) if w_up is None else (w, w_up)
     return _grouped_call(xt, tile_group.astype(jnp.int32), weights, jnp.asarray(layer, jnp.int32).reshape(1),
-                         blocks=blocks,
-                         activation=activation if w_up is not None else None, limit=limit, interpret=interpret)
+                         blocks=blocks, activation=activation if w_up is not None else None, limit=limit,
+                         interpret=interpret)
 
 
 def grouped_matmul(

@@ -253,7 +253,8 @@ def decoder_block(
     o, pool = mla_attention_block(lp, cfg, h, positions, pool, layer, attn, implementation=implementation)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel, implementation) if moe else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
+    x = x + (moe_mlp(lp, cfg.moe, h, cfg.tensor_parallel, implementation) if moe
+             else gated_mlp(h, lp["w_gate_up"], lp["w_down"], cfg.tensor_parallel))
     return x, pool
 
 
