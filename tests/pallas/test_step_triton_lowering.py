@@ -69,8 +69,10 @@ CASES = [
     ("mtp_mla-chain", _mtp, js.SpecConfig.chain(2), 4, {"mla_attention", "gather_spec_extras"}),
     ("mtp_mla-tree", _mtp, js.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4), 4,
      {"mla_attention", "kv_move", "gather_spec_extras"}),
+    # DeepSeek-V3.2 with MoE layers: the routed experts run as the grouped-matmul kernels (gate/up with
+    # the activation, then down).
     ("dsa_indexer-tree", _dsa, js.SpecConfig(num_steps=3, topk=3, num_draft_tokens=8), 1,
-     {"mla_attention", "kv_move", "gather_spec_extras"}),
+     {"mla_attention", "kv_move", "gather_spec_extras", "grouped_gated_matmul", "grouped_matmul"}),
 ]
 
 
