@@ -8,7 +8,8 @@ Case i draws a family (Llama, Mistral, Qwen2, Qwen3, Gemma 4, DeepSeek-V3, Qwen3
 config
 (layers, widths, heads and KV heads, RoPE kind (Llama's ``llama3``, Qwen's YaRN), tied head; Mistral and Gemma 4 windows of 5-16
 positions, Qwen2/Qwen3 ``use_sliding_window`` with a ``max_window_layers`` that makes every layer or
-none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads, softcap and MoE blocks; DeepSeek's
+none slide, Gemma 4's layer pattern, K=V layers, wide full-attention heads, softcap, MoE blocks and the E2B / E4B
+kind (per-layer inputs, K/V-sharing last layers, double-wide MLPs); DeepSeek's
 LoRA ranks, dense or MoE layers and YaRN; the hybrids' layer pattern, Gated DeltaNet heads and widths, conv
 kernel, partial rotary factor, dense or MoE), saves an HF model with weights drawn as the goldens' are,
 and as its standalone draft a copy whose every weight is scaled by 1 + s N(0, 1), s of 0.005, 0.02 or
@@ -86,12 +87,17 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int, sha
         k_eq_v = rng.random() < 0.5
         moe = dict(enable_moe_block=True, num_experts=rng.choice([4, 8]), top_k_experts=2,
                    moe_intermediate_size=rng.choice([16, 32])) if rng.random() < 0.5 else {}
+        small = dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+        if rng.random() < 0.5:  # the E2B / E4B kind: per-layer inputs, the last layers sharing K/V
+            # shared layers must find an earlier layer of their type keeping K/V
+            shared = [n for n in range(layers) if set(types[layers - n:]) <= set(types[:layers - n])]
+            small = dict(hidden_size_per_layer_input=rng.choice([4, 8]), vocab_size_per_layer_input=vocab,
+                         num_kv_shared_layers=rng.choice(shared), use_double_wide_mlp=rng.random() < 0.5)
         return tf.Gemma4TextConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=rng.choice([8, 16]),
             global_head_dim=rng.choice([16, 32]), num_global_key_value_heads=1 if k_eq_v else kv_heads,
             attention_k_eq_v=k_eq_v, layer_types=types, sliding_window=rng.randint(5, 16),
-            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-            final_logit_softcapping=rng.choice([None, 30.0]), **moe)
+            final_logit_softcapping=rng.choice([None, 30.0]), **small, **moe)
     if family == "deepseek_v3":
         rope_dim, moe = rng.choice([4, 8, 16]), rng.random() < 0.5
         if rng.random() < 0.5:

@@ -135,16 +135,20 @@ def write_and_attend(
     implementation,
     sm_scale: float | None = None,
     tensor_parallel: int = 1,
+    write: bool = True,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """Writes the new K/V into the pool first, then attends through the page table, so a
     token reads its own (pool-dtype) K/V exactly as later tokens will. With ``tensor_parallel``
     shards, heads and the pool's KV heads are split over the mesh's model axis and every shard
-    attends over its own heads."""
+    attends over its own heads. ``write=False``: a layer reading K/V that an earlier layer of
+    this forward wrote there (Gemma 4's K/V sharing) attends without writing."""
     D = k.shape[-1]
 
     def local(q, k, v, pool, layer, attn):
         B, T, Hkv, _ = k.shape
-        pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+        if write:
+            pool = pool.write(layer, attn.write_slots.reshape(B * T), k.reshape(B * T, Hkv, D),
+                              v.reshape(B * T, Hkv, D))
         return _attend(q, pool, layer, attn, implementation, sm_scale), pool
 
     return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn)
@@ -353,11 +357,14 @@ def window_write_and_attend(
     window: int,
     sm_scale: float,
     tensor_parallel: int = 1,
+    write: bool = True,
 ) -> tuple[jax.Array, KVPool]:  # [B, T, Hq, D], new pool
     """A sliding-window layer: writes the new K/V through the ring table, then each row at
     position p attends to the keys at positions (p - window, p] that ``attn`` lets it see.
     With ``tensor_parallel`` shards, heads and the window pool's KV heads are split over the
-    mesh's model axis (the ring table is the same on every shard).
+    mesh's model axis (the ring table is the same on every shard). ``write=False``: k and v are
+    what an earlier layer of this forward wrote at ``layer`` (Gemma 4's K/V sharing); nothing is
+    written.
 
     Keys come in two parts. The prefix part: the ``window - 1`` positions before
     ``prefix_lens`` (read from the pool). The block part: for a causal block, this forward's
@@ -366,18 +373,19 @@ def window_write_and_attend(
     block positions read back from the pool after the write. Inside a masked block no window
     test is made: its rows sit at most ``num_steps`` < ``window`` positions from their
     ancestors (``generate`` checks that)."""
-    local = functools.partial(_window_write_and_attend, window=window, sm_scale=sm_scale)
+    local = functools.partial(_window_write_and_attend, window=window, sm_scale=sm_scale, write=write)
     return _per_head_shard(local, tensor_parallel)(q, k, v, pool, layer, attn, query_positions)
 
 
 def _window_write_and_attend(q, k, v, pool: KVPool, layer, attn: AttentionInputs, query_positions, *,
-                             window: int, sm_scale: float) -> tuple[jax.Array, KVPool]:
+                             window: int, sm_scale: float, write: bool = True) -> tuple[jax.Array, KVPool]:
     """``window_write_and_attend`` on one shard's heads."""
     B, T, Hkv, D = k.shape
     ring = attn.window
-    slots = ring.slots(attn.write_positions, pool.page_size)  # [B, T]
-    pool = pool.write(layer, slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
-    if attn.window_keep is not None:  # a prefill's checkpoint pages for the prefix cache (scratch elsewhere)
+    if write:
+        slots = ring.slots(attn.write_positions, pool.page_size)  # [B, T]
+        pool = pool.write(layer, slots.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
+    if write and attn.window_keep is not None:  # a prefill's checkpoint pages for the prefix cache (scratch elsewhere)
         keep = attn.window_keep.slots(attn.write_positions, pool.page_size)
         pool = pool.write(layer, keep.reshape(B * T), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D))
     read = ring if attn.window_read is None else attn.window_read  # a prefill after a cached prefix: its pages

@@ -18,9 +18,14 @@ Cases:
   gemma4_moe         Gemma4ForCausalLM with MoE blocks (the 26B-A4B kind): layers [S, F] x 2, window 6, every layer
                      a dense MLP plus 8 experts (top 2, moe_intermediate_size 32), untied head; router scale and
                      per-expert scales random. Seeds searched for a routing gap >= 1e-4 too.
+  gemma4_ple         Gemma4ForCausalLM of the E2B / E4B kind: layers [S, S, F, S, S, F], window 6, per-layer inputs
+                     (hidden_size_per_layer_input 8 over the whole vocabulary), the last 2 layers sharing K/V
+                     (num_kv_shared_layers 2: layer 4 reads layer 3's, layer 5 layer 2's) with double-wide MLPs.
   gemma4_assistant   Gemma4AssistantForCausalLM for gemma4_text, layers [S, F], ordered-embeddings head
                      (16 centroids, top 4); goldens: 4 draft steps per prompt given the target's KV.
   gemma4_assistant_plain   the same without ordered embeddings (plain tied lm_head), layers [S, S, F].
+  gemma4_ple_assistant     a plain-head assistant for gemma4_ple, layers [S, F]: it reads the K/V of the target's
+                     "store" layers (3 and 2, the last of each type before the K/V-sharing layers).
   mistral_swa        MistralForCausalLM with sliding_window 6 (2 layers): logits / greedy tokens.
 
 transformers 5.23.0 cannot build an assistant, nor make a target without KV sharing publish the K/V an
@@ -334,6 +339,42 @@ def make_gemma_moe(out: Path) -> dict:
                      min_routing_gap=routing)
 
 
+GEMMA_PLE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=32, layer_types=[S, S, F, S, S, F], sliding_window=6,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True,
+    final_logit_softcapping=30.0, max_position_embeddings=512,
+)
+
+
+build_gemma_ple = functools.partial(build_gemma, GEMMA_PLE)
+
+
+def make_gemma_ple(out: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    seed, model, prompts, arrays, margin = search(build_gemma_ple, longer_prompts, gemma_capture, greedy, 17000)
+    case_dir = out / "gemma4_ple"
+    model.save_pretrained(case_dir)
+    check_reload(AutoModelForCausalLM, case_dir, arrays, prompts, gemma_capture)
+    np.savez(case_dir / "golden.npz", **arrays)
+    notes = [
+        "The E2B / E4B kind. Layers [S, S, F, S, S, F], window 6; sliding head_dim 16 / 2 KV heads, full head_dim "
+        "32 / 2 KV heads with v_proj; tied head, softcap 30.",
+        "Per-layer inputs (hidden_size_per_layer_input 8, vocab_size_per_layer_input 256): e = "
+        "(per_layer_projection_norm(reshape(per_layer_model_projection(x0) * 64^-0.5, [6, 8])) + "
+        "reshape(embed_tokens_per_layer[token] * sqrt(8), [6, 8])) * 2^-0.5, x0 the scaled token embedding; each "
+        "layer after its MLP residual: x = x + post_per_layer_input_norm(per_layer_projection(gelu_tanh("
+        "per_layer_input_gate(x)) * e[layer])), then times layer_scalar.",
+        "num_kv_shared_layers 2: layers 4 (sliding) and 5 (full) have no k_proj / v_proj / k_norm and attend over "
+        "the K/V of the last earlier layer of their type (3 and 2: HF's 'store' layers); their MLPs are "
+        "double-wide (use_double_wide_mlp: intermediate 128 against 64).",
+        "Weights as gemma4_text's (embed_tokens_per_layer and the projections as other matrices, N(0, 1) / "
+        "sqrt(fan_in)).",
+    ]
+    return base_case("gemma4_ple", model, seed, prompts, margin, notes, config_form="per_layer_config")
+
+
 def build_condgen(seed: int):
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -429,7 +470,13 @@ def make_mistral(out: Path) -> dict:
 # ---------------------------------------------------------------------------------------------- assistant
 
 
-def build_assistant(seed: int, target, *, layer_types, ordered: bool):
+# The assistant layers' attention fields: those of the target whose K/V they read.
+TEXT_ATTENTION = dict(num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                      attention_k_eq_v=True)
+PLE_ATTENTION = dict(num_key_value_heads=2, head_dim=16, global_head_dim=32)
+
+
+def build_assistant(seed: int, target, *, layer_types, ordered: bool, attention: dict = TEXT_ATTENTION):
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
@@ -437,8 +484,7 @@ def build_assistant(seed: int, target, *, layer_types, ordered: bool):
     torch.manual_seed(seed)
     text = Gemma4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, layer_types=list(layer_types), sliding_window=tc.sliding_window,
+        num_attention_heads=4, **attention, layer_types=list(layer_types), sliding_window=tc.sliding_window,
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=512,
         final_logit_softcapping=30.0)  # the assistant applies no softcap whatever its text config says
     kw = dict(num_centroids=16, centroid_intermediate_top_k=4) if ordered else {}
@@ -481,11 +527,12 @@ def assistant_chain(target, assistant, prompt: list[int]) -> dict[str, np.ndarra
     return {k: np.asarray(v) for k, v in rec.items()}
 
 
-def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordered: bool, seed: int) -> dict:
+def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordered: bool, seed: int,
+                   target_name: str = "gemma4_text", attention: dict = TEXT_ATTENTION) -> dict:
     import torch
     from transformers import Gemma4AssistantForCausalLM
 
-    model = build_assistant(seed, target, layer_types=layer_types, ordered=ordered)
+    model = build_assistant(seed, target, layer_types=layer_types, ordered=ordered, attention=attention)
     case_dir = out / name
     model.save_pretrained(case_dir)
     arrays = {}
@@ -501,12 +548,14 @@ def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordere
             assert err <= 1e-4, f"{name}: reloaded {k}_{i} differs by {err}"
     np.savez(case_dir / "golden.npz", **arrays)
     tc = model.config.text_config
+    stores = ("layers 3 (sliding) and 2 (full), the last of each type before its 2 K/V-sharing layers"
+              if target_name == "gemma4_ple" else "last sliding layer (3) and last full layer (5)")
     notes = [
-        "Target: gemma4_text (same prompts). Step j of prompt i (T = len(prompt), position_ids [[T]] at every "
-        "step): inputs_embeds = cat(gemma4_text's scaled embedding of tokens_i[j], hidden_in_i[j]); hidden_in_i[0] "
+        f"Target: {target_name} (same prompts). Step j of prompt i (T = len(prompt), position_ids [[T]] at every "
+        f"step): inputs_embeds = cat({target_name}'s scaled embedding of tokens_i[j], hidden_in_i[j]); hidden_in_i[0] "
         "is the target's final-normed hidden at position T-1, tokens_i[0] the target's greedy token after the "
         "prompt; later steps feed the previous step's argmax and its hidden_out.",
-        "shared_kv_states: the target's last sliding layer (3) and last full layer (5) K/V over the prompt "
+        f"shared_kv_states: the target's {stores}: their K/V over the prompt "
         "(K after k_norm + RoPE, V after v_norm); assistant sliding layers see the last sliding_window + 1 = 7 of "
         "them, full layers all.",
         "logits_i [K, V]: with use_ordered_embeddings, tokens outside the top centroid_intermediate_top_k clusters "
@@ -516,7 +565,7 @@ def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordere
         "matrices N / sqrt(fan_in); token_ordering a random permutation.",
     ]
     return {
-        "name": name, "kind": "gemma4_assistant", "dir": name, "target": "gemma4_text", "dtype": "float32",
+        "name": name, "kind": "gemma4_assistant", "dir": name, "target": target_name, "dtype": "float32",
         "atol": GEMMA_ATOL, "rtol": GEMMA_RTOL, "architecture": type(model).__name__, "model_type": model.config.model_type,
         "layer_types": list(tc.layer_types), "use_ordered_embeddings": ordered,
         "num_centroids": model.config.num_centroids if ordered else None,
@@ -558,6 +607,14 @@ def main() -> None:
         cases["mistral_swa"] = make_mistral(out)
     if redo("gemma4_moe"):
         cases["gemma4_moe"] = make_gemma_moe(out)
+    if redo("gemma4_ple"):
+        cases["gemma4_ple"] = make_gemma_ple(out)
+    if redo("gemma4_ple_assistant"):
+        ple = AutoModelForCausalLM.from_pretrained(out / "gemma4_ple", dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+        cases["gemma4_ple_assistant"] = make_assistant(
+            out, "gemma4_ple_assistant", ple, (cases.get("gemma4_ple") or kept["gemma4_ple"])["prompts"],
+            layer_types=[S, F], ordered=False, seed=18000, target_name="gemma4_ple", attention=PLE_ATTENTION)
     prompts = (cases.get("gemma4_text") or kept["gemma4_text"])["prompts"]
     if redo("gemma4_assistant"):
         cases["gemma4_assistant"] = make_assistant(out, "gemma4_assistant", target, prompts, layer_types=[S, F],
@@ -565,7 +622,8 @@ def main() -> None:
     if redo("gemma4_assistant_plain"):
         cases["gemma4_assistant_plain"] = make_assistant(out, "gemma4_assistant_plain", target, prompts,
                                                          layer_types=[S, S, F], ordered=False, seed=15000)
-    order = ["gemma4_text", "gemma4_condgen", "mistral_swa", "gemma4_moe", "gemma4_assistant", "gemma4_assistant_plain"]
+    order = ["gemma4_text", "gemma4_condgen", "mistral_swa", "gemma4_moe", "gemma4_ple", "gemma4_assistant",
+             "gemma4_assistant_plain", "gemma4_ple_assistant"]
     cases = [cases.get(n) or kept[n] for n in order]
     for c in cases:
         c["files"] = list_files(out / c["dir"])

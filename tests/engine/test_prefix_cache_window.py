@@ -1,7 +1,8 @@
 """The prefix cache with sliding-window pools (``jaxspec.engine.window``): window pages cached under
 the full pages' keys, a hit only where the window before it is cached, prefill checkpoints where a
-newcomer's match ended. Targets: the HF-made tiny Gemma 4 (sliding and full layers, window 6) and
-Mistral with a window of 6 (every layer sliding: its hits come from windows alone), page 4.
+newcomer's match ended. Targets: the HF-made tiny Gemma 4 (sliding and full layers, window 6), its
+E2B kind (K/V-sharing layers) and Mistral with a window of 6 (every layer sliding: its hits come
+from windows alone), page 4.
 
 Each scenario runs in successive calls of one ``jaxspec.Engine`` (so the cache holds what earlier
 calls wrote) and compares every output with a fresh engine of the same sizes, where nothing is cached
@@ -40,6 +41,8 @@ CASES = [  # (target, draft, spec)
     ("gemma4_text", None, None),
     ("mistral_swa", "perturbed", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)),
     ("gemma4_text", "gemma4_assistant", js.SpecConfig.chain(3)),
+    # the E2B kind: its K/V-sharing layers hold no pool layers; the assistant reads the store layers'
+    ("gemma4_ple", "gemma4_ple_assistant", js.SpecConfig.chain(3)),
 ]
 
 

@@ -442,6 +442,8 @@ CASES = {
         "gemma4_text", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed", dp=2),
     "gemma4_moe_tp2_tree_perturbed": lambda: sliding_lossless(
         "gemma4_moe", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    "gemma4_ple_tp2_tree_perturbed": lambda: sliding_lossless(
+        "gemma4_ple", 2, js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 1, "perturbed"),
     "gemma4_moe_tp2_chain_grouped_kernel": lambda: sliding_lossless(
         "gemma4_moe", 2, js.SpecConfig.chain(3), 1, "perturbed", implementation={"grouped_matmul": "pallas"}),
     "gemma4_assistant_tp2_golden": lambda: assistant_golden_on_mesh("gemma4_assistant", 2),

@@ -64,6 +64,9 @@ def case(results, name) -> dict:
     ("gemma4_moe_tp2_tree_perturbed", "standalone"),  # Gemma 4 with MoE blocks: its 8 experts split 4 + 4, page 16
     # the same through the grouped-matmul kernel: each shard's tiles hold its own experts' rows, page 1
     ("gemma4_moe_tp2_chain_grouped_kernel", "standalone"),
+    # the E2B kind: per-layer inputs (their table split by vocabulary rows), K/V-sharing layers reading the
+    # split pools of earlier layers, double-wide MLPs split like the others; a partly accepted tree, page 1
+    ("gemma4_ple_tp2_tree_perturbed", "standalone"),
     # A hybrid (Qwen3.5) target: Gated DeltaNet heads and their recurrent state split over model, rows over data
     ("qwen3_5_tp2_tree_perturbed", "standalone"),  # a hybrid draft's tree, partly accepted, page 16
     ("qwen3_5_tp2_dp2_chain_mtp", "qwen_mtp"),  # its MTP layer, TP=2 x DP=2, page 1

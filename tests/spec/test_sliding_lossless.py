@@ -4,13 +4,19 @@ engine run reproduces token for token (tests/model/targets/test_golden_sliding.p
 plain greedy without a plain run here.
 
 Targets: the HF-made tiny Gemma 4 (tests/data/golden/sliding_window/gemma4_text: layers
-[S, S, F] x 2, window 6), its MoE kind (gemma4_moe: [S, F] x 2, 8 experts, top 2) and Mistral with a window of 6 (every layer sliding: a zero-layer full
-part), each with the goldens' ragged batch of 3 prompts (5, 11, 17 tokens, 16 new: every request
-runs past the window). Drafts: the HF-layout Gemma 4 assistants (frozen-KV: ordered-embeddings
-and plain heads; random, so rarely accepted) on Gemma 4, and perturbed copies of Mistral and the
-MoE Gemma 4 as standalone drafts with a window pool of its own (partial acceptance: the tree compacts scattered
-nodes in the window pools; compaction in both parts of a split pool is checked directly in
-tests/kvcache/test_window_pool.py).
+[S, S, F] x 2, window 6), its MoE kind (gemma4_moe: [S, F] x 2, 8 experts, top 2), its E2B kind
+(gemma4_ple: per-layer inputs, the last 2 layers sharing K/V) and Mistral with a window of 6
+(every layer sliding: a zero-layer full part), each with the goldens' ragged batch of 3 prompts
+(5, 11, 17 tokens, 16 new: every request runs past the window).
+
+Drafts:
+- the HF-layout Gemma 4 assistants (frozen-KV: ordered-embeddings and plain heads; random, so
+  rarely accepted) on Gemma 4 and its E2B kind;
+- perturbed copies of Mistral and of the MoE and E2B-kind Gemma 4 as standalone drafts with a
+  window pool of their own (partial acceptance: the tree compacts scattered nodes in the window
+  pools; compaction in both parts of a split pool is checked directly in
+  tests/kvcache/test_window_pool.py);
+- the E2B-kind checkpoint loaded as a standalone draft for gemma4_text.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import pytest
 import jaxspec as js
 from jaxspec.model.targets import Model
 from tests.conftest import engine
-from tests.model.sliding_golden import arrays, assistant, case, target
+from tests.model.sliding_golden import arrays, assistant, case, case_dir, target
 
 
 def run(name, page, draft=None, spec=None, implementation=None):
@@ -44,7 +50,16 @@ def standalone(name: str, kind: str):
     return js.standalone_draft(Model(config=model.config, params=noisy, dtype=model.dtype))
 
 
+@functools.cache
+def small_gemma_draft(name: str) -> js.DraftModel:
+    """The E2B-kind checkpoint (gemma4_ple) loaded as a standalone draft for ``name``, as a user
+    drafts Gemma 4 31B with E2B."""
+    return js.load_draft(case_dir("gemma4_ple"), target(name))
+
+
 def draft_for(name: str, kind: str):
+    if kind == "gemma4_ple":
+        return small_gemma_draft(name)
     return assistant(kind) if kind.startswith("gemma4_assistant") else standalone(name, kind)
 
 
@@ -54,6 +69,10 @@ CASES = [  # (target, spec, page, draft)
     ("mistral_swa", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
     ("gemma4_moe", js.SpecConfig.chain(3), 1, "perturbed"),
     ("gemma4_moe", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    ("gemma4_ple", js.SpecConfig.chain(3), 1, "perturbed"),
+    ("gemma4_ple", js.SpecConfig.chain(3), 16, "gemma4_ple_assistant"),
+    ("gemma4_ple", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "perturbed"),
+    ("gemma4_text", js.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), 16, "gemma4_ple"),
 ]
 
 

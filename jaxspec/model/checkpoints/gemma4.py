@@ -5,11 +5,13 @@ and of the Gemma 4 layer that assistants are built from: one table for load, exp
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from jaxspec.model.checkpoints.name_tables import (LINEAR, Param, Table, embedding, fused, gate_up, init_params,
                                                  output_head, packed_experts, stacked)
-from jaxspec.model.targets.gemma4 import GROUPS
+from jaxspec.model.targets.gemma4 import GROUPS, SHARED_GROUPS
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config, Gemma4Moe
 
 
@@ -30,9 +32,12 @@ def gemma4_moe_entries(moe: Gemma4Moe, hidden: int) -> list:
 
 
 def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: int, num_heads: int,
-                         kv: bool = True, shards: int = 1, moe: Gemma4Moe | None = None) -> list:
+                         kv: bool = True, shards: int = 1, moe: Gemma4Moe | None = None,
+                         per_layer_input: int = 0) -> list:
     """One Gemma 4 layer of an attention shape (names relative to the layer); ``kv=False``: a
-    query-only layer (a frozen-KV assistant's); ``moe``: with its MoE block. q/k/v (q/k with
+    query-only layer (a frozen-KV assistant's, or a target layer that reads another layer's K/V);
+    ``moe``: with its MoE block; ``per_layer_input``: the width of its per-layer input (E2B / E4B:
+    the gate, the projection back and its norm; replicated over the model axis). q/k/v (q/k with
     ``k_eq_v``) read into one joined ``wqkv`` and gate/up into ``w_gate_up``, in the column order
     of ``shards`` model shards (``jaxspec.model.fused``). Tensor parallel: q/k/v/gate/up
     column-parallel, o/down row-parallel; each checkpoint KV head repeated ``shape.kv_repeat``
@@ -59,31 +64,68 @@ def gemma4_layer_entries(shape: AttentionShape, *, hidden: int, intermediate: in
         gate_up("w_gate_up", "mlp.", H, intermediate, shards),
         Param("w_down", "mlp.down_proj.weight", (intermediate, H), perm=LINEAR, tp=0),
         Param("layer_scalar", "layer_scalar", (1,), init="ones"),
-    ] + ([] if moe is None else gemma4_moe_entries(moe, H))
+    ] + ([] if moe is None else gemma4_moe_entries(moe, H)) + ([] if not per_layer_input else [
+        Param("ple_gate", "per_layer_input_gate.weight", (H, per_layer_input), perm=LINEAR),
+        Param("ple_proj", "per_layer_projection.weight", (per_layer_input, H), perm=LINEAR),
+        Param("post_ple_norm", "post_per_layer_input_norm.weight", (H,), init="ones"),
+    ])
 
 
-def typed_layers(layer_types, shape_of, prefix: str, **dims) -> Table:
-    """Every layer of a stack of Gemma 4 layers, stacked per layer type under ``sliding/`` and
-    ``full/`` (checkpoint names ``{prefix}layers.{i}.*``)."""
+def typed_layers(layer_types, shape_of, prefix: str, *, first: int = 0, groups=GROUPS, **dims) -> Table:
+    """Every layer of a stack of Gemma 4 layers, stacked per layer type under ``groups[t]``
+    (``sliding/`` and ``full/``; checkpoint names ``{prefix}layers.{i}.*``, ``i`` counted from
+    ``first``)."""
     table: Table = []
     for t in (SLIDING, FULL):
-        idx = [i for i, lt in enumerate(layer_types) if lt == t]
+        idx = [first + i for i, lt in enumerate(layer_types) if lt == t]
         if idx:
-            table += stacked(gemma4_layer_entries(shape_of(t), **dims), GROUPS[t] + "/", prefix + "layers.{i}.", idx)
+            table += stacked(gemma4_layer_entries(shape_of(t), **dims), groups[t] + "/", prefix + "layers.{i}.", idx)
     return table
+
+
+def per_layer_input_entries(cfg: Gemma4Config) -> list:
+    """The per-layer inputs' model-level tensors (E2B / E4B): the table (split by vocabulary rows
+    over the model axis, padded to split evenly), the projection of the embedding (replicated)
+    and its norm."""
+    ple, pre, L = cfg.per_layer_inputs, cfg.prefix, cfg.num_layers
+    rows = -(-ple.vocab_size // cfg.tensor_parallel) * cfg.tensor_parallel
+    return [
+        Param("ple_embed", pre + "embed_tokens_per_layer.weight", (rows, L * ple.width), tp=0,
+              pad=rows - ple.vocab_size),
+        Param("ple_projection", pre + "per_layer_model_projection.weight", (cfg.hidden_size, L * ple.width),
+              perm=LINEAR),
+        Param("ple_norm", pre + "per_layer_projection_norm.weight", (ple.width,), init="ones"),
+    ]
 
 
 def gemma4_table(cfg: Gemma4Config) -> Table:
     """Every tensor of a Gemma 4 text checkpoint that the decoder uses, in our layout (embedding
-    and head vocab-parallel)."""
-    H, pre = cfg.hidden_size, cfg.prefix
+    and head vocab-parallel). Layers that keep K/V stack under ``sliding/`` and ``full/``; the
+    K/V-sharing ones, which have no k/v projections (HF ignores them where a checkpoint has
+    them) and may have wider MLPs, under ``sliding_shared/`` and ``full_shared/``."""
+    H, pre, first = cfg.hidden_size, cfg.prefix, cfg.first_shared_layer
     table: Table = [embedding("embed", pre + "embed_tokens.weight", cfg)]
-    table += typed_layers(cfg.layer_types, cfg.shape_of, pre, hidden=H, intermediate=cfg.intermediate_size,
-                          num_heads=cfg.num_heads, shards=cfg.tensor_parallel, moe=cfg.moe)
+    dims = dict(hidden=H, num_heads=cfg.num_heads, shards=cfg.tensor_parallel, moe=cfg.moe,
+                per_layer_input=cfg.per_layer_inputs.width if cfg.per_layer_inputs else 0)
+    table += typed_layers(cfg.layer_types[:first], cfg.shape_of, pre, intermediate=cfg.intermediate_size, **dims)
+    table += typed_layers(cfg.layer_types[first:], cfg.shape_of, pre, first=first, groups=SHARED_GROUPS, kv=False,
+                          intermediate=cfg.shared_intermediate_size, **dims)
+    if cfg.per_layer_inputs:
+        table += per_layer_input_entries(cfg)
     table.append(Param("norm", pre + "norm.weight", (H,), init="ones"))
     if not cfg.tie_word_embeddings:
         table.append(output_head("lm_head", "lm_head.weight", cfg))
     return table
+
+
+def leaves_unread(name: str, cfg: Gemma4Config) -> bool:
+    """Checkpoint tensors the decoder leaves unread on purpose: a conditional-generation
+    checkpoint's vision / audio towers, and the k/v projections and norms a K/V-sharing layer
+    may still carry (HF ignores them too)."""
+    if not name.startswith(cfg.prefix):
+        return True
+    m = re.fullmatch(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight", name[len(cfg.prefix):])
+    return m is not None and int(m.group(1)) >= cfg.first_shared_layer
 
 
 def init_gemma4_params(cfg: Gemma4Config, seed=0, dtype=np.float32, scale: float = 0.02) -> dict:

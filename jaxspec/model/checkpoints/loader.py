@@ -17,7 +17,7 @@ from jaxspec.model.checkpoints.checkpoint import (CheckpointTensors, check_same_
                                          read_eos_ids, resolve_dtype)
 from jaxspec.model.checkpoints.deepseek import deepseek_table, has_fused_experts
 from jaxspec.model.checkpoints import deepseek_v4 as v4_io
-from jaxspec.model.checkpoints.gemma4 import gemma4_table
+from jaxspec.model.checkpoints.gemma4 import gemma4_table, leaves_unread as gemma4_leaves_unread
 from jaxspec.model.checkpoints.llama import llama_table
 from jaxspec.model.checkpoints.hybrid import has_fused_experts as hybrid_fused_experts
 from jaxspec.model.checkpoints.hybrid import hybrid_table
@@ -60,8 +60,7 @@ TARGET_FAMILIES = (
                  v4_io.checkpoint_table, v4.deepseek_v4_for_tensor_parallel, leaves_unread=v4_io.leaves_unread),
     TargetFamily("gemma4", gemma4.ARCHITECTURES, gemma4.MODEL_TYPES, gemma4.gemma4_config_from_hf,
                  lambda cfg, ckpt: gemma4_table(cfg),  # text weights only (CondGen towers ignored)
-                 gemma4.gemma4_for_tensor_parallel,
-                 leaves_unread=lambda name, cfg: not name.startswith(cfg.prefix)),  # vision / audio towers
+                 gemma4.gemma4_for_tensor_parallel, leaves_unread=gemma4_leaves_unread),
     TargetFamily("qwen3_next", tuple(hybrid.ARCHITECTURES), hybrid.MODEL_TYPES, hybrid.hybrid_config_from_hf,
                  lambda cfg, ckpt: hybrid_table(cfg, fused_experts=hybrid_fused_experts(ckpt, cfg)),
                  hybrid.hybrid_for_tensor_parallel,

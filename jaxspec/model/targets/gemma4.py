@@ -1,4 +1,4 @@
-"""Gemma 4 text decoder (dense, or with MoE blocks) as pure functions (checkpoint names in ``jaxspec.model.checkpoints.gemma4``).
+"""Gemma 4 text decoder (dense, with MoE blocks, or the E2B / E4B kind) as pure functions (checkpoint names in ``jaxspec.model.checkpoints.gemma4``).
 
 Sliding-window and full-attention layers interleave (``Gemma4Config.layer_types``); each type
 has its own head width, KV heads and RoPE, so each keeps its K/V in its own part of a
@@ -18,14 +18,21 @@ layers in ``pool.window`` (only the last positions, the ring table; see
         top_k of p renormalized to sum 1, each times per_expert_scale[e]
         m = m + post_moe_norm(sum_k w_k * down_e(gelu_tanh(gate_e(h)) * up_e(h))),  h = pre_moe_norm(x)
     x = x + post_mlp_norm(m)
+    E2B / E4B, with the layer's per-layer input e_l [P] (``per_layer_inputs``):
+        x = x + post_ple_norm(ple_proj(gelu_tanh(ple_gate(x)) * e_l))
     x = x * layer_scalar
+
+E2B / E4B share K/V across layers: the last ``num_kv_shared_layers`` layers (``*_shared``
+params) have no k/v projections and attend over the K/V that the last earlier layer of their
+type keeps (``Gemma4Config.kv_source``); only the layers before them hold pool layers.
 
 The input is ``embed[tokens] * sqrt(H)`` (the scale rounded to the weight dtype); the output
 ``norm(x)``; logits ``c * tanh(norm(x) . embed / c)`` with ``c = final_logit_softcapping``.
 RMSNorms scale by ``w`` (not ``1 + w``), in f32 before casting back.
 
-The layers run as a ``lax.scan`` over groups of ``cfg.period`` layers (the repeating pattern
-of layer types, unrolled inside the group): one compiled group whatever the depth.
+The layers run as a ``lax.scan`` over groups of a period of layers (the repeating pattern of
+layer types, unrolled inside the group): one compiled group whatever the depth; with K/V
+sharing, one scan for the layers keeping K/V and one for the sharing ones (``segments``).
 
 Params (linear weights ``[in, out]``; ``[Lt]`` = stacked over the layers of one type):
     embed [V, H]; norm [H]; lm_head [H, V] (absent when tied)
@@ -36,8 +43,13 @@ Params (linear weights ``[in, out]``; ``[Lt]`` = stacked over the layers of one 
       with MoE blocks also: post_mlp_norm_1, pre_moe_norm, post_moe_norm, router_scale [Lt, H];
       router [Lt, H, E]; per_expert_scale [Lt, E]; experts_gate, experts_up [Lt, E, H, Im];
       experts_down [Lt, E, Im, H]
+      with per-layer inputs also: ple_gate [Lt, H, P]; ple_proj [Lt, P, H]; post_ple_norm [Lt, H]
+    sliding_shared/, full_shared/ (the K/V-sharing layers): as above with wq [Lt, H, Hq * D] and
+      q_norm in place of wqkv, q_norm, k_norm, and w_gate_up / w_down of the shared width
+    ple_embed [Vp, L * P]; ple_projection [H, L * P]; ple_norm [P] (with per-layer inputs)
 
-Glossary: B rows, T positions per row, H width, Hq query heads, Hkv KV heads, D head width.
+Glossary: B rows, T positions per row, H width, Hq query heads, Hkv KV heads, D head width,
+L layers, P per-layer input width.
 """
 
 from __future__ import annotations
@@ -56,13 +68,15 @@ from jaxspec.model.layers import (apply_rope, embed_lookup, gated_mlp, gelu_tanh
 from jaxspec.model.targets.base import AuxTaps, ForwardOutput
 from jaxspec.model.targets.gemma4_config import FULL, SLIDING, AttentionShape, Gemma4Config, Gemma4Moe
 
-GROUPS = {SLIDING: "sliding", FULL: "full"}  # params group of each layer type
+GROUPS = {SLIDING: "sliding", FULL: "full"}  # params group of each layer type (layers keeping K/V)
+SHARED_GROUPS = {SLIDING: "sliding_shared", FULL: "full_shared"}  # the K/V-sharing layers (E2B / E4B)
 
 
 def create_gemma4_pool(cfg: Gemma4Config, *, num_pages: int, page_size: int, dtype, window_pages=None) -> SplitPool:
-    """Full layers in ``full`` (``num_pages``), sliding layers in ``window`` (``window_pages``)."""
+    """Full layers in ``full`` (``num_pages``), sliding layers in ``window`` (``window_pages``);
+    only the layers that keep K/V (not the K/V-sharing ones)."""
     return SplitPool.create(
-        full_layers=cfg.num_layers - cfg.num_sliding_layers, window_layers=cfg.num_sliding_layers,
+        full_layers=cfg.num_full_layers, window_layers=cfg.num_sliding_layers,
         num_pages=num_pages, window_pages=window_pages or num_pages, page_size=page_size,
         full_heads=cfg.full.num_kv_heads, full_dim=cfg.full.head_dim,
         window_heads=cfg.sliding.num_kv_heads, window_dim=cfg.sliding.head_dim, dtype=dtype,
@@ -120,16 +134,36 @@ def gemma_moe_block(lp: dict, moe: Gemma4Moe, eps: float, x: jax.Array, shards: 
 
 
 def gemma_layer_tail(lp: dict, eps: float, x: jax.Array, o: jax.Array, shards: int = 1,
-                     moe: Gemma4Moe | None = None, implementation=None) -> jax.Array:
+                     moe: Gemma4Moe | None = None, implementation=None,
+                     ple_input: jax.Array | None = None) -> jax.Array:
     """x [B, T, H] residual, o [B, T, Hq, D] attention output -> the residual leaving the layer
-    (gate/up joined in the column order of ``shards`` model shards; ``moe``: with its MoE block)."""
+    (gate/up joined in the column order of ``shards`` model shards; ``moe``: with its MoE block;
+    ``ple_input`` [B, T, P]: the layer's per-layer input, gated in after the MLP)."""
     B, T, _ = x.shape
     x = x + norm(o.reshape(B, T, -1) @ lp["wo"], lp["post_attn_norm"], eps)
     m = gated_mlp(norm(x, lp["pre_mlp_norm"], eps), lp["w_gate_up"], lp["w_down"], shards, gelu_tanh)
     if moe is not None:
         m = norm(m, lp["post_mlp_norm_1"], eps) + gemma_moe_block(lp, moe, eps, x, shards, implementation)
     x = x + norm(m, lp["post_mlp_norm"], eps)
+    if ple_input is not None:
+        g = gelu_tanh(x @ lp["ple_gate"]) * ple_input  # [B, T, P]
+        x = x + norm(g @ lp["ple_proj"], lp["post_ple_norm"], eps)
     return x * lp["layer_scalar"].astype(x.dtype)
+
+
+def per_layer_inputs(params: dict, cfg: Gemma4Config, tokens: jax.Array, x: jax.Array) -> jax.Array | None:
+    """Each token's input to every layer (E2B / E4B; None without): its row of the per-layer
+    table (times sqrt(P), rounded to the weight dtype), plus the normed projection of its
+    embedding x (times H^-0.5), the sum times 2^-0.5. tokens i32[B, T], x [B, T, H] -> [B, T, L, P]."""
+    ple = cfg.per_layer_inputs
+    if ple is None:
+        return None
+    B, T, _ = x.shape
+    L, P = cfg.num_layers, ple.width
+    own = embed_lookup(params["ple_embed"], tokens, cfg.tensor_parallel) * embed_scale(P, params["ple_embed"].dtype)
+    mixed = (x @ params["ple_projection"]) * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)  # [B, T, L * P]
+    mixed = norm(mixed.reshape(B, T, L, P), params["ple_norm"], cfg.rms_norm_eps)
+    return (mixed + own.reshape(B, T, L, P).astype(x.dtype)) * jnp.asarray(2 ** -0.5, x.dtype)
 
 
 def gemma4_forward(
@@ -144,42 +178,72 @@ def gemma4_forward(
     implementation=None,
 ) -> ForwardOutput:
     """Runs the decoder over T new tokens per request, writing their K/V into both pool parts."""
-    tp = cfg.tensor_parallel
-    x = embed_lookup(params["embed"], tokens, tp) * embed_scale(cfg.hidden_size, params["embed"].dtype)  # [B, T, H]
-    p = cfg.period
-    pattern = cfg.layer_types[:p]
-    counts = {t: pattern.count(t) for t in (SLIDING, FULL)}
-    groups = cfg.num_layers // p
-    # [Lt, ...] -> [G, n_t, ...]: group g holds layers g*n_t .. of each type.
-    xs = {GROUPS[t]: jax.tree.map(lambda a, n=n: a.reshape((groups, n) + a.shape[1:]),
-                                  without_routed_experts(params[GROUPS[t]]))
-          for t, n in counts.items() if n}
-    inv_freq = {t: rope_inv_freq(cfg.shape_of(t).rope, cfg.shape_of(t).head_dim) for t in (SLIDING, FULL)}
+    x = embed_lookup(params["embed"], tokens, cfg.tensor_parallel) * embed_scale(cfg.hidden_size, params["embed"].dtype)
+    ple = per_layer_inputs(params, cfg, tokens, x)  # [B, T, L, P] or None
     taps = AuxTaps(cfg.num_layers, aux_layers)
-
-    def group(carry, gp):
-        x, full, window, aux, g = carry
-        seen = {SLIDING: 0, FULL: 0}
-        for k, t in enumerate(pattern):
-            aux = taps.record(aux, g * p + k, x)
-            i = seen[t]
-            seen[t] += 1
-            shape, layer = cfg.shape_of(t), g * counts[t] + i
-            lp = with_routed_experts(jax.tree.map(lambda a, i=i: a[i], gp[GROUPS[t]]), params[GROUPS[t]], layer)
-            q, kk, v = gemma_qkv(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t], tp)
-            if t == SLIDING:
-                o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions,
-                                                    window=cfg.sliding_window, sm_scale=1.0, tensor_parallel=tp)
-            else:
-                o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
-                                           tensor_parallel=tp)
-            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp, cfg.moe, implementation)
-        return (x, full, window, aux, g + 1), None
-
-    carry = (x, pool.full, pool.window, taps.empty(x), jnp.int32(0))
-    (x, full, window, aux, _), _ = jax.lax.scan(group, carry, xs)
+    # The K/V of the new tokens at the last K/V-keeping layer of each type the shared layers read.
+    read_by_shared = sorted(set(cfg.layer_types[cfg.first_shared_layer:]))
+    kv = {t: (jnp.zeros(x.shape[:2] + (cfg.shape_of(t).num_kv_heads, cfg.shape_of(t).head_dim), x.dtype),) * 2
+          for t in read_by_shared}
+    carry = (x, pool.full, pool.window, taps.empty(x), kv)
+    for segment in cfg.segments():
+        carry = _scan_segment(params, cfg, segment, carry, ple, positions, attn, taps, implementation)
+    x, full, window, aux, _ = carry
     hidden = norm(x, params["norm"], cfg.rms_norm_eps)
     return ForwardOutput(hidden=hidden, aux=taps.features(aux, hidden), pool=SplitPool(full=full, window=window))
+
+
+def _scan_segment(params: dict, cfg: Gemma4Config, segment: tuple[int, int, int], carry, ple, positions, attn,
+                  taps: AuxTaps, implementation):
+    """Layers [start, end) of the decoder as a ``lax.scan`` over groups of ``period`` layers;
+    carry (x, full pool, window pool, taps, kv) -> the same after the segment."""
+    start, end, p = segment
+    tp, shared = cfg.tensor_parallel, start >= cfg.first_shared_layer
+    names = SHARED_GROUPS if shared else GROUPS
+    pattern = cfg.layer_types[start:start + p]
+    counts = {t: pattern.count(t) for t in (SLIDING, FULL)}
+    groups = (end - start) // p
+    # [Lt, ...] -> [G, n_t, ...]: group g holds layers g*n_t .. of each type.
+    xs = {names[t]: jax.tree.map(lambda a, n=n: a.reshape((groups, n) + a.shape[1:]),
+                                 without_routed_experts(params[names[t]]))
+          for t, n in counts.items() if n}
+    if ple is not None:  # [B, T, L, P] -> [G, p, B, T, P]: this segment's layers, by group
+        B, T, _, P = ple.shape
+        xs["ple"] = ple[:, :, start:end].reshape(B, T, groups, p, P).transpose(2, 3, 0, 1, 4)
+    inv_freq = {t: rope_inv_freq(cfg.shape_of(t).rope, cfg.shape_of(t).head_dim) for t in (SLIDING, FULL)}
+
+    def group(carry, gp):
+        x, full, window, aux, kv, g = carry
+        seen = {SLIDING: 0, FULL: 0}
+        for k, t in enumerate(pattern):
+            aux = taps.record(aux, start + g * p + k, x)
+            i = seen[t]
+            seen[t] += 1
+            shape, index = cfg.shape_of(t), g * counts[t] + i  # index in this segment's stack of type t
+            lp = with_routed_experts(jax.tree.map(lambda a, i=i: a[i], gp[names[t]]), params[names[t]], index)
+            if shared:
+                # No K/V of its own: the query attends over what its source layer wrote in this forward
+                # (the pool; a sliding layer's causal block also reads the new K/V as they are).
+                q = gemma_query(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t])
+                kk, v = kv[t]
+                layer = jnp.int32(cfg.kv_source(start + k)[1])
+            else:
+                q, kk, v = gemma_qkv(lp, shape, cfg.num_heads, cfg.rms_norm_eps, x, positions, inv_freq[t], tp)
+                layer = index
+                if t in kv:
+                    kv = {**kv, t: (kk, v)}
+            if t == SLIDING:
+                o, window = window_write_and_attend(q, kk, v, window, layer, attn, positions, window=cfg.sliding_window,
+                                                    sm_scale=1.0, tensor_parallel=tp, write=not shared)
+            else:
+                o, full = write_and_attend(q, kk, v, full, layer, attn, implementation=implementation, sm_scale=1.0,
+                                           tensor_parallel=tp, write=not shared)
+            x = gemma_layer_tail(lp, cfg.rms_norm_eps, x, o, tp, cfg.moe, implementation,
+                                 ple_input=None if ple is None else gp["ple"][k])
+        return (x, full, window, aux, kv, g + 1), None
+
+    (x, full, window, aux, kv, _), _ = jax.lax.scan(group, carry + (jnp.int32(0),), xs)
+    return x, full, window, aux, kv
 
 
 def gemma4_logits(cfg: Gemma4Config, params: dict, hidden: jax.Array) -> jax.Array:  # [..., H] -> f32[..., V]

@@ -2,10 +2,12 @@
 ``Gemma4ForConditionalGeneration``), parsed from HF ``config.json``.
 
 Two layer types interleave: sliding-window layers and full-attention layers, each with its own
-head width, KV heads and RoPE. Dense configurations (the 31B class) and MoE blocks (26B-A4B: every
-layer a dense MLP plus routed experts, ``Gemma4Moe``) are supported. Features of other sizes are
-refused by name: per-layer input embeddings (E2B/E4B), KV sharing across layers
-(``num_kv_shared_layers``), bidirectional attention, attention biases.
+head width, KV heads and RoPE. Dense configurations (the 31B class), MoE blocks (26B-A4B: every
+layer a dense MLP plus routed experts, ``Gemma4Moe``) and the small E2B / E4B kind are supported.
+E2B / E4B add per-layer input embeddings (``PerLayerInputs``) and share K/V across layers: the last
+``num_kv_shared_layers`` layers project no K/V and attend over the K/V of the last earlier layer of
+their type (``kv_source``), with MLPs twice as wide where ``use_double_wide_mlp`` says so.
+Refused by name: bidirectional attention, attention biases.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ class Gemma4Moe:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PerLayerInputs:
+    """Per-layer input embeddings (Gemma 4 E2B / E4B, ``hidden_size_per_layer_input``): each token
+    has a ``width``-wide input for every layer, from its own table of ``vocab_size`` rows mixed with
+    a projection of the token's embedding; each layer gates it in after its MLP."""
+
+    width: int
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemma4Config:
     """A Gemma 4 text decoder, dense or with MoE blocks.
 
@@ -64,6 +76,10 @@ class Gemma4Config:
       sliding, full: the attention shape of each layer type.
       final_logit_softcapping: c in ``c * tanh(logits / c)``, or None.
       moe: the MoE block of every layer, or None (dense).
+      per_layer_inputs: per-layer input embeddings (E2B / E4B), or None.
+      num_kv_shared_layers: the last this many layers project no K/V and read the K/V of the last
+        earlier layer of their type (``kv_source``); their MLPs are ``shared_intermediate_size`` wide.
+      shared_intermediate_size: MLP width of the K/V-sharing layers (2 I with ``use_double_wide_mlp``).
       prefix: where the text weights sit in the checkpoint ("model." for the causal LM,
         "model.language_model." inside a conditional-generation checkpoint).
       tensor_parallel: shards of the mesh's model axis the weights and KV heads (of both pools)
@@ -87,6 +103,9 @@ class Gemma4Config:
     prefix: str = "model."
     tensor_parallel: int = 1
     moe: Gemma4Moe | None = None
+    per_layer_inputs: PerLayerInputs | None = None
+    num_kv_shared_layers: int = 0
+    shared_intermediate_size: int = 0
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:
@@ -100,32 +119,62 @@ class Gemma4Config:
                                   f"{shape.num_kv_heads} KV heads")
         if self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ConfigError(f"num_kv_shared_layers={self.num_kv_shared_layers} must be between 0 and "
+                              f"num_hidden_layers - 1 = {self.num_layers - 1}")
+        produced = set(self.layer_types[:self.first_shared_layer])
+        missing = sorted(set(self.layer_types[self.first_shared_layer:]) - produced)
+        if missing:
+            raise ConfigError(f"num_kv_shared_layers={self.num_kv_shared_layers}: no earlier layer of type "
+                              f"{missing} produces the K/V the shared layers read")
 
     def shape_of(self, layer_type: str) -> AttentionShape:
         return self.sliding if layer_type == SLIDING else self.full
 
     def layers_of(self, layer_type: str) -> tuple[int, ...]:
-        """Indices of the layers of one type, in order (their index in that type's pool)."""
+        """Indices of the layers of one type, in order."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
 
     @property
-    def num_sliding_layers(self) -> int:
-        return len(self.layers_of(SLIDING))
+    def first_shared_layer(self) -> int:
+        """The first layer that reads another layer's K/V (``num_layers`` when none does)."""
+        return self.num_layers - self.num_kv_shared_layers
+
+    def kv_layers_of(self, layer_type: str) -> tuple[int, ...]:
+        """The layers of one type that project and keep K/V, in order (their index in that type's pool)."""
+        return tuple(i for i in self.layers_of(layer_type) if i < self.first_shared_layer)
 
     @property
-    def period(self) -> int:
-        """Shortest p with layer_types periodic in p (p divides L): the forward scans over
-        L / p groups of p unrolled layers (one compiled group, whatever the depth)."""
-        L = self.num_layers
-        for p in range(1, L + 1):
-            if L % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(L)):
-                return p
-        return L
+    def num_sliding_layers(self) -> int:
+        """Sliding layers that keep K/V (the window pool's layers)."""
+        return len(self.kv_layers_of(SLIDING))
+
+    @property
+    def num_full_layers(self) -> int:
+        """Full-attention layers that keep K/V (the full pool's layers)."""
+        return len(self.kv_layers_of(FULL))
+
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, end, period) of each run of layers the forward scans: the layers that keep K/V,
+        then the K/V-sharing ones (their weights and widths differ). ``period``: the shortest p
+        with the run's layer types periodic in p (p divides its length): the run is scanned as
+        groups of p unrolled layers (one compiled group, whatever the depth)."""
+        out = []
+        for start, end in ((0, self.first_shared_layer), (self.first_shared_layer, self.num_layers)):
+            types = self.layer_types[start:end]
+            n = len(types)
+            if n:
+                p = next(p for p in range(1, n + 1) if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
+                out.append((start, end, p))
+        return tuple(out)
 
     def kv_source(self, layer: int) -> tuple[str, int]:
-        """Where target layer ``layer`` keeps its K/V: ("window" | "full", index in that pool)."""
+        """Where target layer ``layer`` reads its K/V: ("window" | "full", index in that pool); a
+        K/V-sharing layer reads the last K/V-keeping layer of its type."""
         t = self.layer_types[layer]
-        return ("window" if t == SLIDING else "full"), self.layers_of(t).index(layer)
+        kept = self.kv_layers_of(t)
+        source = layer if layer < self.first_shared_layer else kept[-1]
+        return ("window" if t == SLIDING else "full"), kept.index(source)
 
 
 def _per_type_overrides(text: dict, layer_types, where: str) -> dict[str, dict]:
@@ -166,15 +215,28 @@ def _rope_for(text: dict, layer_type: str, where: str) -> RopeConfig:
     return rope
 
 
+def _count(text: dict, key: str, default: int, where: str) -> int:
+    """``text[key]`` as an int >= 0 (0: the feature is off), ``default`` when absent or null."""
+    value = text.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{where}: field {key!r} must be an int >= 0, got {value!r}")
+    return value
+
+
+def per_layer_inputs_of(text: dict, where: str) -> PerLayerInputs | None:
+    """The per-layer input embeddings of an E2B / E4B config (HF's defaults: on, 256 wide over
+    262144 rows), or None where ``hidden_size_per_layer_input`` is 0."""
+    width = _count(text, "hidden_size_per_layer_input", 256, where)
+    if not width:
+        return None
+    return PerLayerInputs(width=width,
+                          vocab_size=get_field(text, "vocab_size_per_layer_input", int, default=262_144, where=where))
+
+
 def _refuse(text: dict, where: str) -> None:
     """Gemma 4 features of other sizes, refused by name."""
-    ple = text.get("hidden_size_per_layer_input", 256)  # HF's default: on
-    if ple:
-        raise ConfigError(f"{where}: per-layer input embeddings (hidden_size_per_layer_input={ple}, Gemma 4 E2B/E4B) "
-                          "are not supported")
-    if text.get("num_kv_shared_layers"):
-        raise ConfigError(f"{where}: KV sharing across layers (num_kv_shared_layers="
-                          f"{text['num_kv_shared_layers']}) is not supported")
     if text.get("use_bidirectional_attention") == "all":
         raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (a causal LM is expected)")
     if text.get("attention_bias"):
@@ -245,11 +307,13 @@ def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Ge
     types = layer_types_of(text, num_layers, where)
     sliding, full = attention_shapes(text, types, heads, where)
     cap = text.get("final_logit_softcapping")
+    shared = _count(text, "num_kv_shared_layers", 0, where)
+    intermediate = get_field(text, "intermediate_size", int, where=where)
     try:
         return Gemma4Config(
             vocab_size=get_field(text, "vocab_size", int, where=where),
             hidden_size=get_field(text, "hidden_size", int, where=where),
-            intermediate_size=get_field(text, "intermediate_size", int, where=where),
+            intermediate_size=intermediate,
             num_layers=num_layers,
             num_heads=heads,
             layer_types=types,
@@ -262,6 +326,9 @@ def gemma4_config_from_hf(raw: dict[str, Any], where: str = "config.json") -> Ge
             max_position_embeddings=int(text.get("max_position_embeddings") or 131072),
             prefix=prefix,
             moe=moe_of(text, where),
+            per_layer_inputs=per_layer_inputs_of(text, where),
+            num_kv_shared_layers=shared,
+            shared_intermediate_size=intermediate * (2 if text.get("use_double_wide_mlp") and shared else 1),
         )
     except ConfigError as e:
         if str(e).startswith(where):
@@ -277,6 +344,7 @@ def gemma4_for_tensor_parallel(cfg: Gemma4Config, shards: int, where: str = "con
         return cfg
     problems = [f"{name} {n} is not divisible by tensor_parallel {shards}"
                 for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                                ("the shared layers' intermediate_size", cfg.shared_intermediate_size),
                                 ("num_experts", cfg.moe.num_experts if cfg.moe else 0))
                 if n % shards]
     split = {}

@@ -54,6 +54,7 @@ JOINED = [("llama3", 1), ("llama3", 4),  # TP=4 over 2 KV heads: each shard's k/
           ("qwen2", 2),  # q/k/v biases
           ("qwen3", 2),  # q/k norms (apart from the joined product)
           ("sliding_window/gemma4_text", 2),  # sliding q/k/v and K = V full layers' q/k (1 KV head, repeated)
+          ("sliding_window/gemma4_ple", 2),  # E2B kind: K/V-sharing layers' double-wide gate/up
           ("hybrid/qwen3_5_dense", 2),  # gated attention's [query | gate] q with k, v; dense gate/up
           ("hybrid/qwen3_5_moe_condgen", 2),  # the shared expert's gate/up
           ("deepseek_v3_moe", 2),  # the dense layers' and the shared experts' gate/up
@@ -97,7 +98,7 @@ def test_joined_arrays_hold_each_shards_parts_together(name, shards):
 
 
 @pytest.mark.parametrize("name,shards", [("llama3", 1), ("llama3", 4), ("qwen2", 2), ("sliding_window/gemma4_text", 2),
-                                         ("hybrid/qwen3_next", 2)])
+                                         ("sliding_window/gemma4_ple", 2), ("hybrid/qwen3_next", 2)])
 def test_export_then_load_is_the_identity(tmp_path, name, shards):
     """Export writes the checkpoint's own tensors (joined arrays split back into them) and loading
     them back gives the same arrays, in the column order of ``shards``."""

@@ -14,13 +14,14 @@ import pytest
 import jaxspec as js
 from jaxspec.model.config import ConfigError
 from jaxspec.model.targets import forward_sequence
-from jaxspec.model.targets.gemma4_config import Gemma4Moe, gemma4_config_from_hf, gemma4_for_tensor_parallel
+from jaxspec.model.targets.gemma4_config import (Gemma4Moe, PerLayerInputs, gemma4_config_from_hf,
+                                                 gemma4_for_tensor_parallel)
 from tests.conftest import engine
 from tests.model.sliding_golden import (arrays, assistant, assistant_golden_steps, case, case_dir,
                                        check_assistant_steps, target)
 
-TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa", "gemma4_moe"]
-ASSISTANTS = ["gemma4_assistant", "gemma4_assistant_plain"]
+TARGETS = ["gemma4_text", "gemma4_condgen", "mistral_swa", "gemma4_moe", "gemma4_ple"]
+ASSISTANTS = ["gemma4_assistant", "gemma4_assistant_plain", "gemma4_ple_assistant"]
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -34,7 +35,8 @@ def test_logits_and_hidden_match_hf(name):
     np.testing.assert_allclose(np.asarray(hidden[0]), ref[f"hidden_final_{i}"], atol=c["atol"], rtol=c["rtol"])
 
 
-@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("mistral_swa", 1), ("gemma4_moe", 1)])
+@pytest.mark.parametrize("name,page_size", [("gemma4_text", 1), ("mistral_swa", 1), ("gemma4_moe", 1),
+                                            ("gemma4_ple", 1)])
 def test_greedy_tokens_past_the_window_match_hf(name, page_size):
     """Ragged batch of 3 through the engine; sequences run to 33 positions, windows are 5-6 (page
     size 16: tests/spec/test_sliding_lossless.py compares its speculative runs with these tokens)."""
@@ -71,6 +73,9 @@ def test_assistant_detection_and_fit():
     cfg = d.config.model
     assert d.kind == "frozen_kv" and cfg.style == "gemma4"
     assert cfg.kv_layers == (4, 5) and cfg.kv_sources == (("window", 3), ("full", 1))  # last layer of each type
+    # On the E2B kind the last layers share K/V: they read layer 3's (window pool layer 2) and layer 2's
+    # (full pool layer 0), HF's "store" layers.
+    assert assistant("gemma4_ple_assistant").config.model.kv_sources == (("window", 2), ("full", 0))
     assert cfg.window == 6 and cfg.num_centroids == 16 and cfg.centroid_top_k == 4
     with pytest.raises(ConfigError, match="cannot serve a LlamaConfig target"):
         js.load_draft(case_dir("gemma4_assistant"), target("mistral_swa"))
@@ -95,7 +100,7 @@ def test_config_forms_parse_identically():
     assert (cfg.full.head_dim, cfg.full.num_kv_heads, cfg.full.k_eq_v) == (32, 1, True)
     assert (cfg.sliding.head_dim, cfg.sliding.num_kv_heads, cfg.sliding.k_eq_v) == (16, 2, False)
     assert cfg.full.rope.kind == "proportional" and cfg.full.rope.partial_rotary_factor == 0.25
-    assert cfg.period == 3 and cfg.final_logit_softcapping == 30.0
+    assert cfg.segments() == ((0, 6, 3),) and cfg.final_logit_softcapping == 30.0
     condgen = target("gemma4_condgen").config
     assert condgen.prefix == "model.language_model." and condgen.full.num_kv_heads == 2 and not condgen.full.k_eq_v
     no_global = copy.deepcopy(published)
@@ -139,20 +144,77 @@ def test_moe_blocks_parse_and_check_their_fields():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
-    ("num_kv_shared_layers", 2, "KV sharing across layers"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
     ("hidden_activation", "silu", "hidden_activation 'silu'"),
+    ("attention_bias", True, "attention_bias=true"),
 ])
-def test_features_of_other_sizes_are_refused_by_name(field, value, message):
+def test_features_of_other_kinds_are_refused_by_name(field, value, message):
     raw = _text_config("gemma4_text")
     raw[field] = value
     with pytest.raises(ConfigError, match=message):
         gemma4_config_from_hf(raw)
+
+
+def test_e2b_kind_parses_its_per_layer_inputs_and_kv_sharing():
+    """gemma4_ple: per-layer inputs 8 wide, the last 2 of [S, S, F, S, S, F] sharing K/V with
+    double-wide MLPs. Only layers 0-3 keep K/V (3 sliding, 1 full); layer 4 reads layer 3's
+    (window pool layer 2), layer 5 layer 2's (full pool layer 0); the forward scans [0, 4) and
+    [4, 6) apart, each by its own period."""
+    cfg = gemma4_config_from_hf(_text_config("gemma4_ple"))
+    assert cfg.per_layer_inputs == PerLayerInputs(width=8, vocab_size=256)
+    assert (cfg.num_kv_shared_layers, cfg.first_shared_layer) == (2, 4)
+    assert (cfg.intermediate_size, cfg.shared_intermediate_size) == (64, 128)
+    assert (cfg.num_sliding_layers, cfg.num_full_layers) == (3, 1)
+    assert [cfg.kv_source(i) for i in range(6)] == [("window", 0), ("window", 1), ("full", 0), ("window", 2),
+                                                    ("window", 2), ("full", 0)]
+    assert cfg.segments() == ((0, 4, 4), (4, 6, 2))
+    narrow = _text_config("gemma4_ple")
+    narrow["use_double_wide_mlp"] = False
+    assert gemma4_config_from_hf(narrow).shared_intermediate_size == 64
     absent = _text_config("gemma4_text")
-    absent.pop("hidden_size_per_layer_input")  # HF's default is 256: PLE on
-    with pytest.raises(ConfigError, match="per-layer input embeddings"):
-        gemma4_config_from_hf(absent)
+    absent.pop("hidden_size_per_layer_input")  # HF's defaults: on, 256 wide over 262144 rows
+    absent.pop("vocab_size_per_layer_input")
+    assert gemma4_config_from_hf(absent).per_layer_inputs == PerLayerInputs(width=256, vocab_size=262_144)
+    assert gemma4_config_from_hf(_text_config("gemma4_text")).per_layer_inputs is None
+    for shared, message in [(5, "no earlier layer of type \\['full_attention'\\] produces the K/V"),
+                            (6, "num_kv_shared_layers=6 must be between 0 and num_hidden_layers - 1 = 5")]:
+        raw = _text_config("gemma4_ple")
+        raw["num_kv_shared_layers"] = shared
+        with pytest.raises(ConfigError, match=message):
+            gemma4_config_from_hf(raw)
+    raw = _text_config("gemma4_ple")
+    raw["intermediate_size"] = 66  # the shared layers' 132 splits over 4 shards, 66 does not
+    with pytest.raises(ConfigError, match="intermediate_size 66 is not divisible by tensor_parallel 4$"):
+        gemma4_for_tensor_parallel(gemma4_config_from_hf(raw), 4)
+
+
+def test_kv_sharing_layers_may_carry_unused_kv_weights(tmp_path):
+    """Checkpoints may keep k/v projections and norms in the K/V-sharing layers, which HF ignores:
+    they load without the unread-tensor warning and change nothing; another unread tensor warns."""
+    import shutil
+    import warnings
+
+    from safetensors.numpy import load_file, save_file
+
+    src = case_dir("gemma4_ple")
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    tensors = load_file(f"{src}/model.safetensors")
+    for layer in (4, 5):  # shaped as layer 3's (sliding) and 2's (full)
+        like = 3 if layer == 4 else 2
+        for name in ("k_proj", "v_proj", "k_norm"):
+            weight = f"model.layers.{{}}.self_attn.{name}.weight"
+            tensors[weight.format(layer)] = tensors[weight.format(like)]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = js.load_model(str(tmp_path), dtype="float32", progress=False)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(target("gemma4_ple").params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tensors["model.layers.3.self_attn.v_bias"] = tensors["model.layers.3.self_attn.k_norm.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.warns(UserWarning, match="1 checkpoint tensor\\(s\\) are not read .*layers.3.self_attn.v_bias"):
+        js.load_model(str(tmp_path), dtype="float32", progress=False)
 
 
 def test_sliding_window_models_split_over_a_tensor_parallel_mesh():
