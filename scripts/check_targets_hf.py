@@ -89,8 +89,8 @@ def draw_config(family: str, rng: random.Random, vocab: int, *, layers: int, sha
                    moe_intermediate_size=rng.choice([16, 32])) if rng.random() < 0.5 else {}
         small = dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
         if rng.random() < 0.5:  # the E2B / E4B kind: per-layer inputs, the last layers sharing K/V
-            # shared layers must find an earlier layer of their type keeping K/V
-            shared = [n for n in range(layers) if set(types[layers - n:]) <= set(types[:layers - n])]
+            # shared layers must find an earlier layer of their type keeping K/V (none share where none can)
+            shared = [n for n in range(1, layers) if set(types[layers - n:]) <= set(types[:layers - n])] or [0]
             small = dict(hidden_size_per_layer_input=rng.choice([4, 8]), vocab_size_per_layer_input=vocab,
                          num_kv_shared_layers=rng.choice(shared), use_double_wide_mlp=rng.random() < 0.5)
         return tf.Gemma4TextConfig(
@@ -301,7 +301,10 @@ def make_case(case_dir: Path, family: str, seed: int, vocab: int | None = None, 
                             window=_window(family, cfg),
                             rope=(_attr(cfg, "rope_parameters") or {}).get("rope_type", "default")
                             if family != "gemma4" else "per layer", tied=cfg.tie_word_embeddings,
-                            gemma4_moe=bool(getattr(cfg, "enable_moe_block", False))))
+                            gemma4_moe=bool(getattr(cfg, "enable_moe_block", False)),
+                            # the E2B / E4B kind: K/V-sharing last layers (their count)
+                            gemma4_shared=getattr(cfg, "num_kv_shared_layers", 0) if getattr(
+                                cfg, "hidden_size_per_layer_input", 0) else None))
     (case_dir / "check.json").write_text(json.dumps(meta))
     return meta
 
@@ -317,7 +320,7 @@ def main() -> None:
         args, lambda d, seed, i: make_case(d, families[i % len(families)], seed))
 
     bad_hf = bad_lossless = n_clean = 0
-    print(f"{'case':>5} {'family':>12} {'layers':>6} {'heads':>6} {'window':>6} {'rope':>14} {'prompt lens':>12} "
+    print(f"{'case':>5} {'family':>18} {'layers':>6} {'heads':>6} {'window':>6} {'rope':>14} {'prompt lens':>12} "
           f"{'logit margin':>12} {'spec==plain':>11} {'noise: accept (chain/tree)':>40}  vs HF")
     for d, meta in zip(dirs, metas):
         tokens = results[d]["tokens"]
@@ -333,7 +336,8 @@ def main() -> None:
         accept = f"{meta['draft_noise']:g}: " + " ".join(f"{name} " + "/".join(f"{v:.1f}" for k, v in acc.items() if k.startswith(name + " "))
                           for name in meta["drafts"])
         family = meta["family"] + ("+moe" if c.get("gemma4_moe") else "")
-        print(f"{meta['seed']:>5} {family:>12} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
+        family += f"+e2b/{c['gemma4_shared']}" if c.get("gemma4_shared") is not None else ""
+        print(f"{meta['seed']:>5} {family:>18} {c['layers']:>6} {c['heads']:>6} {str(c['window']):>6} "
               f"{c['rope']:>14} {lens:>12} {meta['min_logit_margin']:>12.2g} {'yes' if lossless else 'NO':>11} {accept:>40}  "
               f"{vs_hf}{'' if clean else ' (near-tie)'}")
     print(f"{n_clean} of {len(metas)} cases free of near-ties: {bad_hf} differ from HF. Speculative != plain in "

@@ -122,6 +122,9 @@ class Gemma4Config:
         if not 0 <= self.num_kv_shared_layers < self.num_layers:
             raise ConfigError(f"num_kv_shared_layers={self.num_kv_shared_layers} must be between 0 and "
                               f"num_hidden_layers - 1 = {self.num_layers - 1}")
+        if self.per_layer_inputs and self.per_layer_inputs.vocab_size < self.vocab_size:
+            raise ConfigError(f"vocab_size_per_layer_input={self.per_layer_inputs.vocab_size} is smaller than "
+                              f"vocab_size={self.vocab_size}: the tokens past it would have no per-layer input")
         produced = set(self.layer_types[:self.first_shared_layer])
         missing = sorted(set(self.layer_types[self.first_shared_layer:]) - produced)
         if missing:

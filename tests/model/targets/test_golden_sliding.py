@@ -176,6 +176,10 @@ def test_e2b_kind_parses_its_per_layer_inputs_and_kv_sharing():
     absent.pop("vocab_size_per_layer_input")
     assert gemma4_config_from_hf(absent).per_layer_inputs == PerLayerInputs(width=256, vocab_size=262_144)
     assert gemma4_config_from_hf(_text_config("gemma4_text")).per_layer_inputs is None
+    raw = _text_config("gemma4_ple")
+    raw["vocab_size_per_layer_input"] = 255
+    with pytest.raises(ConfigError, match="vocab_size_per_layer_input=255 is smaller than vocab_size=256"):
+        gemma4_config_from_hf(raw)
     for shared, message in [(5, "no earlier layer of type \\['full_attention'\\] produces the K/V"),
                             (6, "num_kv_shared_layers=6 must be between 0 and num_hidden_layers - 1 = 5")]:
         raw = _text_config("gemma4_ple")
