@@ -79,12 +79,14 @@ class CoreEvent(StreamEvent):
     token its log-probability given the tokens before it, None for the first, and a dict of the
     top ones), ``stats`` (the last event: the request's ``RequestStats``), ``error`` (the last
     event of a request that failed or was cancelled: why; ``finish_reason`` is then "error" or
-    "cancelled")."""
+    "cancelled"), ``cached_tokens`` (every event of a running request: its prompt positions
+    found in the prefix cache at its first admission, as its stats will say)."""
 
     time: float = 0.0
     prompt_logprobs: tuple[list[float | None], list[dict[int, float] | None]] | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    cached_tokens: int | None = None
 
 
 class RequestHandle:
@@ -632,7 +634,8 @@ class EngineCore:
             h = self._handles.get(e.index)
             if h is None:
                 continue
-            event = CoreEvent(**{f.name: getattr(e, f.name) for f in dataclasses.fields(StreamEvent)}, time=now)
+            event = CoreEvent(**{f.name: getattr(e, f.name) for f in dataclasses.fields(StreamEvent)}, time=now,
+                              cached_tokens=self._requests[e.index].cached_tokens)
             self.tokens_out += len(e.token_ids)
             if e.finished:
                 r = done[e.index]

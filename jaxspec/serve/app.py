@@ -233,6 +233,7 @@ class _Choice:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top: list[dict] = dataclasses.field(default_factory=list)
     prompt_scores: tuple | None = None
+    cached: int = 0  # prompt tokens found in the prefix cache (known from its first token on)
     finish_reason: str | None = None
     stats: object = None
     last_time: float | None = None
@@ -263,6 +264,8 @@ class _Response:
         if e.logprobs is not None:
             c.logprobs += e.logprobs
             c.top += e.top_logprobs
+        if e.cached_tokens is not None:
+            c.cached = e.cached_tokens
         if e.prompt_logprobs is not None:  # scored once per prompt: every choice of it echoes them
             for other in self.choices:
                 if other.prompt == c.prompt:
@@ -277,10 +280,7 @@ class _Response:
     def _usage(self) -> dict:
         prompt = sum(len(p) for p in self.p.prompts)
         completion = sum(len(c.tokens) for c in self.choices)
-        cached = 0
-        for p in range(len(self.p.prompts)):
-            mine = [c.stats.cached_tokens for c in self.choices if c.prompt == p and c.stats is not None]
-            cached += max(mine, default=0)
+        cached = sum(max(c.cached for c in self.choices if c.prompt == p) for p in range(len(self.p.prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 

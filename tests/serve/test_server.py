@@ -249,6 +249,14 @@ def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(client):
         assert len({u.prompt_tokens for u in usage}) == 1
         assert usage[-1].total_tokens == counts[-1] + usage[-1].prompt_tokens
     assert counts[0] == 0  # the chat's role chunk: nothing generated yet
+    # A prompt whose full pages are cached: every chunk with tokens says so, not only the last.
+    prompt = PROMPTS[1] * 3
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    cached = 16 * ((first.usage.prompt_tokens - 1) // 16)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True,
+                                            stream_options=options, extra_body={"ignore_eos": True}))
+    assert len(chunks) > 3  # several host round trips before the last
+    assert cached > 0 and [c.usage.prompt_tokens_details.cached_tokens for c in chunks] == [cached] * len(chunks)
 
 
 def test_n_choices_have_documented_seeds(client):
