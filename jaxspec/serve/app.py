@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
-import threading
 import time
 import uuid
 
@@ -54,7 +53,7 @@ def build_app(core: EngineCore, config: ServerConfig) -> FastAPI:
     server = _Server(core, config, metrics, workers, compilers)
     app.state.server = server
     if server.processes is not None:
-        threading.Thread(target=server.processes.start, name="jaxspec-constraint-start", daemon=True).start()
+        server.processes.start_soon()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

@@ -70,6 +70,7 @@ class ConstraintCompiler:
             self._idle.put(None)  # a slot: its process starts on first use (or ``start``)
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
+        self._threads: set[threading.Thread] = set()  # starts under way in the background
         self._closed = False
 
     def start(self) -> None:
@@ -85,6 +86,23 @@ class ConstraintCompiler:
         finally:
             for w in slots:
                 self._idle.put(w)
+
+    def start_soon(self) -> None:
+        """``start`` in a background thread, which ``close`` waits for (a start that fails leaves
+        its slots empty, and ``compile`` starts them on use)."""
+        self._in_background(self._start_quietly, "jaxspec-constraint-start")
+
+    def _start_quietly(self) -> None:
+        try:
+            self.start()
+        except RuntimeError:  # a failed or closed start: the slots came back
+            pass
+
+    def _in_background(self, target, name: str) -> None:
+        t = threading.Thread(target=target, daemon=True, name=name)
+        with self._lock:
+            self._threads = {x for x in self._threads if x.is_alive()} | {t}
+        t.start()
 
     def _spawn(self) -> _Worker:
         w = _Worker(self._context, self._args)
@@ -134,7 +152,7 @@ class ConstraintCompiler:
             raise RuntimeError("the constraint compiler process died") from None
         finally:
             if retired:  # its replacement starts now, not inside the next request's limit
-                threading.Thread(target=self._refill, daemon=True, name="jaxspec-constraint-refill").start()
+                self._in_background(self._refill, "jaxspec-constraint-refill")
             else:
                 self._idle.put(w)  # the worker, or an empty slot (a failed start: the next use tries again)
         if status == "error":
@@ -146,12 +164,18 @@ class ConstraintCompiler:
             return [w.process.pid for w in self._workers if w.alive]
 
     def close(self) -> None:
+        """Stops every worker; returns once the starts under way in the background have ended too
+        (each stops the process it was starting: none outlives the server)."""
         with self._lock:
             self._closed = True  # a start under way stops its process and starts no more
             workers, self._workers = list(self._workers), set()
+            threads = list(self._threads)
         for w in workers:
             try:
                 w.conn.send(None)
             except OSError:
                 pass
             w.stop()
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(READY_SECONDS + 10)

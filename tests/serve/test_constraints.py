@@ -1,9 +1,11 @@
 """The server's constraint processes: compiles that come back equal to the in-process ones, errors as
 ValueErrors, and a compile past its time limit stopped with its process (a fresh process starts in its place
-at once); a start that fails gives its slots back, and nothing starts after ``close``."""
+at once); a start that fails gives its slots back, nothing starts after ``close``, and ``close``
+waits for the starts under way in the background."""
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 
@@ -98,3 +100,24 @@ def test_a_failed_start_gives_its_slots_back_and_nothing_starts_after_close(monk
         late.start()
     assert len(FakeWorker.made) == 3 and not FakeWorker.made[-1].alive and not late._workers
     assert late._idle.qsize() == 2
+
+
+def test_close_waits_for_a_start_under_way_in_the_background(monkeypatch):
+    """A server closing while its compiler processes start (``start_soon``): ``close`` returns
+    only after that start has ended and stopped the process it was bringing up."""
+    monkeypatch.setattr(constraints, "_Worker", FakeWorker)
+    monkeypatch.setattr(FakeWorker, "made", [])
+    monkeypatch.setattr(FakeWorker, "fail", False)
+    starting, gate = threading.Event(), threading.Event()
+    monkeypatch.setattr(FakeWorker, "during_start", lambda: (starting.set(), gate.wait(30)))
+    c = ConstraintCompiler(types.SimpleNamespace(token_bytes=(), first_token_bytes=()), 4096, processes=1)
+    c.start_soon()
+    assert starting.wait(30)
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # waiting for the start, which waits for the gate
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert len(FakeWorker.made) == 1 and not FakeWorker.made[0].alive and not c._workers
