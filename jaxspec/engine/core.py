@@ -424,16 +424,18 @@ class EngineCore:
         scores = list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(items)
         return RequestGroup(self._queue_requests(items, scores, loop, shared), shared)
 
+    def score(self, prompt: list[int], k: int) -> tuple:
+        """``prompt_logprobs`` of a prompt with ``k`` top tokens: one forward over it, in the
+        caller's thread, so the core thread's decode calls never wait for it (an echo's scores)."""
+        with run_context(self.eng.target.mesh):
+            return prompt_logprobs(self.eng.target, self.eng.plan, prompt, k)
+
     def _queue_requests(self, items, scores, loop, shared) -> list[RequestHandle]:
         checked = [self.check(p, s) for p, s in items]
         if any(k is not None for k in scores):
             with self._cv:
                 self._check_room(len(items))  # a request refused for room does no device work
-            # Scoring a prompt (echo) is one forward over it: done here, in the caller's thread, so
-            # the core thread's decode calls never wait for it.
-            with run_context(self.eng.target.mesh):
-                scores = [None if k is None else prompt_logprobs(self.eng.target, self.eng.plan, ids, k)
-                          for ((ids, _), _), k in zip(checked, scores)]
+            scores = [None if k is None else self.score(ids, k) for ((ids, _), _), k in zip(checked, scores)]
         with self._cv:
             self._check_room(len(items))
             handles = []

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxspec.engine.core import EngineCore, QueueFull
+from jaxspec.engine.core import CoreEvent, EngineCore, QueueFull
 from jaxspec.serve.constraints import ConstraintCompiler
 from jaxspec.serve.metrics import CONTENT_TYPE, Metrics
 from jaxspec.serve.protocol import APIError, Limits, Prepared, bad, parse_body, prepare
@@ -185,6 +185,8 @@ class _Server:
                 raise bad(str(e), param=param) from None
 
     def _submit(self, prepared: Prepared, loop):
+        if prepared.prompt_only:
+            return _PromptOnly(self.core, prepared)
         items, scores = [], []
         for p, ids in enumerate(prepared.prompts):
             for i in range(prepared.n):
@@ -221,6 +223,33 @@ class _Server:
         except (ValueError, IndexError):
             b = None
         return list(b if b is not None else self.token_text(t).encode())
+
+
+class _PromptOnly:
+    """The events of a request that generates nothing (completions' ``max_tokens: 0`` with
+    ``echo``): each choice finishes at once ("length"), its prompt scored when logprobs were asked
+    (once per prompt, as the core scores an echo); the engine's step never sees it. Read as the
+    core's ``RequestGroup`` is."""
+
+    def __init__(self, core, prepared: Prepared):
+        k = prepared.logprobs
+        scores = [None if k is None else core.score(ids, k) for ids in prepared.prompts]
+        now = time.perf_counter()
+        self._events = [CoreEvent(index=j, token_ids=[], text="", finished=True, finish_reason="length", time=now,
+                                  prompt_logprobs=scores[j // prepared.n] if j % prepared.n == 0 else None,
+                                  cached_tokens=0)
+                        for j in range(len(prepared.prompts) * prepared.n)]
+        self.handles = self._events
+
+    def position(self, event: CoreEvent) -> int:
+        return event.index
+
+    async def __aiter__(self):
+        for e in self._events:
+            yield e
+
+    def cancel(self) -> None:
+        pass
 
 
 @dataclasses.dataclass

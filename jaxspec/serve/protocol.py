@@ -123,6 +123,7 @@ class Prepared:
     continuous_usage: bool = False  # every chunk has the usage so far (stream_options.continuous_usage_stats)
     echo: bool = False
     logprobs: int | None = None  # completions: top tokens per position; chat: top_logprobs (logprobs on)
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores), nothing generated
 
     @property
     def constraints(self) -> set:
@@ -189,8 +190,9 @@ def prepare(req, limits: Limits) -> Prepared:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"{param} must be at least 1, got {max_tokens}", param=param)
+    prompt_only = max_tokens == 0 and bool(getattr(req, "echo", False))  # vLLM's: score a prompt, generate nothing
+    if max_tokens is not None and max_tokens < 1 and not prompt_only:
+        raise bad(f"{param} must be at least 1 (0 only with echo), got {max_tokens}", param=param)
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad(f"n ({req.n}) times the prompts ({len(prompts)}) is more than {MAX_CHOICES} choices", param="n")
     longest = max(len(p) for p in prompts)
@@ -209,8 +211,8 @@ def prepare(req, limits: Limits) -> Prepared:
     for _ in prompts:
         for i in range(req.n):  # choice i's seed: the request's seed + i (a random base when none is given)
             try:
-                sampling.append(SamplingParams(max_new_tokens=max_tokens, logprobs=logprobs, seed=(seed + i) % 2**32,
-                                               **base, **constraint))
+                sampling.append(SamplingParams(max_new_tokens=max(max_tokens, 1), logprobs=logprobs,
+                                               seed=(seed + i) % 2**32, **base, **constraint))
             except ValueError as e:
                 raise bad(str(e).removeprefix("SamplingParams."), param=_param_of(str(e))) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -219,7 +221,8 @@ def prepare(req, limits: Limits) -> Prepared:
         raise bad("stream_options is only allowed when stream is true", param="stream_options")
     return Prepared(kind="completion" if isinstance(req, CompletionRequest) else "chat", prompts=prompts,
                     prompt_texts=texts, sampling=sampling, n=req.n, stream=req.stream, include_usage=include_usage,
-                    continuous_usage=continuous_usage, echo=getattr(req, "echo", False), logprobs=logprobs)
+                    continuous_usage=continuous_usage, echo=getattr(req, "echo", False), logprobs=logprobs,
+                    prompt_only=prompt_only)
 
 
 def _param_of(message: str) -> str | None:

@@ -222,6 +222,30 @@ def test_controls_logprobs_and_echo(client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-4) for c in content)
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(client):
+    """vLLM's prompt scoring: ``max_tokens: 0`` with ``echo`` returns the prompt, its tokens'
+    log-probabilities (the same as an echo that generates one token has for them) and nothing
+    generated; streamed, the same in one chunk. Without echo, 0 is refused (BAD_BODIES)."""
+    kw = dict(model=MODEL, prompt=[PROMPTS[2], PROMPTS[0]], temperature=0, echo=True, logprobs=2)
+    one = client.completions.create(max_tokens=1, **kw)
+    zero = client.completions.create(max_tokens=0, **kw)
+    assert zero.usage.completion_tokens == 0 and zero.usage.prompt_tokens == one.usage.prompt_tokens
+    for z, o, prompt in zip(zero.choices, one.choices, (PROMPTS[2], PROMPTS[0])):
+        n = len(encode(prompt))
+        assert z.text == prompt and z.finish_reason == "length"
+        assert z.logprobs.tokens == o.logprobs.tokens[:n] and len(z.logprobs.tokens) == n
+        assert z.logprobs.token_logprobs == o.logprobs.token_logprobs[:n]
+        assert z.logprobs.top_logprobs == o.logprobs.top_logprobs[:n]
+        assert z.logprobs.text_offset == o.logprobs.text_offset[:n]
+    chunks = list(client.completions.create(max_tokens=0, stream=True, stream_options={"include_usage": True},
+                                            n=2, **{**kw, "prompt": PROMPTS[2]}))
+    body = [c for c in chunks if c.choices]
+    assert sorted(c.choices[0].index for c in body) == [0, 1]
+    assert all(c.choices[0].text == PROMPTS[2] and c.choices[0].finish_reason == "length" for c in body)
+    assert all(c.choices[0].logprobs.token_logprobs == zero.choices[0].logprobs.token_logprobs for c in body)
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_streamed_logprobs_equal_the_whole_ones(client):
     """Streamed completion logprobs, joined over the chunks, equal the non-streamed ones, text
     offsets included (one running offset per choice, the echoed prompt's tokens first)."""
@@ -378,13 +402,15 @@ def raw(server, path="/v1/completions", body=None, content=None, headers=None, m
 
 
 GOOD = {"model": MODEL, "prompt": "x = 1", "max_tokens": 4, "temperature": 0}
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 BAD_BODIES = [  # (path, body or raw bytes, param named, code)
     ("/v1/completions", b"{not json", None, None),
     ("/v1/completions", b"[1, 2]", None, None),
     ("/v1/completions", {**GOOD, "max_tokens": "four"}, "max_tokens", None),
     ("/v1/completions", {**GOOD, "temperature": 3}, "temperature", None),
     ("/v1/completions", {**GOOD, "colour": "red"}, "colour", None),
-    ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens", None),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens", None),  # 0 only with echo
+    ("/v1/chat/completions", {**CHAT_BODY, "max_tokens": 0}, "max_tokens", None),
     ("/v1/completions", {**GOOD, "prompt": [5000]}, "prompt", None),
     ("/v1/completions", {**GOOD, "prompt": []}, "prompt", None),
     ("/v1/completions", {**GOOD, "suffix": "x"}, "suffix", None),
