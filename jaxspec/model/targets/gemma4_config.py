@@ -68,7 +68,7 @@ class PerLayerInputs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemma4Config:
-    """A Gemma 4 text decoder, dense or with MoE blocks.
+    """A Gemma 4 text decoder: dense, with MoE blocks, or of the E2B / E4B kind.
 
     Attributes:
       layer_types: per layer, "sliding_attention" or "full_attention" (the last is full).
@@ -125,6 +125,9 @@ class Gemma4Config:
         if self.per_layer_inputs and self.per_layer_inputs.vocab_size < self.vocab_size:
             raise ConfigError(f"vocab_size_per_layer_input={self.per_layer_inputs.vocab_size} is smaller than "
                               f"vocab_size={self.vocab_size}: the tokens past it would have no per-layer input")
+        if self.num_kv_shared_layers and self.shared_intermediate_size < 1:
+            raise ConfigError("shared_intermediate_size (the K/V-sharing layers' MLP width) must be set when "
+                              f"num_kv_shared_layers={self.num_kv_shared_layers}")
         produced = set(self.layer_types[:self.first_shared_layer])
         missing = sorted(set(self.layer_types[self.first_shared_layer:]) - produced)
         if missing:

@@ -3,6 +3,7 @@
 assistant's logits and returned hidden given the same target KV; config forms and refusals."""
 
 import copy
+import dataclasses
 import functools
 import json
 
@@ -186,6 +187,8 @@ def test_e2b_kind_parses_its_per_layer_inputs_and_kv_sharing():
         raw["num_kv_shared_layers"] = shared
         with pytest.raises(ConfigError, match=message):
             gemma4_config_from_hf(raw)
+    with pytest.raises(ConfigError, match="shared_intermediate_size .* must be set when num_kv_shared_layers=2"):
+        dataclasses.replace(cfg, shared_intermediate_size=0)
     raw = _text_config("gemma4_ple")
     raw["intermediate_size"] = 66  # the shared layers' 132 splits over 4 shards, 66 does not
     with pytest.raises(ConfigError, match="intermediate_size 66 is not divisible by tensor_parallel 4$"):
