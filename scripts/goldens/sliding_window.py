@@ -191,6 +191,22 @@ def search(build, prompts_for, capture, greedy_fn, seed0: int, min_margin: float
     raise RuntimeError("no seed with the required greedy margin")
 
 
+def searched_case(out: Path, name: str, cls, build, seed0: int, *, capture=None, greedy_fn=None,
+                  min_margin: float = MIN_GEMMA_MARGIN, after_save=None):
+    """``search``, then the model saved under ``out/name`` (``after_save(case_dir)`` may rewrite
+    it), reloaded with ``cls`` to check the goldens, and the goldens written: (seed, model,
+    prompts, arrays, margin)."""
+    capture, greedy_fn = capture or gemma_capture, greedy_fn or greedy
+    seed, model, prompts, arrays, margin = search(build, longer_prompts, capture, greedy_fn, seed0, min_margin)
+    case_dir = out / name
+    model.save_pretrained(case_dir)
+    if after_save is not None:
+        after_save(case_dir)
+    check_reload(cls, case_dir, arrays, prompts, capture)
+    np.savez(case_dir / "golden.npz", **arrays)
+    return seed, model, prompts, arrays, margin
+
+
 def base_case(name, model, seed, prompts, margin, notes, **extra) -> dict:
     tc = model.config.get_text_config()
     gemma = name.startswith("gemma4")
@@ -241,13 +257,12 @@ build_gemma_text = functools.partial(build_gemma, GEMMA_TEXT)
 def make_gemma_text(out: Path) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
-    seed, model, prompts, arrays, margin = search(build_gemma_text, longer_prompts, gemma_capture, greedy, 11000)
-    case_dir = out / "gemma4_text"
-    model.save_pretrained(case_dir)
-    raw = json.loads((case_dir / "config.json").read_text())
-    assert "per_layer_config" in raw and "global_head_dim" not in raw
-    check_reload(AutoModelForCausalLM, case_dir, arrays, prompts, gemma_capture)
-    np.savez(case_dir / "golden.npz", **arrays)
+    def transformers_5_form(case_dir: Path) -> None:
+        raw = json.loads((case_dir / "config.json").read_text())
+        assert "per_layer_config" in raw and "global_head_dim" not in raw
+
+    seed, model, prompts, arrays, margin = searched_case(out, "gemma4_text", AutoModelForCausalLM, build_gemma_text,
+                                                         11000, after_save=transformers_5_form)
     notes = [
         "Layers [S, S, F, S, S, F] (S = sliding_attention, F = full_attention); sliding_window 6: a query at "
         "position p sees keys p-5..p.",
@@ -353,11 +368,8 @@ build_gemma_ple = functools.partial(build_gemma, GEMMA_PLE)
 def make_gemma_ple(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    seed, model, prompts, arrays, margin = search(build_gemma_ple, longer_prompts, gemma_capture, greedy, 17000)
-    case_dir = out / "gemma4_ple"
-    model.save_pretrained(case_dir)
-    check_reload(AutoModelForCausalLM, case_dir, arrays, prompts, gemma_capture)
-    np.savez(case_dir / "golden.npz", **arrays)
+    seed, model, prompts, arrays, margin = searched_case(out, "gemma4_ple", AutoModelForCausalLM, build_gemma_ple,
+                                                         17000)
     notes = [
         "The E2B / E4B kind. Layers [S, S, F, S, S, F], window 6; sliding head_dim 16 / 2 KV heads, full head_dim "
         "32 / 2 KV heads with v_proj; tied head, softcap 30.",
@@ -410,12 +422,8 @@ def rewrite_published_form(case_dir: Path) -> None:
 def make_condgen(out: Path) -> dict:
     from transformers import Gemma4ForConditionalGeneration
 
-    seed, model, prompts, arrays, margin = search(build_condgen, longer_prompts, gemma_capture, greedy, 12000)
-    case_dir = out / "gemma4_condgen"
-    model.save_pretrained(case_dir)
-    rewrite_published_form(case_dir)
-    check_reload(Gemma4ForConditionalGeneration, case_dir, arrays, prompts, gemma_capture)
-    np.savez(case_dir / "golden.npz", **arrays)
+    seed, model, prompts, arrays, margin = searched_case(out, "gemma4_condgen", Gemma4ForConditionalGeneration,
+                                                         build_condgen, 12000, after_save=rewrite_published_form)
     notes = [
         "Gemma4ForConditionalGeneration with a 1-layer vision tower (model.vision_tower.*, model.embed_vision.*: "
         "ignored by a text-only implementation) and no audio tower; text weights under model.language_model.*, "
@@ -456,12 +464,9 @@ def mistral_greedy(model, prompt, n, check_generate=True):
 def make_mistral(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    seed, model, prompts, arrays, margin = search(build_mistral, longer_prompts, mistral_capture, mistral_greedy, 13000,
-                                                  min_margin=MIN_MARGIN)
-    case_dir = out / "mistral_swa"
-    model.save_pretrained(case_dir)
-    check_reload(AutoModelForCausalLM, case_dir, arrays, prompts, mistral_capture)
-    np.savez(case_dir / "golden.npz", **arrays)
+    seed, model, prompts, arrays, margin = searched_case(out, "mistral_swa", AutoModelForCausalLM, build_mistral, 13000,
+                                                         capture=mistral_capture, greedy_fn=mistral_greedy,
+                                                         min_margin=MIN_MARGIN)
     notes = ["Mistral, 2 layers, GQA 4/2, sliding_window 6 (every layer): a query at position p sees keys "
              "p-5..p; prompts of 11 and 17 tokens and 16 greedy tokens run past it."]
     return base_case("mistral_swa", model, seed, prompts, margin, notes)
@@ -548,14 +553,14 @@ def make_assistant(out: Path, name: str, target, prompts, *, layer_types, ordere
             assert err <= 1e-4, f"{name}: reloaded {k}_{i} differs by {err}"
     np.savez(case_dir / "golden.npz", **arrays)
     tc = model.config.text_config
-    stores = ("layers 3 (sliding) and 2 (full), the last of each type before its 2 K/V-sharing layers"
-              if target_name == "gemma4_ple" else "last sliding layer (3) and last full layer (5)")
+    stores = ("layers 3 (sliding) and 2 (full), the last of each type before its 2 K/V-sharing layers: their K/V"
+              if target_name == "gemma4_ple" else "last sliding layer (3) and last full layer (5) K/V")
     notes = [
         f"Target: {target_name} (same prompts). Step j of prompt i (T = len(prompt), position_ids [[T]] at every "
         f"step): inputs_embeds = cat({target_name}'s scaled embedding of tokens_i[j], hidden_in_i[j]); hidden_in_i[0] "
         "is the target's final-normed hidden at position T-1, tokens_i[0] the target's greedy token after the "
         "prompt; later steps feed the previous step's argmax and its hidden_out.",
-        f"shared_kv_states: the target's {stores}: their K/V over the prompt "
+        f"shared_kv_states: the target's {stores} over the prompt "
         "(K after k_norm + RoPE, V after v_norm); assistant sliding layers see the last sliding_window + 1 = 7 of "
         "them, full layers all.",
         "logits_i [K, V]: with use_ordered_embeddings, tokens outside the top centroid_intermediate_top_k clusters "
