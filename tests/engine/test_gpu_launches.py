@@ -4,22 +4,21 @@ The counting is checked on a small hand-written program and on the decode progra
 (``tests/data/hlo``). Where ``.venv-aot`` exists (``JAXSPEC_AOT=1 scripts/env.sh``: jaxlib's CUDA
 plugin), the engine's Llama-3-8B decode program is compiled for an H100 without one and its launches
 counted: the small Pallas kernels must leave fewer launches per step than their XLA paths, and the
-padded verify rows fewer than XLA's pads and slices around every product."""
+padded verify rows fewer than XLA's pads and slices around every product. Those programs are compiled
+in one background process (``tests/engine/h100_programs.py``) and read here."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.background import ROOT
+from tests.background import ROOT, Job
 from tests.conftest import benchmark_module
 
-BENCH = ROOT + "/benchmarks"
 AOT_PYTHON = Path(ROOT) / ".venv-aot" / "bin" / "python"
 AOT_READY = (Path(ROOT) / ".venv-aot" / ".jaxspec-installed").exists()  # written once its install succeeded
 
@@ -128,46 +127,54 @@ def test_the_h200_decode_program_launches_its_layer_body_32_times():
     assert not any("compare" in k and v >= 32 for k, v in n.per_step.items())  # no layer-loop condition
 
 
-def _h100_launches(tmp_path, method: str, *flags: str, batch: int = 1) -> dict:
-    """``gpu_launches.py`` run in .venv-aot for one method at ``batch``: its JSON row (with
-    ``--hlo-dir`` among the flags, the program's optimized HLO is written there too)."""
-    out = tmp_path / "launches.json"
-    cmd = [str(AOT_PYTHON), f"{BENCH}/gpu_launches.py", "--methods", method, "--batches", str(batch),
-           "--out", str(out), *flags]
-    subprocess.run(cmd, check=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
-                   capture_output=True)
-    return json.loads(out.read_text())["rows"][0]
+# Every H100 program these tests read, compiled in one process of .venv-aot (the CUDA plugin loads
+# once) started when collection selects this module, beside the rest of the suite (tests/conftest.py).
+BACKGROUND_JOB = Job([str(AOT_PYTHON), "-m", "tests.engine.h100_programs", "{tmp}"] if AOT_READY else ["true"],
+                     timeout=1500, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+
+
+def _h100(name: str) -> tuple[list[dict], Path]:
+    """The rows ``gpu_launches.py`` wrote for the program set ``name`` of ``tests/engine/h100_programs.py``
+    (one a batch), and the folder holding their optimized HLO."""
+    proc = BACKGROUND_JOB.result()
+    out = Path(BACKGROUND_JOB.tmp)
+    error = out / f"{name}.error"
+    assert not error.exists(), error.read_text()
+    assert (out / f"{name}.json").exists(), f"{name} was not compiled (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads((out / f"{name}.json").read_text())["rows"], out / name
 
 
 needs_aot = pytest.mark.skipif(not AOT_READY, reason="needs .venv-aot (JAXSPEC_AOT=1 scripts/env.sh)")
 
 
 @needs_aot
-def test_the_small_kernels_leave_fewer_launches_in_the_h100_program(tmp_path):
+def test_the_small_kernels_leave_fewer_launches_in_the_h100_program():
     """Compiled for an H100 without one: the default step (RoPE + K/V write and the norms as Pallas
     kernels) launches fewer kernels than the same step with both ops on XLA, at least the 32 x 3 the
     layer loop saves, and four Pallas kernels a layer (two norms, rope_write, paged attention)."""
-    default = _h100_launches(tmp_path, "plain")
-    xla = _h100_launches(tmp_path, "plain", "--implementation", "rope_write=xla,rms_norm=xla")
+    default = _h100("plain")[0][0]
+    (xla,), _ = _h100("plain_small_kernels_on_xla")
+    assert default["batch"] == xla["batch"] == 1
     assert default["by_kind"]["Pallas (Triton)"] == 4 * 32
     assert xla["kernels_per_step"] - default["kernels_per_step"] >= 3 * 32, (default, xla)
 
 
 @needs_aot
-def test_padded_verify_rows_leave_no_product_padding_in_the_h100_program(tmp_path):
+def test_padded_verify_rows_leave_no_product_padding_in_the_h100_program():
     """An EAGLE-3 chain of 5 at batch 1 verifies 6 rows: padded to 8 once per forward, the layer loop
     runs none of the pads and slices XLA puts around each of its products (at least five a layer),
     and none around paged attention either (the padding rows are attended too)."""
-    padded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--hlo-dir", str(tmp_path))
-    unpadded = _h100_launches(tmp_path, "EAGLE-3 chain 5", "--product-rows", "1")
+    (padded,), hlo_dir = _h100("eagle3_chain5")
+    (unpadded,), _ = _h100("eagle3_chain5_unpadded")
+    assert padded["product_rows"] is None and unpadded["product_rows"] == 1
     assert unpadded["kernels_per_step"] - padded["kernels_per_step"] >= 5 * 32, (padded, unpadded)
-    n = _gpu_launches().step_launches((tmp_path / "EAGLE_3_chain_5_b1.hlo.txt").read_text())
+    n = _gpu_launches().step_launches((hlo_dir / "EAGLE_3_chain_5_b1.hlo.txt").read_text())
     in_layers = {kind: count for kind, count in n.per_step.items() if count >= 32}
     assert not any(kind.split(": ")[-1].startswith(("pad", "slice")) for kind in in_layers), in_layers
 
 
 @needs_aot
-def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program(tmp_path):
+def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program():
     """The Qwen3.5-9B-shaped hybrid's decode program compiled for an H100 without one: no layer's
     slice of a stacked weight is copied before its product (the Gated DeltaNet input product's was,
     64 MB a layer, while its output was also kept for the commit), and each layer's two zero-centred
@@ -177,8 +184,8 @@ def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program
 
     hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
 
-    row = _h100_launches(tmp_path, "plain", "--target", "qwen35", "--hlo-dir", str(tmp_path))
-    hlo = (tmp_path / "plain_b1.hlo.txt").read_text()
+    (row,), hlo_dir = _h100("qwen35")
+    hlo = (hlo_dir / "plain_b1.hlo.txt").read_text()
     params = jax.eval_shape(lambda: st.random_target(st.qwen35_shape(), jnp.bfloat16).params)
     weights = hlo_copies.stacked_weights(params)
     assert "p0['in_qkv']" in weights and len(weights) >= 8
@@ -187,7 +194,7 @@ def test_the_hybrid_program_reads_its_weights_where_they_lie_in_the_h100_program
 
 
 @needs_aot
-def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path):
+def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program():
     """DSpark chain 8 at the 8B shape compiled for an H100: its Markov head reads ``w2`` [256, 128256]
     as stored in every slot (its f32 product had XLA:GPU write an f32 copy of it every step)."""
     import jax
@@ -197,8 +204,8 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
     hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
     from jaxspec.model.targets import Model
 
-    _h100_launches(tmp_path, "DSpark chain 8", "--hlo-dir", str(tmp_path))
-    hlo = (tmp_path / "DSpark_chain_8_b1.hlo.txt").read_text()
+    _, hlo_dir = _h100("dspark_chain8")
+    hlo = (hlo_dir / "DSpark_chain_8_b1.hlo.txt").read_text()
     target = Model(config=st.LLAMA3_8B, params=jax.eval_shape(lambda: st.random_target(st.LLAMA3_8B).params),
                    dtype=np.dtype(jnp.bfloat16))
     method = next(m for m in st.METHODS if m.name == "DSpark chain 8")
@@ -211,7 +218,7 @@ def test_the_dspark_program_copies_no_draft_weight_in_the_h100_program(tmp_path)
 
 
 @needs_aot
-def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program(tmp_path):
+def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program():
     """The DeepSeek-V4-Flash-shaped target (10 layers) compiled for an H100 without one: each layer's
     two Sinkhorn normalizations of its hyper-connection matrices run as one kernel each (beside one
     attention kernel a layer; with them on XLA the step launched 2705 kernels at batch 1, 1,560 of
@@ -223,18 +230,20 @@ def test_the_v4_program_mixes_its_streams_in_one_kernel_in_the_h100_program(tmp_
 
     hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
 
-    row = _h100_launches(tmp_path, "plain", "--target", "v4", "--hlo-dir", str(tmp_path))
+    rows, hlo_dir = _h100("v4")
+    row = rows[0]
+    assert row["batch"] == 1
     assert row["by_kind"]["Pallas (Triton)"] == 10 + 2 * 10, row
     assert row["kernels_per_step"] < 1300, row
     params = jax.eval_shape(lambda: st.random_target(st.v4_shape(), jnp.bfloat16).params)
     weights = hlo_copies.stacked_weights(params)
     assert {"['wq_b']", "['wo_a']", "['wo_b']"} <= set(weights)
-    copied = {c["array"] for c in hlo_copies.find_copies((tmp_path / "plain_b1.hlo.txt").read_text(), weights, {})}
+    copied = {c["array"] for c in hlo_copies.find_copies((hlo_dir / "plain_b1.hlo.txt").read_text(), weights, {})}
     assert not copied & {"['wq_b']", "['wo_a']", "['wo_b']"}, copied
 
 
 @needs_aot
-def test_one_row_forwards_over_eight_rows_keep_every_product_on_cublas_in_the_h100_program(tmp_path):
+def test_one_row_forwards_over_eight_rows_keep_every_product_on_cublas_in_the_h100_program():
     """Qwen3-0.6B's shape at batch 1, compiled for an H100 without one: on one row XLA:GPU rewrites its
     products (all under 10M elements) as a multiply and a reduction, a few of them written out; its
     one-token forwards over 8 rows (``dispatch.one_row_padded_to``, what the GPU check times) leave
@@ -244,27 +253,26 @@ def test_one_row_forwards_over_eight_rows_keep_every_product_on_cublas_in_the_h1
     rewritten = re.compile(r"multiply\(.*op_name=\"[^\"]*dot_general")
     counts = {}
     for rows in (1, 8):
-        out = tmp_path / str(rows)
-        row = _h100_launches(tmp_path, "plain", "--target", "qwen3-0.6b", "--one-row-rows", str(rows),
-                             "--hlo-dir", str(out))
-        hlo = (out / "plain_b1.hlo.txt").read_text()
+        (row,), hlo_dir = _h100(f"qwen3_one_row_{rows}")
+        assert row["one_row_rows"] == rows
+        hlo = (hlo_dir / "plain_b1.hlo.txt").read_text()
         counts[rows] = (row["by_kind"].get("cuBLAS", 0), len(rewritten.findall(hlo)))
     assert counts[1][1] > 0 and counts[1][0] < 28, counts  # a few cuBLAS calls (the head), the rest rewritten
     assert counts[8][1] == 0 and counts[8][0] >= 28 * 4, counts  # q/k/v, o, gate/up, down every layer
 
 
 @needs_aot
-def test_a_decode_of_four_rows_launches_as_few_kernels_as_one_of_eight_in_the_h100_program(tmp_path):
+def test_a_decode_of_four_rows_launches_as_few_kernels_as_one_of_eight_in_the_h100_program():
     """The 8B plain step at batch 4 compiled for an H100: each request's token runs over 2 rows, so no
     product has rows to pad (XLA's pad and slice around every product made it 595 kernels a step
     against 370 at batch 8)."""
-    four = _h100_launches(tmp_path, "plain", batch=4)
-    eight = _h100_launches(tmp_path, "plain", batch=8)
+    rows, _ = _h100("plain")
+    four, eight = (next(r for r in rows if r["batch"] == b) for b in (4, 8))
     assert four["kernels_per_step"] <= eight["kernels_per_step"] + 2, (four, eight)
 
 
 @needs_aot
-def test_the_v4_routed_experts_read_their_weights_in_place_in_the_h100_program(tmp_path):
+def test_the_v4_routed_experts_read_their_weights_in_place_in_the_h100_program():
     """The DeepSeek-V4-shaped target at batch 16 compiled for an H100 without one: 96 (token, expert)
     assignments over 32 experts run as the grouped-matmul kernel (gate/up and down, two launches a
     layer) reading the stacked experts' weights where they lie. Handed a layer's slice, the kernel's
@@ -274,11 +282,12 @@ def test_the_v4_routed_experts_read_their_weights_in_place_in_the_h100_program(t
 
     hlo_copies, st = benchmark_module("hlo_copies"), benchmark_module("step_timing")
 
-    row = _h100_launches(tmp_path, "plain", "--target", "v4", "--hlo-dir", str(tmp_path), batch=16)
+    rows, hlo_dir = _h100("v4")
+    row = next(r for r in rows if r["batch"] == 16)
     assert row["by_kind"]["Pallas (Triton)"] == 10 + 2 * 10 + 2 * 10, row  # attention, Sinkhorn x 2, experts x 2
     params = jax.eval_shape(lambda: st.random_target(st.v4_shape(), jnp.bfloat16).params)
     weights = hlo_copies.stacked_weights(params)
     experts = {"['experts_gate']", "['experts_up']", "['experts_down']"}
     assert experts <= set(weights)
-    copied = {c["array"] for c in hlo_copies.find_copies((tmp_path / "plain_b16.hlo.txt").read_text(), weights, {})}
+    copied = {c["array"] for c in hlo_copies.find_copies((hlo_dir / "plain_b16.hlo.txt").read_text(), weights, {})}
     assert not copied & experts, copied
