@@ -48,7 +48,12 @@ def _row_logits(exact: bool, implementation=None) -> dict:
     cfg, params = model.config, model.params
     n = len(PROMPT)
     table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    fwd = functools.partial(target_forward, cfg, params, implementation=implementation, exact=exact)
+
+    # Jitted as the engine runs it (one program a shape, where op by op compiled hundreds).
+    @jax.jit
+    def fwd(params, tokens, pos, pool, attn):
+        out = target_forward(cfg, params, tokens, pos, pool, attn, implementation=implementation, exact=exact)
+        return target_logits(cfg, params, out.hidden, exact=exact), out.pool
 
     def run(pool, tokens, start, rows=None):  # tokens [B, T] at positions start..; returns (logits, pool)
         tokens = np.asarray(tokens, np.int32)
@@ -56,8 +61,8 @@ def _row_logits(exact: bool, implementation=None) -> dict:
         pos = jnp.asarray(start)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         tab = table if rows is None else jnp.asarray(rows, jnp.int32)
         attn = AttentionInputs.build(tab, jnp.asarray(start, jnp.int32), pos, P)
-        out = fwd(jnp.asarray(tokens, jnp.int32), pos, pool, attn)
-        return np.asarray(target_logits(cfg, params, out.hidden, exact=exact)), out.pool
+        logits, pool = fwd(params, jnp.asarray(tokens, jnp.int32), pos, pool, attn)
+        return np.asarray(logits), pool
 
     def pool():
         return create_target_pool(cfg, num_pages=16, page_size=P, dtype=jnp.bfloat16)
