@@ -15,8 +15,6 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax starts: the plugin cannot initialize without CUDA
-
 # name: gpu_launches.py's arguments (--out and --hlo-dir added per name).
 PROGRAMS = {
     # the Llama-3-8B plain step at batch 1 (the default kernels), 4 and 8
