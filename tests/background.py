@@ -23,6 +23,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS_ENV = "JAXSPEC_TEST_JOBS"
+# Set by tests/conftest.py when pytest is given --exhaustive, before any test module is imported: a
+# job's command can then name the exhaustive cases too (the command is fixed when its module loads).
+EXHAUSTIVE_ENV = "JAXSPEC_TEST_EXHAUSTIVE"
+
+
+def exhaustive_run() -> bool:
+    """True when this run includes the exhaustive matrices (``pytest --exhaustive``)."""
+    return os.environ.get(EXHAUSTIVE_ENV) == "1"
 
 
 def jobs_dir() -> str:

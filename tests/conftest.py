@@ -32,7 +32,7 @@ import jaxspec as js
 from jaxspec.model.targets.llama_config import LlamaConfig
 from jaxspec.model.checkpoints.llama import init_llama_params
 from jaxspec.model.targets import Model
-from tests.background import JOBS_ENV, ROOT, Job, jobs_dir, remove_jobs_dir
+from tests.background import EXHAUSTIVE_ENV, JOBS_ENV, ROOT, Job, jobs_dir, remove_jobs_dir
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -189,6 +189,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true",
                      help="also run the exhaustive matrices (tests marked exhaustive; outside the default run)")
+
+
+def pytest_configure(config):
+    if config.getoption("--exhaustive"):  # read by the mesh job's module at import (tests/background.py)
+        os.environ[EXHAUSTIVE_ENV] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,12 +11,15 @@ import sys
 
 import pytest
 
-from tests.background import ROOT, Job
+from tests.background import ROOT, Job, exhaustive_run
+from tests.mesh.run_cases import CASES, EXHAUSTIVE
 
 pytestmark = pytest.mark.slow
 
-# Started when collection selects this module (tests/conftest.py): it runs beside the rest of the suite.
-BACKGROUND_JOB = Job([sys.executable, "-m", "tests.mesh.run_cases"], timeout=1500, env=dict(
+# Started when collection selects this module (tests/conftest.py): it runs beside the rest of the suite,
+# the cases of run_cases.EXHAUSTIVE only under ``pytest --exhaustive`` (their tests are marked so).
+RUN = [name for name in CASES if exhaustive_run() or name not in EXHAUSTIVE]
+BACKGROUND_JOB = Job([sys.executable, "-m", "tests.mesh.run_cases", *RUN], timeout=1500, env=dict(
     os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
     JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
 
@@ -40,7 +43,12 @@ def case(results, name) -> dict:
     return r
 
 
-@pytest.mark.parametrize("name,kind", [
+def cases(*params):
+    """Parameter tuples, their first item a case name; the exhaustive cases marked so."""
+    return [pytest.param(*p, marks=pytest.mark.exhaustive) if p[0] in EXHAUSTIVE else p for p in params]
+
+
+@pytest.mark.parametrize("name,kind", cases(
     ("llama_tp4_tree_eagle3", "eagle3"),  # TP=4 over 2 KV heads (replicated), tree, page 16
     ("llama_tp4_tree_perturbed", "standalone"),  # the same with a partly accepted draft: compaction moves KV
     ("qwen2_tp2_chain_standalone", "standalone"),  # Qwen2 q/k/v bias, TP=2, chain, page 1
@@ -74,7 +82,7 @@ def case(results, name) -> dict:
     # compressors and compressed pools whole on both shards; its MTP layer, tree, page 16
     ("deepseek_v4_tp2_tree_mtp", "v4_mtp"),
     ("deepseek_v4_tp2_chain_dspark", "dspark"),  # DeepSeek's DSpark stages stored with it, confidence-scheduled
-])
+))
 def test_speculative_greedy_on_a_mesh_equals_one_device(results, name, kind):
     r = case(results, name)
     assert r["draft_kind"] == kind
@@ -175,10 +183,10 @@ def test_bad_meshes_are_refused_before_device_work(results):
     assert "EngineConfig(exact=True) runs on one device" in r["exact_on_a_mesh"]
 
 
-@pytest.mark.parametrize("name,runs", [
+@pytest.mark.parametrize("name,runs", cases(
     ("odd_vocab_tp2_dp2", {"plain", "sampled", "eagle3_d2t_chain", "eagle3_d2t_sampled"}),
     ("odd_vocab_tp4", {"plain", "sampled", "eagle3_tree", "standalone_tree", "dspark_chain"}),
-])
+))
 def test_an_odd_vocabulary_is_padded_on_a_mesh(results, name, runs):
     """Vocabulary 251 split over 2 and 4 model shards: embedding and head padded to 256 rows
     (config.vocab_size stays 251); greedy, sampled and speculative output (EAGLE-3 over a d2t
