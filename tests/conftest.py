@@ -36,6 +36,12 @@ from jaxspec.model.checkpoints.llama import init_llama_params
 from jaxspec.model.targets import Model
 from tests.background import EXHAUSTIVE_ENV, JOBS_ENV, ROOT, Job, jobs_dir, remove_jobs_dir
 
+# A worker's heap is large (JAX, its jit caches, the tests' models), so each full collection is
+# costly, and the default thresholds run one every ~10 younger ones: 2.7 s of collecting in a 90 s
+# module (tests/spec/test_lossless.py, 10 full collections). These thresholds: 1.4 s (2 full).
+# Cycles are freed later, not kept; the memory-map guard below still collects when it clears.
+gc.set_threshold(2000, 10, 100)
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 # Compiling is most of the suite's time. One persistent compilation cache per run, shared by this
